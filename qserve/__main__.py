@@ -1,0 +1,1 @@
+from qserve.cli import main; main()  # noqa: E702

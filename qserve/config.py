@@ -1,0 +1,162 @@
+"""Configuration: what the model is, and how the engine should run it.
+
+One object per concern, validated on construction with messages a user understands. CLI flags
+map onto these fields one to one; `EngineConfig` bundles them and is passed down whole.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from qserve.errors import ConfigError
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+KV_DTYPES = ("auto", "fp32", "fp16", "bf16")
+PREEMPTION_MODES = ("recompute", "swap")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class ModelArchConfig:
+    """The shape of a Llama-family decoder, read from config.json or GGUF metadata."""
+
+    architecture: str  # "llama" | "mistral" | "qwen2"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    # HF-style dict, e.g. {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+    # "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, or None.
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    sliding_window: int | None = None  # Mistral v0.1; None means full attention
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(
+                f"unsupported architecture {self.architecture!r}; qserve runs "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+
+    @property
+    def num_params(self) -> int:
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+        if self.attention_bias:
+            per_layer += q + 2 * kv
+        embed = v * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + embed + h
+
+
+def parse_size(text: str | int | float, what: str) -> int:
+    """'4GiB', '512MiB', '1.5G', '1000000' -> bytes."""
+    if isinstance(text, (int, float)):
+        return int(text)
+    s = text.strip().lower().replace(" ", "")
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+             "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+             "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40, "b": 1}
+    for unit, mult in units.items():
+        if s.endswith(unit):
+            num = s[: -len(unit)]
+            break
+    else:
+        num, mult = s, 1
+    try:
+        value = float(num)
+    except ValueError:
+        raise ConfigError(f"{what}={text!r} is not a size; use e.g. 512MiB or 2GiB") from None
+    if value < 0:
+        raise ConfigError(f"{what}={text!r} must not be negative")
+    return int(value * mult)
+
+
+@dataclass
+class CacheConfig:
+    """The paged KV cache: block size, dtype, and the two pools' budgets."""
+
+    block_size: int = 16
+    kv_dtype: str = "auto"
+    # Device pool budget in bytes; None means `kv_cache_fraction` of the memory free at start-up.
+    kv_cache_memory: int | None = None
+    kv_cache_fraction: float = 0.1
+    swap_space: int = 1 << 30  # host pool for swapped-out blocks, bytes
+    # Blocks the scheduler keeps free when admitting new requests, so running ones can grow.
+    watermark: float = 0.01
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self):
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+            raise ConfigError(f"--block-size={self.block_size} must be a power of two from 1 to 256")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ConfigError(f"--kv-dtype={self.kv_dtype!r}; choose one of {', '.join(KV_DTYPES)}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ConfigError(f"--kv-cache-memory={self.kv_cache_memory} must be positive")
+        if not 0 < self.kv_cache_fraction <= 1:
+            raise ConfigError(f"kv_cache_fraction={self.kv_cache_fraction} must be in (0, 1]")
+        if self.swap_space < 0:
+            raise ConfigError(f"--swap-space={self.swap_space} must not be negative")
+        if not 0 <= self.watermark < 1:
+            raise ConfigError(f"watermark={self.watermark} must be in [0, 1)")
+
+
+@dataclass
+class SchedulerConfig:
+    """Budgets for one engine step, and what to do when blocks run out."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's own context length
+    preemption_mode: str = "recompute"
+    enable_chunked_prefill: bool = True
+    max_waiting: int | None = None  # None: unbounded; the server sets a bound for back-pressure
+
+    def __post_init__(self):
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"--max-num-seqs={self.max_num_seqs} must be at least 1")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError(
+                f"--max-num-batched-tokens={self.max_num_batched_tokens} must be at least 1")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"--max-model-len={self.max_model_len} must be at least 2")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ConfigError(
+                f"--preemption-mode={self.preemption_mode!r}; choose recompute or swap")
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs besides the weights."""
+
+    model: str | None = None  # alias, GGUF file or HF directory; None: the default model
+    device: str = "auto"
+    dtype: str = "fp32"  # activation / dense weight dtype on CPU
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self):
+        if self.device not in DEVICES:
+            raise ConfigError(f"--device={self.device!r}; choose auto, cpu or cuda")
+        if self.dtype not in ("fp32", "fp16", "bf16"):
+            raise ConfigError(f"--dtype={self.dtype!r}; choose fp32, fp16 or bf16")
+
+    def resolved_device(self) -> str:
+        import torch
+
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("--device=cuda but no CUDA device is visible; use --device cpu")
+        return self.device

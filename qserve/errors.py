@@ -1,0 +1,14 @@
+"""Errors a user can cause. Each carries a one-line message that names the bad value."""
+
+
+class QServeError(ValueError):
+    """Base class: bad input from the user (flag, request, file). Subclasses ValueError so the
+    Python API raises the ValueError callers expect."""
+
+
+class ModelLoadError(QServeError):
+    """A model could not be found, read or understood (names the file and the problem)."""
+
+
+class ConfigError(QServeError):
+    """An engine, cache or scheduler setting is out of range or inconsistent."""

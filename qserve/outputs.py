@@ -1,0 +1,37 @@
+"""What the engine hands back to callers, one object per request per step."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    """One of a request's n samples."""
+
+    index: int
+    text: str  # all text so far (stop string excluded)
+    token_ids: list[int]  # all generated ids so far
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    delta_text: str = ""  # text new since the previous RequestOutput for this request
+    logprobs: list[dict[int, float]] | None = None  # per generated token: {id: logprob}, top-N + chosen
+    stop_reason: str | int | None = None  # the stop string or stop token id that matched
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    extra: dict = field(default_factory=dict)

@@ -1,0 +1,69 @@
+"""Shared fixtures: the real default model (pulled once into the repo's .cache), and a
+Hugging Face transformers copy of it in fp32 (converted from the GGUF once, then cached as a
+safetensors directory) as the independent reference."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+os.environ.setdefault("QSERVE_HOME", str(REPO / ".cache" / "qserve"))
+torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> Path:
+    """Path of the default model's GGUF, pulled into $QSERVE_HOME on first use."""
+    from qserve.loader.registry import resolve_model
+
+    return resolve_model(None)
+
+
+@pytest.fixture(scope="session")
+def loaded_model(default_model_path):
+    from qserve.loader import load_model
+
+    return load_model(str(default_model_path))
+
+
+@pytest.fixture(scope="session")
+def tokenizer(loaded_model):
+    return loaded_model.tokenizer
+
+
+@pytest.fixture(scope="session")
+def hf_dir(default_model_path) -> Path:
+    """The default model as a Hugging Face directory (fp32 safetensors + tokenizer files),
+    written by transformers from the GGUF the first time and reused afterwards."""
+    out = Path(os.environ["QSERVE_HOME"]) / "hf-ref" / "smollm2-135m-instruct-fp32"
+    if not (out / "config.json").exists():
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tmp = out.with_name(out.name + ".tmp")
+        kw = dict(gguf_file=default_model_path.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(default_model_path.parent), torch_dtype=torch.float32, **kw)
+        tok = AutoTokenizer.from_pretrained(str(default_model_path.parent), **kw)
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        tmp.rename(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def hf_model(hf_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), torch_dtype=torch.float32)
+    model.eval()
+    return model
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(hf_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(hf_dir))
