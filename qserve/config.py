@@ -160,3 +160,30 @@ class EngineConfig:
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("--device=cuda but no CUDA device is visible; use --device cpu")
         return self.device
+
+
+def engine_config(model: str | None = None, **flat) -> EngineConfig:
+    """Build an EngineConfig from flat keyword arguments (the CLI flags' and LLM()'s names):
+    each name is a field of CacheConfig, SchedulerConfig or EngineConfig itself.
+
+    Sizes may be given as strings ('2GiB'). Unknown names raise ConfigError.
+    """
+    cache_fields = CacheConfig.__dataclass_fields__
+    sched_fields = SchedulerConfig.__dataclass_fields__
+    engine_fields = set(EngineConfig.__dataclass_fields__) - {"cache", "scheduler", "model"}
+    cache, sched, engine = {}, {}, {}
+    for name, value in flat.items():
+        if value is None and name not in ("kv_cache_memory", "max_model_len", "max_waiting"):
+            continue
+        if name in ("kv_cache_memory", "swap_space") and value is not None:
+            value = parse_size(value, "--" + name.replace("_", "-"))
+        if name in cache_fields:
+            cache[name] = value
+        elif name in sched_fields:
+            sched[name] = value
+        elif name in engine_fields:
+            engine[name] = value
+        else:
+            raise ConfigError(f"unknown engine option {name!r}")
+    return EngineConfig(model=model, cache=CacheConfig(**cache),
+                        scheduler=SchedulerConfig(**sched), **engine)

@@ -1,0 +1,228 @@
+"""LLMEngine: requests in, RequestOutputs out, one `step()` at a time.
+
+    out = scheduler.schedule()            which sequences compute how many tokens
+    logits = runner.run(out)              block copies, then one flat forward pass
+    seqs = scheduler.postprocess(out)     advance computed counts; who needs a token
+    ... sample, detokenize, stop         then free what finished
+
+The server drives `add_request` / `step` / `abort` from its loop; `LLM` drives them to completion.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from qserve.config import EngineConfig
+from qserve.engine.block_manager import BlockManager
+from qserve.engine.cache_engine import CacheEngine, DTYPES, kv_torch_dtype, plan_num_blocks
+from qserve.engine.detokenizer import IncrementalDetokenizer
+from qserve.engine.model_runner import ModelRunner
+from qserve.engine.sampler import Sampler, SamplingRow
+from qserve.engine.scheduler import Scheduler
+from qserve.engine.sequence import Sequence
+from qserve.errors import QServeError
+from qserve.models.llama import LlamaForCausalLM
+from qserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from qserve.sampling_params import SamplingParams
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    metrics: RequestMetrics
+    sent_text: dict[int, int]  # sample index -> characters already handed out
+
+    @property
+    def finished(self) -> bool:
+        return len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded=None):
+        from qserve.loader import load_model
+
+        self.config = config
+        loaded = loaded if loaded is not None else load_model(config.model)
+        self.arch, self.tokenizer = loaded.arch, loaded.tokenizer
+        self.model_path = loaded.path
+        self.device = torch.device(config.resolved_device())
+        self.dtype = DTYPES[config.dtype]
+        sched = config.scheduler
+        self.max_model_len = sched.max_model_len or self.arch.max_position_embeddings
+        self.kv_dtype = kv_torch_dtype(config.cache, self.dtype)
+        num_blocks, num_host_blocks = plan_num_blocks(
+            self.arch, config.cache, self.kv_dtype, self.device, self.max_model_len)
+
+        with torch.device("meta"):
+            model = LlamaForCausalLM(self.arch, self.max_model_len, self.dtype, self.device)
+        model.load_weights(loaded.weights)
+        self.model = model.eval()
+        self.cache_engine = CacheEngine(self.arch, config.cache, num_blocks, num_host_blocks,
+                                        self.device, self.kv_dtype)
+        self.block_manager = BlockManager(num_blocks, config.cache.block_size, num_host_blocks,
+                                          config.cache.watermark,
+                                          config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(sched, self.block_manager, self.max_model_len)
+        self.runner = ModelRunner(self.model, self.cache_engine, self.device)
+        self.eos_token_ids = set(self.tokenizer.eos_token_ids)
+        self.sampler = Sampler(self.eos_token_ids)
+        self.requests: dict[str, _Request] = {}
+        self.num_prompt_tokens = 0
+        self.num_generated_tokens = 0
+
+    # ---- requests ----------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | None = None,
+                    params: SamplingParams | None = None,
+                    prompt_token_ids: list[int] | None = None,
+                    arrival_time: float | None = None) -> None:
+        """Queue a request. Raises QServeError (a ValueError) for input that can never run."""
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise QServeError(f"request id {request_id!r} is already in use")
+        if prompt_token_ids is None:
+            if not prompt:
+                raise QServeError("the prompt is empty; give at least one token of text")
+            prompt_token_ids = self.tokenizer.encode(prompt)
+        if not prompt_token_ids:
+            raise QServeError("the prompt is empty; give at least one token of text")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.arch.vocab_size]
+        if bad:
+            raise QServeError(f"prompt token id {bad[0]} is outside the vocabulary "
+                              f"[0, {self.arch.vocab_size})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise QServeError(
+                f"the prompt has {len(prompt_token_ids)} tokens but --max-model-len is "
+                f"{self.max_model_len}; shorten it to at most {self.max_model_len - 1} tokens")
+        if (self.config.scheduler.max_waiting is not None
+                and len(self.scheduler.waiting) >= self.config.scheduler.max_waiting):
+            raise QServeError("the waiting queue is full; try again later")
+        now = time.monotonic() if arrival_time is None else arrival_time
+        seq = Sequence(request_id, 0, list(prompt_token_ids), len(prompt_token_ids), params, now)
+        seq.num_forks = params.n - 1
+        self._init_seq(seq)
+        self.requests[request_id] = _Request(request_id, prompt, list(prompt_token_ids), params,
+                                             [seq], RequestMetrics(arrival_time=now), {})
+        self.scheduler.add(seq)
+        self.num_prompt_tokens += len(prompt_token_ids)
+
+    def _init_seq(self, seq: Sequence) -> None:
+        if seq.params.seed is not None:
+            seq.generator = torch.Generator(device="cpu")
+            seq.generator.manual_seed(hash((seq.params.seed, seq.index)) & (2**63 - 1))
+        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.params)
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
+        for seq in req.seqs:
+            self.scheduler.finish(seq, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- one step ----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        logits = self.runner.run(out)  # (S, vocab)
+        seqs = self.scheduler.postprocess(out)
+        seqs, rows = self._fork_new_samples(seqs)
+        if len(rows) != logits.shape[0]:
+            logits = logits[torch.tensor(rows)]
+        sampled = self.sampler(logits, [
+            SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, s.generator)
+            for s in seqs])
+        now = time.monotonic()
+        touched: dict[str, _Request] = {}
+        for seq, token, lp in zip(seqs, sampled.token_ids, sampled.logprobs):
+            req = self.requests[seq.request_id]
+            touched[req.request_id] = req
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            self._append(seq, token, lp)
+        self.num_generated_tokens += len(seqs)
+        outputs = []
+        for req in touched.values():
+            outputs.append(self._output(req, now))
+            if req.finished:
+                del self.requests[req.request_id]
+        return outputs
+
+    def _fork_new_samples(self, seqs: list[Sequence]) -> tuple[list[Sequence], list[int]]:
+        """A request with n > 1 runs its prompt once; when the prompt is done, its n - 1
+        siblings fork off it and sample from the same logits row."""
+        all_seqs, rows = [], []
+        for row, seq in enumerate(seqs):
+            all_seqs.append(seq)
+            rows.append(row)
+            if seq.num_forks:
+                req = self.requests[seq.request_id]
+                for _ in range(seq.num_forks):
+                    child = seq.fork(len(req.seqs))
+                    self._init_seq(child)
+                    self.scheduler.fork(seq, child)
+                    req.seqs.append(child)
+                    all_seqs.append(child)
+                    rows.append(row)
+                seq.num_forks = 0
+        return all_seqs, rows
+
+    def _append(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> None:
+        p = seq.params
+        seq.append_token(token)
+        if seq.logprobs is not None:
+            seq.logprobs.append(logprobs)
+        reason = stop = None
+        if token in self.eos_token_ids and not p.ignore_eos:
+            reason = "stop"
+        elif token in p.stop_token_ids:
+            reason, stop = "stop", token
+        else:
+            delta, stop = seq.detokenizer.add_tokens([token])
+            seq.emitted_text += delta
+            if stop is not None:
+                reason = "stop"
+        if reason is None and (seq.num_output_tokens >= p.max_tokens
+                               or seq.num_tokens >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            seq.stop_reason = stop
+            self.scheduler.finish(seq, reason)
+
+    def _output(self, req: _Request, now: float) -> RequestOutput:
+        completions = []
+        for seq in req.seqs:
+            text = seq.detokenizer.text if seq.is_finished else seq.emitted_text
+            sent = req.sent_text.get(seq.index, 0)
+            req.sent_text[seq.index] = len(text)
+            completions.append(CompletionOutput(
+                index=seq.index, text=text, token_ids=seq.output_token_ids,
+                finish_reason=seq.finish_reason, delta_text=text[sent:],
+                logprobs=seq.logprobs, stop_reason=seq.stop_reason))
+        finished = req.finished
+        if finished:
+            req.metrics.finished_time = now
+        req.metrics.first_scheduled_time = req.seqs[0].first_scheduled_time
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions,
+                             finished, req.metrics, num_cached_tokens=req.seqs[0].num_cached_tokens)
+
+    # ---- introspection -----------------------------------------------------------------
+    def stats(self) -> dict:
+        s, bm = self.scheduler, self.block_manager
+        return {
+            "running": len(s.running), "waiting": len(s.waiting), "swapped": len(s.swapped),
+            "kv_blocks_total": bm.num_blocks, "kv_blocks_used": bm.num_used_blocks,
+            "kv_blocks_free": bm.num_free_blocks, "host_blocks_free": bm.num_free_host_blocks,
+            "preemptions": s.num_preemptions, "swap_outs": s.num_swap_outs,
+            "recomputes": s.num_recomputes, "prefix_cache_hit_blocks": bm.prefix_hits,
+            "prompt_tokens": self.num_prompt_tokens,
+            "generated_tokens": self.num_generated_tokens,
+        }

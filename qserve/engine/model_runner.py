@@ -1,0 +1,89 @@
+"""Model runner: turns one step's schedule into flat tensors and runs the model.
+
+It sees sequences only as token ids, computed counts and block tables; it never sees queues.
+"""
+from __future__ import annotations
+
+import torch
+
+from qserve.engine.cache_engine import CacheEngine
+from qserve.engine.scheduler import SchedulerOutput
+from qserve.kernels.paged_attention import PagedAttentionMetadata
+from qserve.models.llama import LlamaForCausalLM
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, cache_engine: CacheEngine, device: torch.device):
+        self.model = model
+        self.cache_engine = cache_engine
+        self.device = device
+        self.block_size = cache_engine.block_size
+        self.layer_caches = [cache_engine.layer(i) for i in range(model.arch.num_layers)]
+        self.sliding_window = model.arch.sliding_window
+
+    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor,
+                                                      PagedAttentionMetadata, list[int]]:
+        """Pack the scheduled tokens.
+
+        Returns:
+            input_ids (T,), positions (T,), attention metadata, and the flat row of each
+            sampling sequence's last token (where its logits come from).
+        """
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        starts = [0]
+        seq_lens: list[int] = []
+        query_lens: list[int] = []
+        logit_rows: list[int] = []
+        tables = []
+        for s in out.scheduled:
+            seq, n = s.seq, s.num_new_tokens
+            c = seq.num_computed_tokens
+            table = seq.block_table
+            input_ids.extend(seq.token_ids[c:c + n])
+            pos = range(c, c + n)
+            positions.extend(pos)
+            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            starts.append(starts[-1] + n)
+            seq_lens.append(c + n)
+            query_lens.append(n)
+            tables.append(table)
+            if s.samples:
+                logit_rows.append(starts[-1] - 1)
+        max_blocks = max(len(t) for t in tables)
+        padded = [t + [0] * (max_blocks - len(t)) for t in tables]
+        dev = self.device
+        meta = PagedAttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor(starts, dtype=torch.int64, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
+            block_tables=torch.tensor(padded, dtype=torch.int64, device=dev),
+            query_lens_list=query_lens,
+            seq_lens_list=seq_lens,
+            max_seq_len=max(seq_lens),
+            decode_only=all(n == 1 for n in query_lens),
+            sliding_window=self.sliding_window,
+        )
+        return (torch.tensor(input_ids, dtype=torch.int64, device=dev),
+                torch.tensor(positions, dtype=torch.int64, device=dev), meta, logit_rows)
+
+    @torch.inference_mode()
+    def run(self, out: SchedulerOutput) -> torch.Tensor:
+        """Execute the step's block copies, then the forward pass.
+
+        Returns:
+            (S, vocab) fp32 logits, one row per scheduled sequence that samples, in order.
+        """
+        ce = self.cache_engine
+        ce.swap_out(out.swap_out)
+        ce.swap_in(out.swap_in)
+        ce.copy(out.copies)
+        input_ids, positions, meta, rows = self.prepare(out)
+        hidden = self.model(input_ids, positions, self.layer_caches, meta)
+        if not rows:
+            return hidden.new_empty((0, self.model.arch.vocab_size), dtype=torch.float32)
+        if len(rows) < hidden.shape[0]:
+            hidden = hidden[torch.tensor(rows, device=hidden.device)]
+        return self.model.compute_logits(hidden)

@@ -1,0 +1,198 @@
+"""Scheduler: decides, each step, which sequences compute how many tokens.
+
+Queues: `waiting` (never started, or preempted by recompute), `running`, `swapped` (preempted
+to host memory). One rule drives everything: a scheduled sequence computes
+`min(num_tokens - num_computed_tokens, token budget left)` tokens. Running sequences go first
+(oldest first); when one cannot get a block, the newest running sequence is preempted, by swap
+or by recompute. Swapped sequences come back before any new request is admitted, and new
+requests are admitted in arrival order only while blocks above the watermark remain.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from qserve.config import SchedulerConfig
+from qserve.engine.block_manager import BlockManager
+from qserve.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # tokens computed this step, starting at seq.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """Does this step bring the sequence level with its tokens, so it gets a new one?"""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host) block pairs
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device) block pairs
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device blocks
+    num_preempted: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int):
+        self.config = config
+        self.block_manager = block_manager
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.swapped: deque[Sequence] = deque()
+        self.num_preemptions = 0
+        self.num_swap_outs = 0
+        self.num_recomputes = 0
+
+    # ---- queues --------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Remove a sequence from whichever queue holds it and free its blocks."""
+        if seq.is_finished:
+            return
+        for queue in (self.running, self.waiting, self.swapped):
+            if seq in queue:
+                queue.remove(seq)
+                break
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Run `child` beside `parent`, sharing all its blocks."""
+        assert parent.status is SequenceStatus.RUNNING
+        self.block_manager.fork(parent, child)
+        child.status = SequenceStatus.RUNNING
+        self.running.insert(self.running.index(parent) + 1, child)
+
+    # ---- one step ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's work.
+
+        Returns:
+            the sequences to run with their token counts, and the block copies (swap and
+            copy-on-write) the cache engine must do before the forward pass.
+        """
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        bm = self.block_manager
+        scheduled_ids: set[int] = set()
+
+        # 1. running sequences, oldest first; preempt the newest when blocks run out
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not bm.allocate_slots(seq, n):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.RUNNING:
+                out.scheduled.append(ScheduledSeq(seq, n))
+                scheduled_ids.add(seq.seq_id)
+                budget -= n
+                i += 1
+
+        # 2. swapped sequences come back before anything new, unless we just preempted
+        while self.swapped and not out.num_preempted and budget > 0:
+            seq = self.swapped[0]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if len(self.running) >= self.config.max_num_seqs or not bm.can_swap_in(seq, n):
+                break
+            self.swapped.popleft()
+            out.swap_in.extend(bm.swap_in(seq))
+            ok = bm.allocate_slots(seq, n)
+            assert ok
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+
+        # 3. new (or recompute-preempted) sequences, in arrival order
+        while self.waiting and not self.swapped and not out.num_preempted and budget > 0:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            seq = self.waiting[0]
+            if not seq.block_table:
+                cached = bm.match_prefix(seq)
+                if seq.first_scheduled_time is None:
+                    seq.num_cached_tokens = cached
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            n = min(remaining, budget)
+            if n < remaining and not self.config.enable_chunked_prefill:
+                if self.running:
+                    self._undo_prefix(seq)
+                    break
+                n = remaining  # a lone prompt larger than the budget still has to run
+            if not bm.allocate_slots(seq, n, watermark=True):
+                self._undo_prefix(seq)
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+
+        out.copies = bm.take_pending_copies()
+        return out
+
+    def _undo_prefix(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.num_preemptions += 1
+        out.num_preempted += 1
+        bm = self.block_manager
+        if self.config.preemption_mode == "swap" and bm.can_swap_out(seq):
+            out.swap_out.extend(bm.swap_out(seq))
+            seq.status = SequenceStatus.SWAPPED
+            self.swapped.append(seq)
+            self.num_swap_outs += 1
+        else:
+            bm.free(seq)
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(seq)
+            self.num_recomputes += 1
+
+    def postprocess(self, out: SchedulerOutput) -> list[Sequence]:
+        """Advance computed counts after the forward pass.
+
+        Returns:
+            the sequences that are now level with their tokens and need a sampled token.
+        """
+        to_sample = []
+        for s in out.scheduled:
+            seq = s.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            seq.num_computed_tokens += s.num_new_tokens
+            self.block_manager.commit_computed_blocks(seq)
+            if seq.num_computed_tokens == seq.num_tokens:
+                to_sample.append(seq)
+        return to_sample

@@ -1,0 +1,99 @@
+"""A sequence: one sample of one request, and the state the scheduler keeps for it.
+
+There are no prefill and decode phases. A sequence knows `num_tokens` (prompt + output so far)
+and `num_computed_tokens` (how many of them have K/V in the cache). Each step the scheduler
+picks how many of the missing tokens to compute; a sequence whose computed count reaches its
+token count gets one new token sampled. Chunked prefill, prefix-cache hits and recompute after
+preemption are all just different starting points for that one rule.
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from qserve.engine.detokenizer import IncrementalDetokenizer
+    from qserve.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+_seq_ids = itertools.count()
+
+
+class Sequence:
+    """Token ids, cache bookkeeping and stop state of one sample."""
+
+    def __init__(self, request_id: str, index: int, token_ids: list[int], num_prompt_tokens: int,
+                 params: SamplingParams, arrival_time: float | None = None):
+        self.seq_id = next(_seq_ids)
+        self.request_id = request_id
+        self.index = index  # which of the request's n samples
+        self.token_ids = token_ids  # prompt followed by output
+        self.num_prompt_tokens = num_prompt_tokens
+        self.params = params
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served by the prefix cache on first admission
+        self.block_table: list[int] = []  # logical block i -> physical device block
+        self.host_block_table: list[int] = []  # while swapped out: logical block i -> host block
+        self.block_hashes: list[int] = []  # hashes of the full blocks, in order (prefix cache keys)
+        self.num_committed_blocks = 0  # leading blocks of block_table already offered to the cache
+        self.num_forks = 0  # siblings still to fork off this sequence once its prompt is computed
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.generator: torch.Generator | None = None
+        self.detokenizer: IncrementalDetokenizer | None = None
+        self.emitted_text = ""  # text safe to stream so far (held-back characters excluded)
+        self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        self.first_token_time: float | None = None
+        self.first_scheduled_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def fork(self, index: int) -> Sequence:
+        """A sibling sample sharing everything computed so far (the block manager shares the
+        blocks themselves)."""
+        child = Sequence(self.request_id, index, list(self.token_ids), self.num_prompt_tokens,
+                         self.params, self.arrival_time)
+        child.status = self.status
+        child.num_computed_tokens = self.num_computed_tokens
+        child.num_cached_tokens = self.num_cached_tokens
+        child.block_hashes = list(self.block_hashes)
+        child.first_scheduled_time = self.first_scheduled_time
+        return child
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, req={self.request_id!r}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, {self.status.value})")

@@ -1,0 +1,158 @@
+"""Block manager on a tiny pool: exact block ids, reference counts, prefix hits, copy-on-write,
+swap and eviction order. No model involved."""
+import pytest
+
+from qserve.engine.block_manager import BlockManager
+from qserve.engine.sequence import Sequence
+from qserve.sampling_params import SamplingParams
+
+BS = 4  # tokens per block
+
+
+def make_seq(tokens, rid="r"):
+    return Sequence(rid, 0, list(tokens), len(tokens), SamplingParams())
+
+
+def compute(bm, seq, n=None):
+    """Pretend a forward pass computed n more tokens (default: all of them)."""
+    n = seq.num_tokens - seq.num_computed_tokens if n is None else n
+    assert bm.allocate_slots(seq, n)
+    seq.num_computed_tokens += n
+    bm.commit_computed_blocks(seq)
+
+
+def test_allocate_exact_ids_and_free_order():
+    bm = BlockManager(num_blocks=11, block_size=BS, watermark=0.0)
+    a = make_seq(range(10))  # 3 blocks
+    assert bm.allocate_slots(a, 10)
+    assert a.block_table == [0, 1, 2]
+    b = make_seq(range(100, 105))  # 2 blocks
+    assert bm.allocate_slots(b, 5)
+    assert b.block_table == [3, 4]
+    assert bm.num_free_blocks == 6
+    bm.free(a)
+    # freed tail-first: block 2 is evicted before 1, before 0
+    assert list(bm.free_queue)[-3:] == [2, 1, 0]
+    bm.check_invariants([b])
+
+
+def test_all_or_nothing_when_pool_runs_out():
+    bm = BlockManager(num_blocks=3, block_size=BS, watermark=0.0)
+    a = make_seq(range(13))  # needs 4 blocks
+    assert not bm.allocate_slots(a, 13)
+    assert a.block_table == [] and bm.num_free_blocks == 3
+    assert bm.allocate_slots(a, 12)
+    assert a.block_table == [0, 1, 2]
+
+
+def test_prefix_sharing_and_ref_counts():
+    bm = BlockManager(num_blocks=11, block_size=BS, watermark=0.0)
+    system = list(range(8))  # two full blocks of shared prefix
+    a = make_seq(system + [50, 51, 52])
+    compute(bm, a)
+    assert a.block_table == [0, 1, 2]
+    b = make_seq(system + [60, 61])
+    assert bm.match_prefix(b) == 8
+    assert b.block_table == [0, 1]
+    assert bm.ref_count[:3] == [2, 2, 1]
+    compute(bm, b)
+    assert b.block_table == [0, 1, 3]
+    assert bm.prefix_hits == 2
+    bm.check_invariants([a, b])
+    bm.free(a)
+    assert bm.ref_count[:4] == [1, 1, 0, 1]
+    bm.free(b)
+    bm.check_invariants([])
+    # the freed blocks still hold the prefix: a new request hits it
+    c = make_seq(system + [70])
+    assert bm.match_prefix(c) == 8 and c.block_table == [0, 1]
+
+
+def test_last_token_is_never_a_cache_hit():
+    bm = BlockManager(num_blocks=11, block_size=BS, watermark=0.0)
+    a = make_seq(range(8))
+    compute(bm, a)
+    b = make_seq(range(8))  # the whole prompt is cached, but its last token must run
+    assert bm.match_prefix(b) == 4
+    assert b.block_table == [0]
+
+
+def test_cached_block_evicted_only_when_reused_lru():
+    bm = BlockManager(num_blocks=4, block_size=BS, watermark=0.0)
+    a = make_seq(range(8))
+    compute(bm, a)
+    bm.free(a)  # free queue now: 2, 3, 1, 0 (1 and 0 still cached)
+    assert list(bm.free_queue) == [2, 3, 1, 0]
+    b = make_seq(range(100, 112))  # 3 blocks: takes 2, 3, then evicts 1
+    assert bm.allocate_slots(b, 12)
+    assert b.block_table == [2, 3, 1]
+    c = make_seq(list(range(8)) + [9])
+    assert bm.match_prefix(c) == 4  # block 0 survived, block 1 was evicted
+    assert c.block_table == [0]
+
+
+def test_fork_shares_blocks_and_copy_on_write():
+    bm = BlockManager(num_blocks=11, block_size=BS, watermark=0.0)
+    parent = make_seq(range(6))  # blocks 0 (full), 1 (2 of 4 slots)
+    compute(bm, parent)
+    child = parent.fork(1)
+    bm.fork(parent, child)
+    assert child.block_table == [0, 1] and bm.ref_count[:2] == [2, 2]
+    parent.append_token(7)
+    assert bm.allocate_slots(parent, 1)
+    # parent writes into shared block 1: it gets a private copy (block 2), copy queued
+    assert parent.block_table == [0, 2]
+    assert bm.take_pending_copies() == [(1, 2)]
+    assert bm.ref_count[:3] == [2, 1, 1]
+    child.append_token(8)
+    assert bm.allocate_slots(child, 1)
+    assert child.block_table == [0, 1]  # block 1 is no longer shared: written in place
+    assert bm.take_pending_copies() == []
+    bm.check_invariants([parent, child])
+
+
+def test_swap_out_and_in_moves_every_block():
+    bm = BlockManager(num_blocks=6, block_size=BS, num_host_blocks=4, watermark=0.0)
+    a = make_seq(range(10))
+    compute(bm, a)
+    assert a.block_table == [0, 1, 2]
+    assert bm.can_swap_out(a)
+    out = bm.swap_out(a)
+    assert out == [(0, 0), (1, 1), (2, 2)]
+    assert a.block_table == [] and a.host_block_table == [0, 1, 2]
+    assert bm.num_free_blocks == 6 and bm.num_free_host_blocks == 1
+    b = make_seq(range(50, 54))
+    compute(bm, b)
+    assert bm.can_swap_in(a, 1)
+    back = bm.swap_in(a)
+    assert [h for h, _ in back] == [0, 1, 2]
+    assert a.block_table == [d for _, d in back] and len(set(a.block_table) & set(b.block_table)) == 0
+    assert bm.num_free_host_blocks == 4
+    bm.check_invariants([a, b])
+
+
+def test_host_pool_too_small_for_swap():
+    bm = BlockManager(num_blocks=6, block_size=BS, num_host_blocks=2, watermark=0.0)
+    a = make_seq(range(10))
+    compute(bm, a)
+    assert not bm.can_swap_out(a)
+
+
+def test_watermark_reserves_blocks_for_admission_only():
+    bm = BlockManager(num_blocks=10, block_size=BS, watermark=0.2)  # keep 2 free
+    a = make_seq(range(32))  # 8 blocks would leave 2: allowed
+    assert bm.allocate_slots(a, 32, watermark=True)
+    b = make_seq(range(4))
+    assert not bm.allocate_slots(b, 4, watermark=True)
+    assert bm.allocate_slots(b, 4)  # a running sequence may dig into the reserve
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 4, 7])
+def test_chunked_allocation_matches_whole(chunk):
+    bm = BlockManager(num_blocks=11, block_size=BS, watermark=0.0)
+    a = make_seq(range(23))
+    while a.num_computed_tokens < a.num_tokens:
+        compute(bm, a, min(chunk, a.num_tokens - a.num_computed_tokens))
+    assert a.block_table == list(range(6))
+    assert len(a.block_hashes) == 5  # five full blocks registered
+    bm.check_invariants([a])
