@@ -45,10 +45,11 @@ class _Request:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded=None):
-        from qserve.loader import load_model
-
         self.config = config
-        loaded = loaded if loaded is not None else load_model(config.model)
+        if loaded is None:
+            from qserve.loader import load_model
+
+            loaded = load_model(config.model)
         self.arch, self.tokenizer = loaded.arch, loaded.tokenizer
         self.model_path = loaded.path
         self.device = torch.device(config.resolved_device())

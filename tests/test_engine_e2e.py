@@ -1,0 +1,197 @@
+"""End to end on the real default model in fp32: greedy output against Hugging Face
+transformers token for token, batch invariance, preemption, prefix sharing, n > 1, seeded
+sampling and leak checks."""
+import pytest
+import torch
+
+from qserve import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, there was a little",
+    "Water boils at a temperature of",
+    "List three primary colors:",
+]
+CHAT_PROMPTS = ["What is the capital of Japan?", "Write a haiku about the sea."]
+NEW_TOKENS = 48
+
+
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    """Plain greedy decoding with transformers' own KV cache, ignoring EOS."""
+    out, past = [], None
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        for _ in range(n):
+            res = model(input_ids=x, past_key_values=past, use_cache=True)
+            past = res.past_key_values
+            tok = int(res.logits[0, -1].argmax())
+            out.append(tok)
+            x = torch.tensor([[tok]])
+    return out
+
+
+@pytest.fixture(scope="module")
+def llm(loaded_model):
+    return LLM(loaded=loaded_model, kv_cache_memory="256MiB", max_model_len=1024)
+
+
+def greedy(n=NEW_TOKENS, **kw):
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **kw)
+
+
+def assert_no_leaks(llm):
+    eng = llm.engine
+    assert not eng.has_unfinished_requests()
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    assert eng.block_manager.num_free_host_blocks == eng.block_manager.num_host_blocks
+    eng.block_manager.check_invariants([])
+
+
+def test_greedy_matches_transformers(llm, hf_model, tokenizer):
+    ids = [tokenizer.encode(p) for p in PROMPTS]
+    chats = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": c}]),
+                              add_special_tokens=False) for c in CHAT_PROMPTS]
+    outs = llm.generate(ids + chats, greedy())
+    for prompt_ids, out in zip(ids + chats, outs):
+        assert out.outputs[0].token_ids == hf_greedy(hf_model, prompt_ids, NEW_TOKENS)
+    assert_no_leaks(llm)
+
+
+def test_text_and_eos_stop(llm, tokenizer):
+    [out] = llm.chat([{"role": "user", "content": "Say hello."}],
+                     SamplingParams(temperature=0, max_tokens=200))
+    c = out.outputs[0]
+    assert c.finish_reason == "stop" and c.token_ids[-1] in tokenizer.eos_token_ids
+    assert c.text == tokenizer.decode(c.token_ids) and c.text.strip()
+
+
+def mixed_prompts(tokenizer):
+    base = tokenizer.encode(" ".join(PROMPTS) * 4)
+    return [base[i: i + n] for i, n in zip(range(0, 80, 8), (3, 40, 17, 90, 5, 64, 29, 120, 11, 50))]
+
+
+def test_batch_invariance(llm, tokenizer):
+    prompts = mixed_prompts(tokenizer)
+    batched = llm.generate(prompts, greedy(24))
+    for p, b in zip(prompts, batched):
+        [alone] = llm.generate([p], greedy(24))
+        assert alone.outputs[0].token_ids == b.outputs[0].token_ids
+    assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_gives_same_outputs(llm, loaded_model, tokenizer, mode):
+    prompts = mixed_prompts(tokenizer)[:8]
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(32))]
+    # 24 blocks of 16 tokens = 384 slots for 8 sequences that end at up to 152 tokens each
+    small = LLM(loaded=loaded_model, kv_cache_memory=24 * 16 * 46080, max_model_len=384,
+                preemption_mode=mode, swap_space="64MiB", watermark=0.0)
+    got = [o.outputs[0].token_ids for o in small.generate(prompts, greedy(32))]
+    assert got == want
+    stats = small.engine.stats()
+    assert stats["preemptions"] > 0
+    assert stats["swap_outs" if mode == "swap" else "recomputes"] > 0
+    assert_no_leaks(small)
+
+
+def test_chunked_prefill_matches(llm, loaded_model, tokenizer):
+    prompts = mixed_prompts(tokenizer)[:4]
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(16))]
+    chunky = LLM(loaded=loaded_model, kv_cache_memory="64MiB", max_model_len=512,
+                 max_num_batched_tokens=7)
+    got = [o.outputs[0].token_ids for o in chunky.generate(prompts, greedy(16))]
+    assert got == want
+
+
+def test_prefix_sharing_and_n_samples(llm, tokenizer):
+    system = tokenizer.encode("You are a terse assistant. " * 6)  # several full blocks
+    prompts = [system + tokenizer.encode(q) for q in (" Name a fruit.", " Name a color.")]
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(16))]
+    hits = llm.engine.block_manager.prefix_hits
+    again = llm.generate(prompts, greedy(16))
+    assert [o.outputs[0].token_ids for o in again] == want
+    assert llm.engine.block_manager.prefix_hits > hits
+    assert again[1].num_cached_tokens >= 16
+    # n=3 greedy samples: forked from one prefill, identical to each other and to n=1
+    [multi] = llm.generate([prompts[0]], greedy(16, n=3))
+    assert [c.index for c in multi.outputs] == [0, 1, 2]
+    assert all(c.token_ids == want[0] for c in multi.outputs)
+    assert_no_leaks(llm)
+
+
+def test_seeded_sampling_is_batch_independent(llm, tokenizer):
+    prompts = mixed_prompts(tokenizer)
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=20, ignore_eos=True)
+    [alone] = llm.generate([prompts[2]], seeded)
+    others = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
+    batch = llm.generate(prompts[:2] + [prompts[2]] + prompts[3:6],
+                         [others, others, seeded, others, others, others])
+    assert batch[2].outputs[0].token_ids == alone.outputs[0].token_ids
+    # n=2 with a seed: different samples, each reproducible
+    [a] = llm.generate([prompts[0]], SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=12,
+                                                   ignore_eos=True))
+    [b] = llm.generate([prompts[0]], SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=12,
+                                                   ignore_eos=True))
+    assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+    assert a.outputs[0].token_ids != a.outputs[1].token_ids
+
+
+def test_stop_strings_and_logprobs(llm, tokenizer):
+    [full] = llm.generate(["def fibonacci(n):"], greedy(40, logprobs=3))
+    text = full.outputs[0].text
+    stop = text[10:14]
+    [cut] = llm.generate(["def fibonacci(n):"], greedy(40, stop=[stop]))
+    c = cut.outputs[0]
+    assert c.finish_reason == "stop" and c.stop_reason == stop
+    assert c.text == text[: text.index(stop)]
+    lps = full.outputs[0].logprobs
+    assert len(lps) == 40
+    for tok, lp in zip(full.outputs[0].token_ids, lps):
+        assert tok in lp and len(lp) >= 3
+        assert lp[tok] == max(lp.values())  # greedy picks the most likely token
+
+
+def test_abort_frees_blocks(llm, tokenizer):
+    eng = llm.engine
+    eng.add_request("x", "Tell me a long story.", greedy(100))
+    eng.add_request("y", "Tell me another long story.", greedy(100))
+    for _ in range(3):
+        eng.step()
+    assert eng.block_manager.num_used_blocks > 0
+    eng.abort("x")
+    eng.abort("y")
+    assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(prompt=""), "empty"),
+    (dict(prompt="hi " * 2000), "max-model-len"),
+])
+def test_bad_prompts(llm, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate(kwargs["prompt"], greedy(4))
+    assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(temperature=-1), "temperature"),
+    (dict(top_p=0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+])
+def test_bad_sampling_params(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_kv_budget_too_small(loaded_model):
+    with pytest.raises(ValueError, match="kv-cache-memory"):
+        LLM(loaded=loaded_model, kv_cache_memory="1MiB", max_model_len=2048)
+
+
+def test_unknown_model_alias():
+    with pytest.raises(ValueError, match="unknown model"):
+        LLM("no-such-model-alias")
