@@ -38,8 +38,8 @@ def llm(loaded_model):
     return LLM(loaded=loaded_model, kv_cache_memory="256MiB", max_model_len=1024)
 
 
-def greedy(n=NEW_TOKENS, **kw):
-    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **kw)
+def greedy(max_tokens=NEW_TOKENS, **kw):
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
 
 
 def assert_no_leaks(llm):

@@ -187,21 +187,22 @@ class LLMEngine:
         elif token in p.stop_token_ids:
             reason, stop = "stop", token
         else:
-            delta, stop = seq.detokenizer.add_tokens([token])
-            seq.emitted_text += delta
+            _, stop = seq.detokenizer.add_tokens([token])
             if stop is not None:
                 reason = "stop"
         if reason is None and (seq.num_output_tokens >= p.max_tokens
                                or seq.num_tokens >= self.max_model_len):
             reason = "length"
         if reason is not None:
+            if stop is None or isinstance(stop, int):
+                seq.detokenizer.flush()  # release text held back for a stop string
             seq.stop_reason = stop
             self.scheduler.finish(seq, reason)
 
     def _output(self, req: _Request, now: float) -> RequestOutput:
         completions = []
         for seq in req.seqs:
-            text = seq.detokenizer.text if seq.is_finished else seq.emitted_text
+            text = seq.detokenizer.text  # everything streamed so far
             sent = req.sent_text.get(seq.index, 0)
             req.sent_text[seq.index] = len(text)
             completions.append(CompletionOutput(

@@ -54,7 +54,6 @@ class Sequence:
         self.stop_reason: str | int | None = None
         self.generator: torch.Generator | None = None
         self.detokenizer: IncrementalDetokenizer | None = None
-        self.emitted_text = ""  # text safe to stream so far (held-back characters excluded)
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.first_token_time: float | None = None
         self.first_scheduled_time: float | None = None

@@ -1,0 +1,318 @@
+"""`qserve`: a thin command line over the engine: pull, info, generate, bench.
+
+User errors (a bad flag, an unknown model, a prompt that cannot run) print one line,
+`error: ...`, on stderr and exit 2; Ctrl-C exits 130. Torch and the engine are imported only
+by the commands that need them, so `--help` and argument errors stay instant.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+from pathlib import Path
+
+import click
+
+from qserve import __version__
+from qserve.errors import QServeError
+
+USER_ERROR, INTERRUPTED = 2, 130
+
+
+class _Main(click.Group):
+    """Runs a command and turns user errors into one line each, never a traceback."""
+
+    def main(self, args=None, prog_name=None, **extra):
+        extra["standalone_mode"] = False
+        try:
+            rv = super().main(args, prog_name, **extra)
+        except click.UsageError as e:
+            hint = f" (see '{e.ctx.command_path} --help')" if e.ctx else ""
+            _fail(e.format_message() + hint, e.exit_code)
+        except click.ClickException as e:
+            _fail(e.format_message(), e.exit_code)
+        except QServeError as e:
+            _fail(str(e), USER_ERROR)
+        except (click.Abort, KeyboardInterrupt):
+            sys.exit(INTERRUPTED)
+        except BrokenPipeError:  # `qserve generate ... | head`: stop quietly, as cat does
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(1)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
+def _fail(message: str, code: int) -> None:
+    first = message.strip().splitlines()[0] if message.strip() else "failed"
+    click.echo(f"error: {first}", err=True)
+    sys.exit(code)
+
+
+@click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, message="qserve %(version)s")
+def main():
+    """qserve: quantization-first LLM inference on one GPU or a CPU box."""
+
+
+# ---- engine flags, shared by every command that runs a model ------------------------------
+_ENGINE_FLAGS = [
+    click.option("--kv-cache-memory", metavar="SIZE",
+                 help="KV cache budget, e.g. 512MiB  [default: 10% of free memory]"),
+    click.option("--swap-space", metavar="SIZE", default="1GiB", show_default=True,
+                 help="Host memory for swapped-out KV blocks."),
+    click.option("--block-size", type=int, default=16, show_default=True,
+                 help="Tokens per KV cache block."),
+    click.option("--max-num-seqs", type=int, default=256, show_default=True,
+                 help="Most sequences in one step."),
+    click.option("--max-num-batched-tokens", type=int, default=2048, show_default=True,
+                 help="Most tokens in one step."),
+    click.option("--max-model-len", type=int,
+                 help="Longest prompt + completion, in tokens  [default: the model's]"),
+    click.option("--preemption-mode", type=click.Choice(["recompute", "swap"]),
+                 default="recompute", show_default=True),
+    click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto",
+                 show_default=True),
+    click.option("--kv-dtype", type=click.Choice(["auto", "fp32", "fp16", "bf16"]),
+                 default="auto", show_default=True, help="KV cache dtype (auto: --dtype)."),
+    click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default="fp32",
+                 show_default=True, help="Activation and dense weight dtype."),
+    click.option("--no-prefix-caching", is_flag=True, help="Do not reuse cached prompt blocks."),
+]
+_ENGINE_NAMES = ("kv_cache_memory", "swap_space", "block_size", "max_num_seqs",
+                 "max_num_batched_tokens", "max_model_len", "preemption_mode", "device",
+                 "kv_dtype", "dtype")
+
+
+def engine_flags(f):
+    """Add the engine flags to a command; it receives them as one dict, `engine`, keyed by
+    `engine_config()` field names."""
+    @functools.wraps(f)
+    def wrapper(**kw):
+        engine = {name: kw.pop(name) for name in _ENGINE_NAMES}
+        engine["enable_prefix_caching"] = not kw.pop("no_prefix_caching")
+        return f(engine=engine, **kw)
+    for flag in reversed(_ENGINE_FLAGS):
+        wrapper = flag(wrapper)
+    return wrapper
+
+
+def _build_engine(model: str | None, engine: dict):
+    from qserve.config import engine_config
+    from qserve.engine.llm_engine import LLMEngine
+
+    return LLMEngine(engine_config(model, **engine))
+
+
+# ---- pull --------------------------------------------------------------------------------
+@main.command()
+@click.argument("model", required=False)
+@click.option("--force", is_flag=True, help="Download again even if cached.")
+def pull(model, force):
+    """Download MODEL (an alias or ORG/NAME; default: the default model); print its path."""
+    from qserve.errors import ModelLoadError
+    from qserve.loader.registry import pull as pull_model, resolve_model
+
+    path = None
+    if not force:
+        try:
+            path = resolve_model(model, download=False)
+        except ModelLoadError:  # not cached (or corrupt): download it
+            pass
+    click.echo(path or pull_model(model))
+
+
+# ---- info --------------------------------------------------------------------------------
+@main.command()
+@click.argument("model", required=False)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@engine_flags
+def info(model, as_json, engine):
+    """Shape, size and KV cache footprint of MODEL, without loading its weights."""
+    import torch
+
+    from qserve.config import engine_config
+    from qserve.engine.cache_engine import DTYPES, bytes_per_block, plan_num_blocks
+    from qserve.errors import ConfigError
+    from qserve.loader import load_arch, resolve_model
+
+    config = engine_config(model, **engine)
+    path = resolve_model(model)
+    arch = load_arch(path)
+    files = [p for p in path.rglob("*") if p.is_file()] if path.is_dir() else [path]
+    bs, device = config.cache.block_size, torch.device(config.resolved_device())
+    kv_per_token, kv_tokens = {}, {}
+    for name, dtype in DTYPES.items():
+        kv_per_token[name] = bytes_per_block(arch, bs, dtype) // bs
+        try:  # what the engine would allocate, planned for sequences of one block
+            kv_tokens[name] = plan_num_blocks(arch, config.cache, dtype, device, bs)[0] * bs
+        except ConfigError:  # the budget does not hold a single block
+            kv_tokens[name] = 0
+    n = arch.num_params
+    report = {
+        "model": str(path), "architecture": arch.architecture, "num_layers": arch.num_layers,
+        "num_heads": arch.num_heads, "num_kv_heads": arch.num_kv_heads,
+        "head_dim": arch.head_dim, "hidden_size": arch.hidden_size,
+        "intermediate_size": arch.intermediate_size, "vocab_size": arch.vocab_size,
+        "context_length": arch.max_position_embeddings, "num_params": n,
+        "weight_bytes": {"fp32": 4 * n, "fp16": 2 * n},
+        "file_bytes": sum(p.stat().st_size for p in files),
+        "kv_bytes_per_token": kv_per_token,
+        "kv_cache_memory": config.cache.kv_cache_memory,  # None: a fraction of free memory
+        "kv_tokens": kv_tokens,  # tokens of KV cache that budget holds, per KV dtype
+    }
+    if as_json:
+        click.echo(json.dumps(report))
+        return
+    width = max(map(len, report))
+    for key, value in report.items():
+        if isinstance(value, dict):
+            value = ", ".join(f"{k} {v:,}" for k, v in value.items())
+        elif isinstance(value, int):
+            value = f"{value:,}"
+        click.echo(f"{key:<{width}}  {'auto' if value is None else value}")
+
+
+# ---- generate ----------------------------------------------------------------------------
+@main.command()
+@click.argument("prompts", nargs=-1)
+@click.option("--model", "-m", help="Alias, .gguf file, HF directory or ORG/NAME.")
+@click.option("--prompts-file", type=click.Path(dir_okay=False, allow_dash=True),
+              help="One prompt per line (blank lines skipped); - reads stdin.")
+@click.option("--chat", is_flag=True, help="Wrap each prompt in the model's chat template.")
+@click.option("--system", help="System message for --chat (implies --chat).")
+@click.option("--max-tokens", type=int, default=256, show_default=True)
+@click.option("--temperature", type=float, default=0.7, show_default=True, help="0: greedy.")
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--top-k", type=int, default=0, show_default=True, help="0: off.")
+@click.option("--min-p", type=float, default=0.0, show_default=True)
+@click.option("--repetition-penalty", type=float, default=1.0, show_default=True)
+@click.option("--presence-penalty", type=float, default=0.0, show_default=True)
+@click.option("--frequency-penalty", type=float, default=0.0, show_default=True)
+@click.option("--seed", type=int, help="Makes sampling reproducible.")
+@click.option("--stop", multiple=True, help="Stop string; may be repeated.")
+@click.option("--n", "-n", "n", type=int, default=1, show_default=True,
+              help="Completions per prompt.")
+@click.option("--ignore-eos", is_flag=True, help="Keep generating past end-of-sequence.")
+@click.option("--json", "as_json", is_flag=True,
+              help="One JSON object per completion per line, with timings.")
+@engine_flags
+def generate(prompts, model, prompts_file, chat, system, as_json, engine, **sampling):
+    """Complete PROMPTs (or --prompts-file, or stdin lines). One prompt streams as it goes;
+    several run concurrently and print in order."""
+    from qserve.sampling_params import SamplingParams
+
+    params = SamplingParams(**sampling)
+    texts = _read_prompts(prompts, prompts_file)
+    for i, text in enumerate(texts):  # the engine checks too, but only after loading the model
+        if not text:
+            raise QServeError(f"prompt {i + 1} is empty; give at least one token of text")
+    eng = _build_engine(model, engine)
+    chat = chat or system is not None
+    ids = [_chat_ids(eng.tokenizer, t, system) if chat else None for t in texts]
+    stream = len(texts) == 1 and params.n == 1 and not as_json
+    outputs = _run(eng, texts, ids, params, stream)
+    if stream:
+        if not outputs[0].outputs[0].text.endswith("\n"):
+            click.echo()
+        return
+    for i, out in enumerate(outputs):
+        for c in out.outputs:
+            if as_json:
+                click.echo(json.dumps(_completion_record(i, out, c), ensure_ascii=False))
+            else:
+                tag = f"{i + 1}" + (f".{c.index + 1}" if params.n > 1 else "")
+                click.echo(f"--- [{tag}] {c.text}")
+
+
+def _read_prompts(prompts: tuple[str, ...], prompts_file: str | None) -> list[str]:
+    texts = list(prompts)
+    source = None
+    if prompts_file == "-" or (prompts_file is None and not texts and not sys.stdin.isatty()):
+        source = sys.stdin.read()
+    elif prompts_file is not None:
+        try:
+            source = Path(prompts_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            why = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
+            raise QServeError(f"--prompts-file {prompts_file!r} cannot be read: {why}") from None
+    if source is not None:
+        texts += [line for line in source.splitlines() if line.strip()]
+    if not texts:
+        raise QServeError("no prompt given; pass PROMPT arguments, --prompts-file FILE, "
+                          "or prompts on stdin, one per line")
+    return texts
+
+
+def _chat_ids(tokenizer, text: str, system: str | None) -> list[int]:
+    messages = ([{"role": "system", "content": system}] if system is not None else [])
+    messages.append({"role": "user", "content": text})
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return tokenizer.encode(rendered, add_special_tokens=False)
+
+
+def _run(engine, texts: list[str], ids: list[list[int] | None], params, stream: bool):
+    """Run every prompt to completion; with `stream`, write text to stdout as it arrives.
+    Whatever happens (an error, Ctrl-C), no request is left holding KV blocks."""
+    rids = [f"cli-{i}" for i in range(len(texts))]
+    finished = {}
+    try:
+        for rid, text, prompt_ids in zip(rids, texts, ids):
+            engine.add_request(rid, text, params, prompt_token_ids=prompt_ids)
+        while len(finished) < len(rids):
+            for out in engine.step():
+                if stream and out.outputs[0].delta_text:
+                    sys.stdout.write(out.outputs[0].delta_text)
+                    sys.stdout.flush()
+                if out.finished:
+                    finished[out.request_id] = out
+    finally:
+        for rid in rids:
+            engine.abort(rid)
+    return [finished[rid] for rid in rids]
+
+
+def _completion_record(prompt_index: int, out, c) -> dict:
+    m = out.metrics
+    ttft = m.first_token_time - m.arrival_time if m.first_token_time is not None else None
+    decode_s = (m.finished_time - m.first_token_time
+                if m.finished_time is not None and m.first_token_time is not None else 0)
+    n = len(c.token_ids)
+    return {
+        "prompt_index": prompt_index, "index": c.index, "text": c.text,
+        "token_ids": c.token_ids, "prompt_tokens": len(out.prompt_token_ids),
+        "completion_tokens": n, "finish_reason": c.finish_reason, "ttft_s": ttft,
+        "decode_tokens_per_s": (n - 1) / decode_s if n > 1 and decode_s > 0 else None,
+    }
+
+
+# ---- bench -------------------------------------------------------------------------------
+def _batch_sizes(ctx, param, value: str) -> list[int]:
+    try:
+        sizes = [int(s) for s in value.split(",") if s.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise click.BadParameter(f"{value!r} is not a comma-separated list of positive integers")
+    return sizes
+
+
+@main.command()
+@click.argument("model", required=False)
+@click.option("--batch-sizes", default="1,8,32", show_default=True, callback=_batch_sizes,
+              help="Comma-separated batch sizes to measure.")
+@click.option("--input-len", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--output-len", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seeds the random prompts.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per batch size per line.")
+@engine_flags
+def bench(model, batch_sizes, input_len, output_len, seed, as_json, engine):
+    """Prefill and decode throughput, TTFT, TPOT and peak memory of MODEL on random prompts
+    (greedy, ignoring EOS), one row per batch size."""
+    from qserve.bench import format_table, run_bench
+
+    rows = run_bench(_build_engine(model, engine), batch_sizes, input_len, output_len, seed=seed)
+    if as_json:
+        for row in rows:
+            click.echo(json.dumps(row))
+    else:
+        click.echo(format_table(rows))

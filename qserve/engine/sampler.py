@@ -1,0 +1,189 @@
+"""Turn a batch of next-token logits into one token id per sequence.
+
+Order, as in vLLM:
+    penalties (on raw logits) -> min_tokens mask -> temperature -> top-k -> top-p -> min-p -> sample
+Greedy rows take the argmax (ties go to the lowest id). Random rows use the exponential race,
+argmax(p / E) with E ~ Exponential(1), which draws a token with probability p. A seeded row draws
+E from its own generator only, so its token does not depend on the rest of the batch.
+
+Logprobs are log_softmax of the raw logits, before penalties, temperature and truncation (vLLM's
+default): they describe the model, not the sampling settings.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from qserve.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """One sequence to sample a token for."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None = None  # on the logits' device; set iff params.seed is set
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # one per row
+    # per row: {chosen id: lp, top-N ids: lp} when params.logprobs is not None, else None
+    logprobs: list[dict[int, float] | None]
+
+
+class Sampler:
+    """Samples one token per row; `eos_token_ids` are masked while a row is under min_tokens."""
+
+    def __init__(self, eos_token_ids: set[int] | frozenset[int] = frozenset()):
+        self.eos_token_ids = frozenset(eos_token_ids)
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """logits: (B, V) fp32, one row per entry of `rows`; not modified."""
+        assert logits.dim() == 2 and logits.shape[0] == len(rows), (logits.shape, len(rows))
+        raw = logits
+        penalized = [i for i, r in enumerate(rows) if r.params.has_penalties]
+        under_min = [i for i, r in enumerate(rows) if len(r.output_token_ids) < r.params.min_tokens]
+        rand = [i for i, r in enumerate(rows) if not r.params.greedy]
+        want_lp = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+
+        if penalized or under_min:
+            logits = logits.clone()
+            if penalized:
+                apply_penalties(logits, rows, penalized)
+            if under_min:
+                self._mask_stop_tokens(logits, rows, under_min)
+        token_ids = logits.argmax(dim=-1)  # (B,) greedy answer; random rows are overwritten
+        if rand:
+            idx = torch.tensor(rand, device=logits.device)
+            token_ids[idx] = _sample(logits[idx], [rows[i] for i in rand])
+        ids = token_ids.tolist()
+        logprobs: list[dict[int, float] | None] = [None] * len(rows)
+        if want_lp:
+            for i, d in zip(want_lp, _logprobs(raw, token_ids, rows, want_lp)):
+                logprobs[i] = d
+        return SamplerOutput(token_ids=ids, logprobs=logprobs)
+
+    def _mask_stop_tokens(self, logits: torch.Tensor, rows: list[SamplingRow],
+                          idx: list[int]) -> None:
+        """In place: rows `idx` of logits (B, V) get -inf on their stop tokens (EOS unless
+        ignore_eos, and stop_token_ids). Ids outside the vocabulary cannot be sampled anyway."""
+        V = logits.shape[1]
+        row_ids, tok_ids = [], []
+        for i in idx:
+            p = rows[i].params
+            stops = set(p.stop_token_ids) if p.ignore_eos else self.eos_token_ids | set(
+                p.stop_token_ids)
+            stops = [t for t in stops if t < V]
+            row_ids += [i] * len(stops)
+            tok_ids += stops
+        if tok_ids:
+            logits[torch.tensor(row_ids, device=logits.device),
+                   torch.tensor(tok_ids, device=logits.device)] = float("-inf")
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow], idx: list[int]) -> None:
+    """In place on rows `idx` of logits (B, V):
+        repetition (HF):  l -> l / r if l > 0 else l * r, once per token seen in prompt or output;
+        then presence, frequency (OpenAI):  l -> l - frequency * count - presence, per token
+        seen in the output, count = its occurrences there.
+    Only the (row, token) pairs that occur are touched: O(tokens), not O(B * V)."""
+    V, device = logits.shape[1], logits.device
+    rep = [i for i in idx if rows[i].params.repetition_penalty != 1]
+    if rep:
+        r, t, _ = _occurrences(rep + rep, [rows[i].prompt_token_ids for i in rep]
+                               + [rows[i].output_token_ids for i in rep], V, device)
+        f = torch.tensor([row.params.repetition_penalty for row in rows], device=device)[r]
+        vals = logits[r, t]
+        logits[r, t] = torch.where(vals > 0, vals / f, vals * f)
+    pf = [i for i in idx if rows[i].params.presence_penalty or rows[i].params.frequency_penalty]
+    if pf:
+        r, t, count = _occurrences(pf, [rows[i].output_token_ids for i in pf], V, device)
+        freq = torch.tensor([row.params.frequency_penalty for row in rows], device=device)
+        pres = torch.tensor([row.params.presence_penalty for row in rows], device=device)
+        logits[r, t] -= freq[r] * count + pres[r]
+
+
+def _occurrences(row_ids: list[int], seqs: list[list[int]], V: int, device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Distinct (row, token) pairs over seqs[k] taken as tokens of row row_ids[k] (a row may
+    appear more than once), with how often each occurs: rows (N,), tokens (N,), counts (N,)."""
+    lengths = torch.tensor([len(s) for s in seqs], device=device)
+    rows = torch.repeat_interleave(torch.tensor(row_ids, device=device), lengths)
+    toks = torch.tensor(list(itertools.chain.from_iterable(seqs)), dtype=torch.long, device=device)
+    keys, counts = torch.unique(rows * V + toks, return_counts=True)
+    return keys // V, keys % V, counts
+
+
+def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """logits (R, V) of non-greedy rows, a copy that is overwritten -> sampled ids (R,)."""
+    device = logits.device
+    ps = [r.params for r in rows]
+    x = logits.div_(torch.tensor([p.temperature for p in ps], device=device)[:, None])
+    if any(0 < p.top_k < x.shape[1] or p.top_p < 1 for p in ps):
+        x = _truncate(x, ps)
+    probs = x.softmax(dim=-1)  # (R, V)
+    if any(p.min_p > 0 for p in ps):
+        min_p = torch.tensor([p.min_p for p in ps], device=device)[:, None]
+        probs.masked_fill_(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+    # Exponential race: with E_t = -log U_t ~ Exponential(1) independent, argmax_t p_t / E_t
+    # is t with probability p_t / sum(p), so min-p needs no renormalisation. U is in [0, 1),
+    # so E is in (0, inf] and p / E is never 0 / 0.
+    u = torch.empty_like(probs)
+    if any(r.generator is None for r in rows):
+        u.uniform_()  # one draw for the unseeded rows; seeded rows redraw below
+    for j, r in enumerate(rows):
+        if r.generator is not None:
+            assert r.generator.device == u.device, (r.generator.device, u.device)
+            u[j].uniform_(generator=r.generator)
+    return probs.div_(u.log_().neg_()).argmax(dim=-1)
+
+
+def _truncate(x: torch.Tensor, ps: list[SamplingParams]) -> torch.Tensor:
+    """x (R, V) scaled logits -> x with -inf outside each row's top-k, then outside its top-p
+    nucleus. Both cuts are value thresholds, so tokens tied with the last kept one are kept too
+    (deterministic, whatever order the sort leaves ties in)."""
+    V, device = x.shape[1], x.device
+    ks = [p.top_k if 0 < p.top_k < V else V for p in ps]
+    cuts = [k < V or p.top_p < 1 for k, p in zip(ks, ps)]
+    # Only the K largest values of each row matter; K < V unless a row has top-p without top-k.
+    K = max(k for k, c in zip(ks, cuts) if c)
+    srt = x.topk(K, dim=-1).values if K < V else x.sort(dim=-1, descending=True).values  # (R, K)
+    k = torch.tensor([min(k, K) for k in ks], device=device)[:, None]  # (R, 1)
+    thresh = srt.gather(1, k - 1)  # (R, 1) the k-th largest value
+    if any(p.top_p < 1 for p in ps):
+        # Keep sorted position j while the mass strictly before it is < top_p: the smallest
+        # prefix whose mass reaches top_p. Always keeps j = 0; top_p = 1 keeps everything.
+        srt = srt.masked_fill(torch.arange(K, device=device) >= k, float("-inf"))
+        top_p = torch.tensor([p.top_p for p in ps], device=device)[:, None]  # (R, 1)
+        probs = srt.softmax(dim=-1)  # renormalised over the top-k
+        before = probs.cumsum(dim=-1) - probs  # non-decreasing, so `keep` is a prefix
+        keep = (before < top_p) | (top_p >= 1)
+        n_keep = keep.sum(dim=-1, keepdim=True).clamp_(1, K)  # (R, 1)
+        thresh = torch.maximum(thresh, srt.gather(1, n_keep - 1))
+    if not all(cuts):
+        thresh.masked_fill_(~torch.tensor(cuts, device=device)[:, None], float("-inf"))
+    return x.masked_fill_(x < thresh, float("-inf"))
+
+
+def _logprobs(raw: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingRow],
+              idx: list[int]) -> list[dict[int, float]]:
+    """raw (B, V) logits, token_ids (B,) chosen ids -> per row in idx: {top-N ids in rank order,
+    then the chosen id: logprob}."""
+    t = torch.tensor(idx, device=raw.device)
+    lp = torch.log_softmax(raw[t], dim=-1)  # (L, V)
+    n = [rows[i].params.logprobs for i in idx]
+    top_lp, top_ids = lp.topk(max(n), dim=-1)  # (L, N)
+    chosen = token_ids[t]
+    chosen_lp = lp.gather(1, chosen[:, None])[:, 0]  # (L,)
+    out = []
+    for k, tl, ti, c, cl in zip(n, top_lp.tolist(), top_ids.tolist(), chosen.tolist(),
+                                chosen_lp.tolist()):
+        d = dict(zip(ti[:k], tl[:k]))
+        d.setdefault(c, cl)
+        out.append(d)
+    return out

@@ -1,0 +1,80 @@
+"""Models in, tensors out: resolve a model spec, then read its config, weights and tokenizer.
+
+    spec (alias | .gguf file | HF directory | ORG/NAME) --registry--> local path
+        .gguf -> gguf_loader      directory -> hf_loader
+    -> LoadedModel(arch, weights under Hugging Face Llama names, tokenizer)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from qserve.config import ModelArchConfig
+from qserve.errors import ModelLoadError
+from qserve.loader import gguf_loader, hf_loader
+from qserve.loader.registry import DEFAULT_MODEL, model_home, pull, resolve_model
+from qserve.loader.tokenizer import Tokenizer
+
+__all__ = ["LoadedModel", "Tokenizer", "load_model", "load_arch", "load_tokenizer", "resolve_model",
+           "pull", "model_home", "DEFAULT_MODEL"]
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for the runner.
+
+    weights: Hugging Face Llama names -> tensors, linears (out_features, in_features); fp32, except
+    that F16/BF16 tensors of a GGUF and the stored dtype of safetensors are kept as they are.
+    lm_head.weight is present only when not tied to model.embed_tokens.weight.
+    arch.eos_token_ids includes every id in tokenizer.eos_token_ids.
+    """
+
+    arch: ModelArchConfig
+    weights: dict[str, torch.Tensor]
+    tokenizer: Tokenizer
+    path: Path
+    source_format: str  # "gguf" | "hf"
+
+
+def _locate(spec: str | Path | None) -> tuple[Path, str]:
+    path = resolve_model(None if spec is None else str(spec))
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ModelLoadError(f"{path}: no config.json; qserve reads a .gguf file or a Hugging Face "
+                                 f"model directory (config.json + *.safetensors + tokenizer)")
+        return path, "hf"
+    return path, "gguf"  # GGUFFile rejects anything without the GGUF magic
+
+
+def load_model(spec: str | Path | None = None) -> LoadedModel:
+    """Load config, weights and tokenizer. spec: alias (None: the default model), a .gguf file,
+    a Hugging Face model directory, or a Hugging Face repo id ORG/NAME."""
+    path, fmt = _locate(spec)
+    if fmt == "gguf":
+        gguf = gguf_loader.GGUFFile(path)
+        arch = gguf_loader.read_arch(gguf)
+        weights = gguf_loader.read_weights(gguf, arch)
+        tokenizer = gguf_loader.read_tokenizer(gguf)
+    else:
+        arch = hf_loader.read_config(path)
+        weights = hf_loader.read_weights(path, arch)
+        tokenizer = hf_loader.read_tokenizer(path)
+    arch.eos_token_ids = sorted(set(arch.eos_token_ids) | tokenizer.eos_token_ids)
+    return LoadedModel(arch, weights, tokenizer, path, fmt)
+
+
+def load_arch(spec: str | Path | None = None) -> ModelArchConfig:
+    """The model's config only: no tensor data is read."""
+    path, fmt = _locate(spec)
+    if fmt == "gguf":
+        return gguf_loader.read_arch(gguf_loader.GGUFFile(path))
+    return hf_loader.read_config(path)
+
+
+def load_tokenizer(spec: str | Path | None = None) -> Tokenizer:
+    path, fmt = _locate(spec)
+    if fmt == "gguf":
+        return gguf_loader.read_tokenizer(gguf_loader.GGUFFile(path))
+    return hf_loader.read_tokenizer(path)

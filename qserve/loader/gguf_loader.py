@@ -1,0 +1,299 @@
+"""GGUF file -> ModelArchConfig, Hugging Face-named weights, and a Tokenizer.
+
+A GGUF file is typed key/value metadata, a table of tensors, then the tensor data:
+
+    "GGUF" | version u32 | n_tensors u64 | n_kv u64
+    n_kv      x (key str, value_type u32, value)         str = u64 byte length + utf-8
+    n_tensors x (name str, n_dims u32, dims u64[n_dims], ggml_type u32, offset u64)
+    zero padding to `general.alignment` (default 32) | data  (tensor offsets count from here)
+
+`dims` lists the fastest-varying axis first, so (ne0=in, ne1=out) is an HF (out, in) matrix.
+The header is parsed here rather than with gguf.GGUFReader, which builds a numpy view per string
+and takes seconds on a 49k-token vocabulary; dequantization is the `gguf` package's.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize
+
+from qserve.config import ModelArchConfig
+from qserve.errors import ConfigError, ModelLoadError
+from qserve.loader.hf_loader import check_shapes
+from qserve.loader.tokenizer import Tokenizer, byte_level_bpe, sentencepiece_bpe
+
+GGUF_ARCHITECTURES = ("llama", "qwen2")  # Mistral GGUFs say "llama"
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+# GGUF name -> HF name; "{i}" is the layer index.
+_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
+                 "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight"}
+_BIAS_NAMES = {"attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
+               "attn_v.bias": "self_attn.v_proj.bias"}
+
+
+@dataclass
+class GGUFTensorInfo:
+    name: str
+    shape: tuple[int, ...]  # numpy / HF order: dims reversed
+    ggml_type: GGMLQuantizationType
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+
+
+class GGUFFile:
+    """The parsed header of one GGUF file; tensor data is read from a memory map on demand."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        try:
+            with open(self.path, "rb") as f:
+                if not os.fstat(f.fileno()).st_size:
+                    raise self.error("is empty, not a GGUF file")
+                self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except OSError as e:
+            raise self.error(f"cannot be read ({e.strerror})") from None
+        self._pos = 0
+        try:
+            self._parse()
+        except (struct.error, IndexError):
+            raise self.error("is truncated or corrupt (the header runs past the end)") from None
+        except UnicodeDecodeError:
+            raise self.error(f"is corrupt (a string near byte {self._pos} is not UTF-8)") from None
+        self._data: np.ndarray | None = None
+
+    def error(self, problem: str) -> ModelLoadError:
+        return ModelLoadError(f"{self.path}: {problem}")
+
+    def _parse(self) -> None:
+        if self._mm[:4] != b"GGUF":
+            raise self.error("not a GGUF file (no GGUF magic); pass a .gguf file or a model directory")
+        version, n_tensors, n_kv = self._unpack("IQQ", 4)
+        if version not in (2, 3):
+            raise self.error(f"GGUF version {version} is not supported (2 or 3)")
+        self.metadata = {}
+        for _ in range(n_kv):
+            key = self._str()
+            self.metadata[key] = self._value(self._unpack("I")[0])
+        infos = []
+        for _ in range(n_tensors):
+            name = self._str()
+            dims = self._unpack("Q" * self._unpack("I")[0])
+            infos.append((name, dims) + self._unpack("IQ"))
+        align = self.metadata.get("general.alignment", 32)
+        data_start = -(-self._pos // align) * align
+        self.tensors: dict[str, GGUFTensorInfo] = {}
+        for name, dims, type_id, offset in infos:
+            try:
+                qtype = GGMLQuantizationType(type_id)
+            except ValueError:
+                raise self.error(f"tensor {name} has unknown type id {type_id}") from None
+            block, block_bytes = GGML_QUANT_SIZES[qtype]
+            if dims[0] % block:
+                raise self.error(f"tensor {name} has {dims[0]} columns, not a multiple of "
+                                 f"{qtype.name}'s block of {block}")
+            nbytes = int(np.prod(dims)) // block * block_bytes
+            info = GGUFTensorInfo(name, tuple(reversed(dims)), qtype, data_start + offset, nbytes)
+            if info.offset + nbytes > len(self._mm):
+                raise self.error(f"is truncated: tensor {name} ends at byte {info.offset + nbytes} "
+                                 f"but the file has {len(self._mm)}")
+            self.tensors[name] = info
+
+    def _unpack(self, fmt: str, pos: int | None = None) -> tuple:
+        self._pos = self._pos if pos is None else pos
+        values = struct.unpack_from("<" + fmt, self._mm, self._pos)
+        self._pos += struct.calcsize("<" + fmt)
+        return values
+
+    def _str(self) -> str:
+        (n,) = self._unpack("Q")
+        if self._pos + n > len(self._mm):
+            raise IndexError
+        self._pos += n
+        return self._mm[self._pos - n:self._pos].decode("utf-8")
+
+    def _value(self, vtype: int):
+        if vtype == _STRING:
+            return self._str()
+        if vtype == _ARRAY:
+            itype, n = self._unpack("IQ")
+            if itype in _SCALARS:  # numeric arrays in one read
+                dtype = np.dtype("<" + _SCALARS[itype].replace("?", "b1"))
+                if self._pos + n * dtype.itemsize > len(self._mm):
+                    raise IndexError
+                arr = np.frombuffer(self._mm, dtype, n, self._pos)
+                self._pos += n * dtype.itemsize
+                return arr.tolist()
+            return [self._value(itype) for _ in range(n)]
+        if vtype not in _SCALARS:
+            raise self.error(f"metadata near byte {self._pos} has unknown value type {vtype}")
+        return self._unpack(_SCALARS[vtype])[0]
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """One tensor in HF (out, in) order: quantized types dequantized to fp32, F32/F16/BF16 as
+        stored (zero-copy views of a copy-on-write map of the file)."""
+        info = self.tensors.get(name)
+        if info is None:
+            raise self.error(f"missing tensor {name}")
+        if self._data is None:  # copy-on-write: writable for torch, the file is never changed
+            self._data = np.memmap(self.path, mode="c")
+        raw = self._data[info.offset:info.offset + info.nbytes]
+        qt = GGMLQuantizationType
+        if info.ggml_type in (qt.F32, qt.F16):
+            return torch.from_numpy(raw.view(np.float32 if info.ggml_type == qt.F32 else np.float16)
+                                    .reshape(info.shape))
+        if info.ggml_type == qt.BF16:
+            return torch.from_numpy(raw.view(np.int16).reshape(info.shape)).view(torch.bfloat16)
+        byte_shape = info.shape[:-1] + (-1,)
+        try:
+            return torch.from_numpy(dequantize(raw.reshape(byte_shape), info.ggml_type))
+        except NotImplementedError:
+            raise self.error(f"tensor {name} has type {info.ggml_type.name}, which qserve cannot "
+                             f"dequantize") from None
+
+
+def read_arch(gguf: GGUFFile) -> ModelArchConfig:
+    """ModelArchConfig from the metadata (no tensor data is read)."""
+    md = gguf.metadata
+    arch = md.get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise gguf.error(f"architecture {arch!r} is not supported; qserve reads "
+                         f"{', '.join(GGUF_ARCHITECTURES)} GGUFs (Mistral files say llama)")
+
+    def key(name, default=None):
+        value = md.get(f"{arch}.{name}", default)
+        if value is None:
+            raise gguf.error(f"missing metadata key {arch}.{name}")
+        return value
+
+    hidden, heads = key("embedding_length"), key("attention.head_count")
+    if "token_embd.weight" not in gguf.tensors:
+        raise gguf.error("missing tensor token_embd.weight")
+    try:
+        return ModelArchConfig(
+            architecture=arch,
+            vocab_size=gguf.tensors["token_embd.weight"].shape[0],
+            hidden_size=hidden,
+            intermediate_size=key("feed_forward_length"),
+            num_layers=key("block_count"),
+            num_heads=heads,
+            num_kv_heads=key("attention.head_count_kv", heads),
+            head_dim=key("attention.key_length", hidden // heads),
+            rms_norm_eps=key("attention.layer_norm_rms_epsilon", 1e-5),
+            rope_theta=key("rope.freq_base", 10000.0),
+            rope_scaling=_rope_scaling(gguf, arch),
+            max_position_embeddings=key("context_length", 4096),
+            tie_word_embeddings="output.weight" not in gguf.tensors,
+            attention_bias=arch == "qwen2",
+            bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=_eos_ids(md))
+    except ConfigError as e:
+        raise gguf.error(str(e)) from None
+
+
+def _eos_ids(md: dict) -> list[int]:
+    keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+    return list(dict.fromkeys(md[k] for k in keys if k in md))
+
+
+def _rope_scaling(gguf: GGUFFile, arch: str) -> dict | None:
+    """HF-style rope_scaling from `{arch}.rope.scaling.*`, or Llama 3's, which llama.cpp bakes
+    into a `rope_freqs.weight` tensor of per-frequency divisors."""
+    md = gguf.metadata
+    kind = md.get(f"{arch}.rope.scaling.type", "linear" if f"{arch}.rope.scale_linear" in md else None)
+    factor = md.get(f"{arch}.rope.scaling.factor", md.get(f"{arch}.rope.scale_linear", 1.0))
+    original = md.get(f"{arch}.rope.scaling.original_context_length")
+    if kind == "linear" and factor != 1.0:
+        return {"rope_type": "linear", "factor": factor}
+    if kind == "yarn":
+        return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original}
+    if kind not in (None, "none", "linear"):
+        raise gguf.error(f"rope scaling {kind!r} is not supported (linear, yarn, llama3)")
+    if "rope_freqs.weight" not in gguf.tensors:
+        return None
+    divisors = gguf.tensor("rope_freqs.weight").float()  # (head_dim // 2,)
+    head_dim = 2 * divisors.numel()
+    # Llama 3.x use low/high_freq_factor 1 and 4 over an 8192 context; check the tensor says so.
+    scaling = {"rope_type": "llama3", "factor": divisors.max().item(), "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": original or 8192}
+    theta = md.get(f"{arch}.rope.freq_base", 10000.0)
+    if not torch.allclose(divisors, llama3_rope_divisors(scaling, theta, head_dim), rtol=1e-4):
+        raise gguf.error("rope_freqs.weight is not a Llama 3 rope scaling qserve can express")
+    return scaling
+
+
+def llama3_rope_divisors(s: dict, theta: float, head_dim: int) -> torch.Tensor:
+    """Per-frequency divisors (head_dim // 2,) of Llama 3 rope scaling: long wavelengths are
+    slowed by `factor`, short ones kept, and the band between blended smoothly."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    wavelen = 2 * torch.pi / inv_freq
+    orig = s["original_max_position_embeddings"]
+    smooth = (orig / wavelen - s["low_freq_factor"]) / (s["high_freq_factor"] - s["low_freq_factor"])
+    blended = 1 / ((1 - smooth) / s["factor"] + smooth)
+    out = torch.where(wavelen > orig / s["low_freq_factor"], s["factor"], blended)
+    return torch.where(wavelen < orig / s["high_freq_factor"], 1.0, out).float()
+
+
+def read_weights(gguf: GGUFFile, arch: ModelArchConfig) -> dict[str, torch.Tensor]:
+    """All weights under Hugging Face Llama names, shapes (out_features, in_features)."""
+    names = dict(_GLOBAL_NAMES)
+    if arch.tie_word_embeddings:
+        del names["output.weight"]
+    per_layer = _LAYER_NAMES | (_BIAS_NAMES if arch.attention_bias else {})
+    for i in range(arch.num_layers):
+        names |= {f"blk.{i}.{g}": f"model.layers.{i}.{h}" for g, h in per_layer.items()}
+    permuted = arch.architecture == "llama"  # llama.cpp leaves qwen2's q/k in HF order
+    weights = {}
+    for gguf_name, hf_name in names.items():
+        w = gguf.tensor(gguf_name)
+        if permuted and (".attn_q." in gguf_name or ".attn_k." in gguf_name):
+            w = _unpermute(w, arch.num_heads if ".attn_q." in gguf_name else arch.num_kv_heads)
+        weights[hf_name] = w
+    check_shapes(weights, arch, gguf.path)
+    return weights
+
+
+def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row order. HF's rotate-half rope pairs row i of a head with row
+    i + head_dim/2; llama.cpp's rope pairs adjacent rows, so its converter interleaves the two
+    halves of every head. w: (n_head * head_dim, in) or (n_head * head_dim,)."""
+    return (w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:])
+            .transpose(1, 2).reshape(w.shape).contiguous())
+
+
+def read_tokenizer(gguf: GGUFFile) -> Tokenizer:
+    """The tokenizer described by the `tokenizer.*` metadata."""
+    md = gguf.metadata
+    model, tokens = md.get("tokenizer.ggml.model"), md.get("tokenizer.ggml.tokens")
+    if tokens is None:
+        raise gguf.error("has no tokenizer.ggml.tokens vocabulary")
+    types = md.get("tokenizer.ggml.token_type", [1] * len(tokens))
+    if model == "gpt2":
+        backend = byte_level_bpe(tokens, md.get("tokenizer.ggml.merges", []), types,
+                                 md.get("tokenizer.ggml.pre", "default"))
+        add_bos_default = False
+    elif model == "llama":
+        backend = sentencepiece_bpe(tokens, md.get("tokenizer.ggml.scores", [0.0] * len(tokens)), types,
+                                    md.get("tokenizer.ggml.add_space_prefix", True))
+        add_bos_default = True  # llama.cpp's default for sentencepiece vocabularies
+    else:
+        raise gguf.error(f"tokenizer model {model!r} is not supported (gpt2, llama)")
+    eos_ids = _eos_ids(md)
+    return Tokenizer(backend, bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
+                     eos_token_id=eos_ids[0] if eos_ids else None, extra_eos_ids=eos_ids[1:],
+                     add_bos=md.get("tokenizer.ggml.add_bos_token", add_bos_default),
+                     add_eos=md.get("tokenizer.ggml.add_eos_token", False),
+                     chat_template=md.get("tokenizer.chat_template"))

@@ -1,0 +1,74 @@
+"""How to pick the next tokens of one request, and when to stop. Ranges follow vLLM / OpenAI."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from qserve.errors import QServeError
+
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling settings, validated on construction."""
+
+    n: int = 1  # samples per prompt
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0  # keep the smallest set of tokens whose probability reaches top_p
+    top_k: int = 0  # keep the k most likely tokens; 0 or -1 = off
+    min_p: float = 0.0  # drop tokens less likely than min_p * (probability of the likeliest)
+    repetition_penalty: float = 1.0  # HF-style, over prompt + output tokens; 1 = off
+    presence_penalty: float = 0.0  # OpenAI-style, over output tokens; 0 = off
+    frequency_penalty: float = 0.0  # OpenAI-style, over output tokens; 0 = off
+    seed: int | None = None  # makes this request's samples reproducible
+    stop: list[str] = field(default_factory=list)  # a str is accepted and wrapped in a list
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False  # keep generating past EOS
+    max_tokens: int = 16
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens exist
+    logprobs: int | None = None  # return the logprobs of the chosen token and of the top-N
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids)
+        _check(self.n >= 1, f"n={self.n} must be at least 1")
+        _check(self.temperature >= 0, f"temperature={self.temperature} must be >= 0")
+        _check(0 < self.top_p <= 1, f"top_p={self.top_p} must be in (0, 1]")
+        _check(self.top_k >= -1,
+               f"top_k={self.top_k} must be -1 or 0 (off) or a positive number of tokens")
+        _check(0 <= self.min_p <= 1, f"min_p={self.min_p} must be in [0, 1]")
+        _check(self.repetition_penalty > 0,
+               f"repetition_penalty={self.repetition_penalty} must be > 0 (1 = off)")
+        _check(-2 <= self.presence_penalty <= 2,
+               f"presence_penalty={self.presence_penalty} must be in [-2, 2]")
+        _check(-2 <= self.frequency_penalty <= 2,
+               f"frequency_penalty={self.frequency_penalty} must be in [-2, 2]")
+        _check(self.max_tokens >= 1, f"max_tokens={self.max_tokens} must be at least 1")
+        _check(0 <= self.min_tokens <= self.max_tokens,
+               f"min_tokens={self.min_tokens} must be in [0, max_tokens={self.max_tokens}]")
+        _check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+               f"logprobs={self.logprobs} must be in [0, {MAX_LOGPROBS}] or None")
+        for s in self.stop:
+            _check(isinstance(s, str) and s != "", f"stop={s!r} must be a non-empty string")
+        for t in self.stop_token_ids:
+            _check(isinstance(t, int) and t >= 0,
+                   f"stop_token_ids entry {t!r} must be a token id >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling reduces to argmax: temperature 0, or only one token kept."""
+        return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.repetition_penalty != 1 or self.presence_penalty != 0
+                or self.frequency_penalty != 0)
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise QServeError(message)

@@ -1,0 +1,211 @@
+"""The `qserve` command line: user errors are one line and exit 2 (fast, in-process, no model);
+the real commands run as `python -m qserve` on the default model (slow)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from qserve import cli
+from qserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+
+REPO = Path(__file__).resolve().parent.parent
+
+LIGHT = ["--max-model-len", "512", "--kv-cache-memory", "256MiB"]
+
+
+def invoke(*args: str, input: str | None = None):
+    return CliRunner().invoke(cli.main, list(args), input=input)
+
+
+def assert_user_error(result, *needles: str) -> str:
+    """Exit 2 with exactly one line, `error: ...`, naming what was wrong; no traceback."""
+    assert result.exit_code == 2, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    assert "Traceback" not in result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.output
+    for needle in needles:
+        assert needle in lines[0]
+    return lines[0]
+
+
+# ---- argument errors: caught before any model is loaded ----------------------------------
+@pytest.mark.parametrize("args, needle", [
+    (["--max-tokens", "0"], "max_tokens=0"),
+    (["--temperature", "-1"], "temperature=-1"),
+    (["--top-p", "0"], "top_p=0"),
+    (["--top-p", "1.5"], "top_p=1.5"),
+    (["--device", "tpu"], "'tpu'"),
+    (["--kv-cache-memory", "lots"], "'lots'"),
+    (["--block-size", "3"], "--block-size=3"),
+    (["--n", "0"], "n=0"),
+])
+def test_generate_rejects_bad_flag(args, needle):
+    assert_user_error(invoke("generate", "hello", *args), needle)
+
+
+def test_unknown_model_alias():
+    assert_user_error(invoke("generate", "hello", "--model", "no-such-model"), "no-such-model")
+    assert_user_error(invoke("info", "no-such-model"), "no-such-model")
+    assert_user_error(invoke("pull", "no-such-model"), "no-such-model")
+
+
+def test_empty_prompt():
+    assert_user_error(invoke("generate", ""), "empty")
+
+
+def test_no_prompt_at_all():
+    assert_user_error(invoke("generate", input=""), "no prompt")
+
+
+def test_missing_prompts_file(tmp_path):
+    missing = str(tmp_path / "nope.txt")
+    assert_user_error(invoke("generate", "--prompts-file", missing), "nope.txt")
+
+
+def test_bad_batch_sizes():
+    assert_user_error(invoke("bench", "--batch-sizes", "1,zero"), "1,zero")
+    assert_user_error(invoke("bench", "--batch-sizes", "0"), "'0'")
+
+
+def test_unknown_command_and_flag():
+    assert_user_error(invoke("nosuch"), "nosuch")
+    assert_user_error(invoke("generate", "--tempurature", "1", "hi"), "--tempurature")
+
+
+# ---- prompt plumbing and Ctrl-C, against a stand-in engine --------------------------------
+class FakeEngine:
+    """Finishes every request in one step with the text "ok"; or raises Ctrl-C mid-run."""
+
+    tokenizer = None
+
+    def __init__(self, interrupt: bool = False):
+        self.interrupt, self.queued, self.prompts, self.aborted = interrupt, [], [], []
+
+    def add_request(self, rid, prompt, params, prompt_token_ids=None):
+        self.queued.append(rid)
+        self.prompts.append(prompt)
+
+    def step(self):
+        if self.interrupt:
+            raise KeyboardInterrupt
+        done, self.queued = self.queued, []
+        return [RequestOutput(rid, None, [7, 8], [CompletionOutput(0, "ok", [5, 6], "stop",
+                                                                   delta_text="ok")],
+                              True, RequestMetrics(0.0, None, 0.5, 1.5)) for rid in done]
+
+    def abort(self, rid):
+        self.aborted.append(rid)
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    engine = FakeEngine()
+    monkeypatch.setattr(cli, "_build_engine", lambda model, opts: engine)
+    return engine
+
+
+def test_prompts_from_stdin_and_file(fake, tmp_path):
+    result = invoke("generate", "--json", input="first\n\n  \nsecond\n")
+    assert result.exit_code == 0, result.output
+    assert fake.prompts == ["first", "second"]
+    rows = [json.loads(line) for line in result.output.splitlines()]
+    assert [r["prompt_index"] for r in rows] == [0, 1]
+    assert rows[0]["ttft_s"] == 0.5 and rows[0]["decode_tokens_per_s"] == 1.0
+    f = tmp_path / "prompts.txt"
+    f.write_text("a\n\nb\n")
+    fake.prompts.clear()
+    assert invoke("generate", "x", "--prompts-file", str(f)).exit_code == 0
+    assert fake.prompts == ["x", "a", "b"]
+
+
+def test_ctrl_c_aborts_requests_and_exits_130(fake):
+    fake.interrupt = True
+    result = invoke("generate", "one", "two")
+    assert result.exit_code == 130
+    assert "Traceback" not in result.output
+    assert sorted(fake.aborted) == ["cli-0", "cli-1"]
+
+
+# ---- errors that need the model: in-process, with the session's loaded model ---------------
+@pytest.fixture
+def real(monkeypatch, loaded_model):
+    import qserve.loader
+
+    monkeypatch.setattr(qserve.loader, "load_model", lambda spec=None: loaded_model)
+
+
+@pytest.mark.slow
+def test_kv_budget_too_small_for_one_sequence(real):
+    line = assert_user_error(invoke("generate", "hello", "--kv-cache-memory", "1MiB",
+                                    "--max-model-len", "512"))
+    assert "--kv-cache-memory" in line and "--max-model-len" in line
+
+
+@pytest.mark.slow
+def test_prompt_longer_than_max_model_len(real):
+    assert_user_error(invoke("generate", "word " * 100, "--max-model-len", "32",
+                             "--kv-cache-memory", "64MiB"), "--max-model-len is 32")
+
+
+# ---- the real thing, as a user runs it -----------------------------------------------------
+def qserve(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "qserve", *args], cwd=REPO, text=True,
+                          capture_output=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+@pytest.mark.slow
+def test_generate_json_two_prompts():
+    proc = qserve("generate", "The capital of France is", "def add(a, b):", "--json",
+                  "--temperature", "0", "--max-tokens", "8", *LIGHT)
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [r["prompt_index"] for r in rows] == [0, 1]
+    for r in rows:
+        assert {"text", "token_ids", "prompt_tokens", "completion_tokens", "finish_reason",
+                "ttft_s", "decode_tokens_per_s"} <= set(r)
+        assert r["completion_tokens"] == len(r["token_ids"])
+        assert r["completion_tokens"] == 8 or r["finish_reason"] == "stop"
+        assert r["prompt_tokens"] > 0 and r["ttft_s"] > 0
+
+
+@pytest.mark.slow
+def test_generate_streams_one_prompt():
+    proc = qserve("generate", "The capital of France is", "--temperature", "0",
+                  "--max-tokens", "6", *LIGHT)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() and proc.stdout.endswith("\n")
+    assert "Paris" in proc.stdout
+
+
+@pytest.mark.slow
+def test_info_json():
+    proc = qserve("info", "--json", *LIGHT)
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout)
+    assert info["architecture"] == "llama"
+    assert info["num_layers"] == 30 and info["num_heads"] == 9 and info["num_kv_heads"] == 3
+    assert info["head_dim"] == 64 and info["context_length"] == 8192
+    # K and V, 30 layers, 3 kv heads of 64 dims
+    assert info["kv_bytes_per_token"] == {"fp32": 46080, "fp16": 23040, "bf16": 23040}
+    assert info["kv_tokens"]["fp32"] == 256 * 2**20 // (46080 * 16) * 16
+    assert info["weight_bytes"]["fp16"] == 2 * info["num_params"]
+    assert 0 < info["file_bytes"] < info["weight_bytes"]["fp16"]  # Q4_1 on disk
+
+
+@pytest.mark.slow
+def test_bench_json():
+    proc = qserve("bench", "--batch-sizes", "1,2", "--input-len", "16", "--output-len", "8",
+                  "--json", *LIGHT)
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [r["batch_size"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["prefill_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0
+        assert 0 < r["ttft_p50_s"] and 0 < r["tpot_mean_s"]
+        assert r["peak_rss_mib"] > 0 and r["preemptions"] == 0
