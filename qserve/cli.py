@@ -131,8 +131,7 @@ def info(model, as_json, engine):
     import torch
 
     from qserve.config import engine_config
-    from qserve.engine.cache_engine import DTYPES, bytes_per_block, plan_num_blocks
-    from qserve.errors import ConfigError
+    from qserve.engine.cache_engine import DTYPES, bytes_per_block, kv_budget_bytes
     from qserve.loader import load_arch, resolve_model
 
     config = engine_config(model, **engine)
@@ -140,13 +139,12 @@ def info(model, as_json, engine):
     arch = load_arch(path)
     files = [p for p in path.rglob("*") if p.is_file()] if path.is_dir() else [path]
     bs, device = config.cache.block_size, torch.device(config.resolved_device())
+    budget = kv_budget_bytes(config.cache, device)
     kv_per_token, kv_tokens = {}, {}
     for name, dtype in DTYPES.items():
-        kv_per_token[name] = bytes_per_block(arch, bs, dtype) // bs
-        try:  # what the engine would allocate, planned for sequences of one block
-            kv_tokens[name] = plan_num_blocks(arch, config.cache, dtype, device, bs)[0] * bs
-        except ConfigError:  # the budget does not hold a single block
-            kv_tokens[name] = 0
+        per_block = bytes_per_block(arch, bs, dtype)
+        kv_per_token[name] = per_block // bs
+        kv_tokens[name] = budget // per_block * bs  # whole blocks only, as the engine allocates
     n = arch.num_params
     report = {
         "model": str(path), "architecture": arch.architecture, "num_layers": arch.num_layers,
@@ -157,7 +155,7 @@ def info(model, as_json, engine):
         "weight_bytes": {"fp32": 4 * n, "fp16": 2 * n},
         "file_bytes": sum(p.stat().st_size for p in files),
         "kv_bytes_per_token": kv_per_token,
-        "kv_cache_memory": config.cache.kv_cache_memory,  # None: a fraction of free memory
+        "kv_cache_memory": budget,
         "kv_tokens": kv_tokens,  # tokens of KV cache that budget holds, per KV dtype
     }
     if as_json:

@@ -93,9 +93,7 @@ def plan_num_blocks(arch: ModelArchConfig, cache: CacheConfig, dtype: torch.dtyp
     """Number of device and host blocks that fit the budgets; refuses a pool too small for
     one full-length sequence."""
     per_block = bytes_per_block(arch, cache.block_size, dtype)
-    budget = cache.kv_cache_memory
-    if budget is None:
-        budget = int(_free_memory(device) * cache.kv_cache_fraction)
+    budget = kv_budget_bytes(cache, device)
     num_blocks = budget // per_block
     need = -(-max_model_len // cache.block_size)
     if num_blocks < need:
@@ -105,6 +103,13 @@ def plan_num_blocks(arch: ModelArchConfig, cache: CacheConfig, dtype: torch.dtyp
             f"--kv-cache-memory to at least {need * per_block / 2**20:.1f} MiB or lower "
             f"--max-model-len")
     return int(num_blocks), int(cache.swap_space // per_block)
+
+
+def kv_budget_bytes(cache: CacheConfig, device: torch.device) -> int:
+    """The device KV pool's budget: --kv-cache-memory, else a fraction of free memory."""
+    if cache.kv_cache_memory is not None:
+        return cache.kv_cache_memory
+    return int(_free_memory(device) * cache.kv_cache_fraction)
 
 
 def _free_memory(device: torch.device) -> int:

@@ -22,7 +22,7 @@ from qserve.engine.model_runner import ModelRunner
 from qserve.engine.sampler import Sampler, SamplingRow
 from qserve.engine.scheduler import Scheduler
 from qserve.engine.sequence import Sequence
-from qserve.errors import QServeError
+from qserve.errors import ConfigError, QServeError
 from qserve.models.llama import LlamaForCausalLM
 from qserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from qserve.sampling_params import SamplingParams
@@ -46,19 +46,26 @@ class _Request:
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded=None):
         self.config = config
-        if loaded is None:
-            from qserve.loader import load_model
+        from qserve.loader import load_arch, load_model
 
-            loaded = load_model(config.model)
-        self.arch, self.tokenizer = loaded.arch, loaded.tokenizer
-        self.model_path = loaded.path
+        # Plan the KV pools from the architecture alone, so a budget too small for one
+        # sequence is refused before any weights are read.
+        arch = loaded.arch if loaded is not None else load_arch(config.model)
         self.device = torch.device(config.resolved_device())
         self.dtype = DTYPES[config.dtype]
         sched = config.scheduler
-        self.max_model_len = sched.max_model_len or self.arch.max_position_embeddings
+        self.max_model_len = sched.max_model_len or arch.max_position_embeddings
+        if self.max_model_len > arch.max_position_embeddings:
+            raise ConfigError(
+                f"--max-model-len {self.max_model_len} exceeds the model's context length "
+                f"{arch.max_position_embeddings}; use at most that")
         self.kv_dtype = kv_torch_dtype(config.cache, self.dtype)
         num_blocks, num_host_blocks = plan_num_blocks(
-            self.arch, config.cache, self.kv_dtype, self.device, self.max_model_len)
+            arch, config.cache, self.kv_dtype, self.device, self.max_model_len)
+        if loaded is None:
+            loaded = load_model(config.model)
+        self.arch, self.tokenizer = loaded.arch, loaded.tokenizer
+        self.model_path = loaded.path
 
         with torch.device("meta"):
             model = LlamaForCausalLM(self.arch, self.max_model_len, self.dtype, self.device)

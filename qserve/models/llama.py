@@ -11,6 +11,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from qserve.config import ModelArchConfig
+from qserve.errors import ModelLoadError
 from qserve.kernels.paged_attention import PagedAttentionMetadata, paged_attention, write_kv
 from qserve.models.rope import RotaryEmbedding
 
@@ -117,7 +118,7 @@ class LlamaForCausalLM(nn.Module):
         def put(name: str, tensor: torch.Tensor) -> None:
             p = params[name]
             if p.shape != tensor.shape:
-                raise ValueError(f"weight {name}: shape {tuple(tensor.shape)}, "
+                raise ModelLoadError(f"weight {name}: shape {tuple(tensor.shape)}, "
                                  f"expected {tuple(p.shape)}")
             owner, _, attr = name.rpartition(".")
             value = tensor.to(dtype=dtype, device=device).contiguous()
@@ -126,7 +127,7 @@ class LlamaForCausalLM(nn.Module):
 
         def get(name: str) -> torch.Tensor:
             if name not in weights:
-                raise ValueError(f"weight {name} is missing from the checkpoint")
+                raise ModelLoadError(f"weight {name} is missing from the checkpoint")
             return weights[name]
 
         put("embed_tokens.weight", get("model.embed_tokens.weight"))

@@ -1,0 +1,39 @@
+"""The default model as Hugging Face transformers sees it: converted from the GGUF to an fp32
+safetensors directory once (about 30 s), then reused. Shared by the tests and the benchmarks."""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+
+def hf_reference_dir(gguf_path: Path) -> Path:
+    out = Path(os.environ["QSERVE_HOME"]) / "hf-ref" / (gguf_path.stem + "-fp32")
+    if (out / "config.json").exists():
+        return out
+    from tokenizers import pre_tokenizers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    kw = dict(gguf_file=gguf_path.name)
+    try:  # transformers >= 5 keeps GGUF weights "quantized" unless told to dequantize
+        from transformers import GgufConfig
+
+        kw["quantization_config"] = GgufConfig(dequantize=True)
+    except ImportError:
+        pass
+    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), dtype=torch.float32, **kw)
+    kw.pop("quantization_config", None)
+    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), **kw)
+    # transformers does not know this GGUF's "smollm" pre-tokenizer, which splits digits off
+    # one by one (as llama.cpp and the original tokenizer.json do): restore it.
+    tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    tmp.rename(out)
+    return out
