@@ -1,0 +1,261 @@
+"""`qserve chat`: a conversation with a model in the terminal, each reply streamed as it is
+generated.
+
+On a terminal it reads lines with prompt_toolkit (editing, history); piped, it reads one user
+message per line and prints one reply per message, so it can be scripted. Lines starting with
+`/` are commands (see HELP). The engine runs on this thread: one request at a time, stepped
+until it finishes or Ctrl-C sets a flag that is checked between steps, so an interrupted step
+never leaves the engine half-updated.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+
+from qserve.errors import QServeError
+from qserve.sampling_params import SamplingParams
+
+HELP = """\
+/help                 this list
+/reset                forget the conversation (the system prompt stays)
+/system TEXT          set the system prompt (no TEXT: remove it)
+/set NAME VALUE       set a sampling parameter, e.g. /set temperature 0.7 (no NAME: show them)
+/stats                the last reply's time to first token, tokens/s and KV blocks in use
+/save FILE            write the conversation to FILE as JSON
+/exit                 leave (Ctrl-D too); Ctrl-C interrupts a reply"""
+SETTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+            "frequency_penalty", "seed", "max_tokens")
+PROMPT = ">>> "
+
+
+class ChatSession:
+    """The conversation and its engine. `reply()` streams one answer; `command()` runs a
+    slash command and returns False when the session should end."""
+
+    def __init__(self, engine, params: SamplingParams, system: str | None = None,
+                 model_name: str = "", out=None, err=None):
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.params = params
+        self.system = system
+        self.model_name = model_name
+        self.turns: list[dict] = []  # user / assistant messages, oldest first
+        self.last_stats: dict | None = None
+        self.out = out or sys.stdout
+        self.err = err or sys.stderr
+        self._ids = itertools.count()
+        self._interrupted = False
+
+    # ---- the conversation --------------------------------------------------------------
+    def messages(self) -> list[dict]:
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        return head + self.turns
+
+    def _prompt_ids(self) -> list[int]:
+        text = self.tokenizer.apply_chat_template(self.messages(), add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _fit(self) -> list[int] | None:
+        """The prompt ids, dropping the oldest turns (never the system prompt or the new
+        message) until a reply has room; None when the new message alone does not fit."""
+        limit = self.engine.max_model_len
+        room = min(self.params.max_tokens, limit // 4)  # what a reply needs, at least
+        ids, dropped = self._prompt_ids(), 0
+        while len(ids) + room > limit and len(self.turns) > 1:
+            self.turns.pop(0)
+            dropped += 1
+            if self.turns and self.turns[0]["role"] == "assistant":  # keep user-first order
+                self.turns.pop(0)
+                dropped += 1
+            ids = self._prompt_ids()
+        if dropped:
+            self._note(f"(the conversation outgrew the {limit}-token context; dropped the "
+                       f"oldest {dropped} message{'s' * (dropped > 1)})")
+        if len(ids) >= limit:
+            self.turns.pop()
+            self._note(f"(that message is {len(ids)} tokens with the system prompt; the "
+                       f"context holds {limit}. Send something shorter.)")
+            return None
+        return ids
+
+    def reply(self, text: str) -> str:
+        """Stream the model's answer to `text` to `out`; Ctrl-C stops it early (the partial
+        answer stays in the history)."""
+        self.turns.append({"role": "user", "content": text})
+        ids = self._fit()
+        if ids is None:
+            return ""
+        params = dataclasses.replace(
+            self.params, max_tokens=min(self.params.max_tokens,
+                                        self.engine.max_model_len - len(ids)))
+        rid = f"chat-{next(self._ids)}"
+        self._interrupted = False
+        previous = signal.signal(signal.SIGINT, self._on_sigint)
+        peak_blocks, out = 0, None
+        try:
+            self.engine.add_request(rid, None, params, prompt_token_ids=ids)
+            while not self._interrupted:
+                outputs = self.engine.step()
+                peak_blocks = max(peak_blocks, self.engine.stats()["kv_blocks_used"])
+                for out in outputs:
+                    self.out.write(out.outputs[0].delta_text)
+                    self.out.flush()
+                if out is not None and out.finished:
+                    break
+        finally:
+            self.engine.abort(rid)  # a no-op when it finished
+            signal.signal(signal.SIGINT, previous)
+        answer = out.outputs[0].text if out is not None else ""
+        self.out.write("\n")
+        if self._interrupted:
+            self._note("(interrupted)")
+        self.turns.append({"role": "assistant", "content": answer})
+        if out is not None:
+            self.last_stats = _reply_stats(out, peak_blocks, self.engine.stats())
+        return answer
+
+    def _on_sigint(self, signum, frame) -> None:
+        self._interrupted = True
+
+    def _note(self, message: str) -> None:
+        self.err.write(message + "\n")
+        self.err.flush()
+
+    # ---- commands ----------------------------------------------------------------------
+    def command(self, line: str) -> bool:
+        name, _, arg = line.strip().partition(" ")
+        arg = arg.strip()
+        if name in ("/exit", "/quit", "/bye"):
+            return False
+        if name in ("/help", "/?"):
+            self._note(HELP)
+        elif name == "/reset":
+            self.turns.clear()
+            self._note("(conversation cleared)")
+        elif name == "/system":
+            self.system = arg or None
+            self._note(f"(system prompt {'set' if arg else 'removed'})")
+        elif name == "/set":
+            self._set(arg)
+        elif name == "/stats":
+            self._note(_format_stats(self.last_stats))
+        elif name == "/save":
+            self._save(arg)
+        else:
+            self._note(f"unknown command {name}; /help lists the commands")
+        return True
+
+    def _set(self, arg: str) -> None:
+        if not arg:
+            self._note("  ".join(f"{k}={getattr(self.params, k)}" for k in SETTABLE))
+            return
+        key, _, value = arg.partition(" ")
+        value = value.strip()
+        if key not in SETTABLE or not value:
+            self._note(f"usage: /set NAME VALUE, with NAME one of {', '.join(SETTABLE)}")
+            return
+        try:
+            if key == "seed" and value.lower() == "none":
+                parsed = None
+            elif key in ("top_k", "seed", "max_tokens"):
+                parsed = int(value)
+            else:
+                parsed = float(value)
+            self.params = dataclasses.replace(self.params, **{key: parsed})
+        except ValueError as e:  # int('x'), or SamplingParams' QServeError
+            why = str(e) if isinstance(e, QServeError) else f"{value!r} is not a number"
+            self._note(f"error: {why}")
+            return
+        self._note(f"({key} = {parsed})")
+
+    def _save(self, path: str) -> None:
+        if not path:
+            self._note("usage: /save FILE")
+            return
+        record = {"model": self.model_name, "messages": self.messages(),
+                  "sampling": {k: getattr(self.params, k) for k in SETTABLE}}
+        try:
+            Path(path).expanduser().write_text(json.dumps(record, indent=2, ensure_ascii=False)
+                                               + "\n", encoding="utf-8")
+        except OSError as e:
+            self._note(f"error: cannot write {path!r}: {e.strerror}")
+            return
+        self._note(f"(saved {len(self.messages())} messages to {path})")
+
+
+def _reply_stats(out, peak_blocks: int, stats: dict) -> dict:
+    m = out.metrics
+    n = len(out.outputs[0].token_ids)
+    ttft = m.first_token_time - m.arrival_time if m.first_token_time is not None else None
+    end = m.finished_time or time.monotonic()
+    decode_s = end - m.first_token_time if m.first_token_time is not None else 0
+    return {"prompt_tokens": len(out.prompt_token_ids), "tokens": n, "ttft_s": ttft,
+            "tokens_per_s": (n - 1) / decode_s if n > 1 and decode_s > 0 else None,
+            "kv_blocks_used": peak_blocks, "kv_blocks_total": stats["kv_blocks_total"]}
+
+
+def _format_stats(s: dict | None) -> str:
+    if s is None:
+        return "(no reply yet)"
+    ttft = f"{s['ttft_s'] * 1000:.0f} ms" if s["ttft_s"] is not None else "-"
+    rate = f"{s['tokens_per_s']:.1f} tokens/s" if s["tokens_per_s"] is not None else "- tokens/s"
+    return (f"time to first token {ttft}, {s['tokens']} tokens at {rate}, "
+            f"prompt {s['prompt_tokens']} tokens, "
+            f"KV blocks in use {s['kv_blocks_used']} of {s['kv_blocks_total']}")
+
+
+# ---- the loop ----------------------------------------------------------------------------
+def run(session: ChatSession, stdin=None) -> None:
+    """Talk until /exit or end of input: interactively on a terminal, else line by line."""
+    stdin = stdin or sys.stdin
+    if not stdin.isatty():
+        for line in stdin:
+            line = line.strip()
+            if not line:
+                continue
+            if line.startswith("/"):
+                if not session.command(line):
+                    return
+            else:
+                session.reply(line)
+        return
+    read = _line_reader()
+    session._note(f"qserve chat with {session.model_name}: /help for commands, "
+                  f"Ctrl-D to leave")
+    while True:
+        try:
+            line = read().strip()
+        except KeyboardInterrupt:  # Ctrl-C at the prompt: a fresh line
+            continue
+        except EOFError:
+            return
+        if not line:
+            continue
+        if line.startswith("/"):
+            if not session.command(line):
+                return
+        else:
+            session.reply(line)
+
+
+def _line_reader():
+    from prompt_toolkit import PromptSession
+    from prompt_toolkit.history import FileHistory, InMemoryHistory
+
+    from qserve.loader.registry import model_home
+
+    history = InMemoryHistory()
+    try:
+        path = model_home() / "chat_history"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch()
+        history = FileHistory(str(path))
+    except OSError:  # a read-only home: history for this session only
+        pass
+    prompt_session = PromptSession(history=history)
+    return lambda: prompt_session.prompt(PROMPT)

@@ -1,0 +1,311 @@
+"""The ASGI app: OpenAI's /v1 routes, /health and /metrics, over one AsyncEngine.
+
+Every HTTP request shares the engine thread's continuous batching. A handler validates the
+body (protocol.py), tokenizes in a worker thread, adds its prompts, then either waits for the
+final outputs or streams Server-Sent Events; a stream whose client goes away is aborted, which
+frees its KV blocks at the engine's next step boundary.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import signal
+import uuid
+from contextlib import asynccontextmanager
+
+import uvicorn
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from qserve.errors import QServeError, QueueFullError
+from qserve.server import protocol as P
+from qserve.server.async_engine import AsyncEngine, EngineStopped, Generation
+from qserve.server.metrics import CONTENT_TYPE, Metrics
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def serve(engine, model_name: str, host: str = "127.0.0.1", port: int = 8000,
+          api_key: str | None = None, log_level: str = "info",
+          graceful_timeout_s: float = 30.0) -> None:
+    """Serve `engine` (an LLMEngine) until SIGINT or SIGTERM, then return normally.
+
+    On a signal the server stops accepting connections, lets in-flight requests finish for up
+    to `graceful_timeout_s`, then cancels them (which aborts them in the engine).
+    """
+    metrics = Metrics()
+    async_engine = AsyncEngine(engine, on_finished=metrics.observe)
+    metrics.watch(async_engine)
+    app = build_app(async_engine, model_name, metrics, api_key)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=graceful_timeout_s)
+    _Server(config).run()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's Server, except that SIGINT / SIGTERM is the normal way to stop, so the process
+    exits 0: uvicorn itself re-raises the signal after its graceful shutdown."""
+
+    def handle_exit(self, sig, frame):
+        if self.should_exit and sig == signal.SIGINT:  # a second Ctrl-C: stop waiting
+            self.force_exit = True
+        self.should_exit = True
+
+
+def build_app(engine: AsyncEngine, model_name: str, metrics: Metrics,
+              api_key: str | None = None) -> FastAPI:
+    """The app; its lifespan starts the engine thread and, on shutdown, aborts what is left."""
+
+    @asynccontextmanager
+    async def lifespan(app):
+        engine.start()
+        yield
+        engine.shutdown()
+
+    app = FastAPI(title="qserve", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    created = P.now()
+
+    # ---- errors and auth ---------------------------------------------------------------
+    @app.exception_handler(P.APIError)
+    async def _api_error(request, e: P.APIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, e: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        message = (f"no route {request.method} {request.url.path}" if e.status_code in (404, 405)
+                   else str(e.detail))
+        return JSONResponse(P.APIError(e.status_code, message, code=code).body(),
+                            status_code=e.status_code)
+
+    async def require_key(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(),
+                                                                 api_key.encode()):
+            why = "a wrong API key" if given else "no API key (Authorization: Bearer KEY)"
+            raise P.APIError(401, f"the request carries {why}", code="invalid_api_key")
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_key)])
+
+    # ---- plain routes ------------------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        if not engine.alive:
+            return JSONResponse({"status": "engine stopped"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    def model_card() -> dict:
+        return {"id": model_name, "object": "model", "created": created, "owned_by": "qserve",
+                "max_model_len": engine.max_model_len}
+
+    @v1.get("/models")
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @v1.get("/models/{name:path}")
+    async def model(name: str):
+        check_model(name)
+        return model_card()
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_name:
+            raise P.APIError(404, f"the model {name!r} does not exist; this server serves "
+                                  f"{model_name!r}", param="model", code="model_not_found")
+
+    # ---- generation --------------------------------------------------------------------
+    @v1.post("/completions")
+    async def completions(request: Request):
+        req = P.parse_completion(await _json(request))
+        check_model(req.model)
+        tok = engine.tokenizer
+        loop = asyncio.get_running_loop()
+        prompts = await loop.run_in_executor(None, lambda: [
+            tok.encode(p) if isinstance(p, str) else p for p in req.prompts])
+        texts = None
+        if req.echo:
+            texts = await loop.run_in_executor(None, lambda: [
+                p if isinstance(p, str) else tok.decode(p) for p in req.prompts])
+        return await _run(request, req, prompts, "cmpl", "text_completion", texts)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: Request):
+        req = P.parse_chat(await _json(request))
+        check_model(req.model)
+        tok = engine.tokenizer
+
+        def render() -> list[int]:
+            try:
+                text = tok.apply_chat_template(req.messages, add_generation_prompt=True)
+            except QServeError as e:  # a template that refuses this conversation
+                raise P.bad(str(e), "messages") from None
+            return tok.encode(text, add_special_tokens=False)
+
+        ids = await asyncio.get_running_loop().run_in_executor(None, render)
+        return await _run(request, req, [ids], "chatcmpl", "chat.completion", None)
+
+    async def _run(request: Request, req: P.GenerateRequest, prompts: list[list[int]],
+                   prefix: str, kind: str, echo_texts: list[str] | None):
+        if not all(prompts):
+            raise P.bad("the prompt is empty; give at least one token of text", "prompt")
+        param = "messages" if kind == "chat.completion" else "prompt"
+        params = P.fit_to_context(req, [len(p) for p in prompts], engine.max_model_len, param)
+        gen = Generation(engine, f"{prefix}-{uuid.uuid4().hex[:16]}", prompts, params)
+        try:
+            await gen.start()
+        except QueueFullError as e:
+            raise P.APIError(503, str(e), "server_error", code="queue_full") from None
+        except EngineStopped as e:
+            raise P.APIError(503, str(e), "server_error", code="shutting_down") from None
+        except QServeError as e:
+            raise P.bad(str(e), param) from None
+        response = _Response(gen.request_ids[0], kind, model_name, req, params.n, engine,
+                             echo_texts)
+        if req.stream:
+            return _EventStream(response.stream(gen), on_close=gen.close)
+        try:
+            finals = await _until_done(request, gen)
+        except EngineStopped as e:
+            raise P.APIError(503, str(e), "server_error", code="shutting_down") from None
+        if finals is None:  # the client went away; nobody reads this
+            return Response(status_code=499)
+        return JSONResponse(response.whole(finals))
+
+    app.include_router(v1)
+    return app
+
+
+async def _json(request: Request) -> dict:
+    try:
+        body = json.loads(await request.body())
+    except (ValueError, UnicodeDecodeError):
+        raise P.bad("the request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise P.bad("the request body must be a JSON object")
+    return body
+
+
+async def _until_done(request: Request, gen: Generation):
+    """The final outputs, or None when the client disconnects first (its requests aborted)."""
+    task = asyncio.ensure_future(gen.final_outputs())
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=1.0)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                return None
+    finally:
+        if not task.done():
+            task.cancel()
+        gen.close()
+
+
+class _EventStream(StreamingResponse):
+    """SSE that runs `on_close` however the response ends (done, error, or disconnect)."""
+
+    def __init__(self, chunks, on_close):
+        super().__init__(chunks, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+class _Response:
+    """Builds one request's completion or chat JSON, whole or as stream chunks."""
+
+    def __init__(self, rid: str, kind: str, model: str, req: P.GenerateRequest, n: int,
+                 engine: AsyncEngine, echo_texts: list[str] | None):
+        self.id, self.kind, self.model, self.req, self.n = rid, kind, model, req, n
+        self.chat = kind == "chat.completion"
+        self.created = P.now()
+        self.echo = echo_texts
+        self.lp = (P.LogprobFormatter(engine.tokenizer, req.logprobs)
+                   if req.logprobs is not None else None)
+
+    def _logprobs(self, c, start: int, offset: int):
+        if self.lp is None or c.logprobs is None:
+            return None
+        ids, lps = c.token_ids[start:], c.logprobs[start:len(c.token_ids)]
+        return self.lp.chat(ids, lps) if self.chat else self.lp.completion(ids, lps, offset)
+
+    def whole(self, finals) -> dict:
+        choices = []
+        for i, out in enumerate(finals):
+            for c in out.outputs:
+                head = self.echo[i] if self.echo else ""
+                choice = {"index": i * self.n + c.index,
+                          "logprobs": self._logprobs(c, 0, len(head)),
+                          "finish_reason": P.finish_reason(c)}
+                if self.chat:
+                    choice["message"] = {"role": "assistant", "content": c.text}
+                else:
+                    choice["text"] = head + c.text
+                choices.append(choice)
+        choices.sort(key=lambda ch: ch["index"])
+        return P.envelope(self.id, self.kind, self.created, self.model, choices,
+                          usage=P.usage(finals))
+
+    async def stream(self, gen: Generation):
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        extra = {"usage": None} if self.req.include_usage else {}
+        sent_tokens: dict[int, int] = {}  # choice index -> tokens whose logprobs were sent
+        offsets: dict[int, int] = {}  # choice index -> characters sent (completions' offsets)
+        finished: set[int] = set()
+        last: dict[int, object] = {}
+        try:
+            async for i, out in gen:
+                last[i] = out
+                choices = []
+                for c in out.outputs:
+                    index = i * self.n + c.index
+                    reason = P.finish_reason(c)
+                    first = index not in sent_tokens
+                    if not (first or c.delta_text or (reason and index not in finished)):
+                        continue
+                    text = c.delta_text
+                    if first and self.echo:
+                        text = self.echo[i] + text
+                    choice = {"index": index,
+                              "logprobs": self._logprobs(c, sent_tokens.get(index, 0),
+                                                         offsets.get(index, 0)),
+                              "finish_reason": reason}
+                    if self.chat:
+                        choice["delta"] = ({"role": "assistant", "content": text} if first
+                                           else {"content": text} if text or not reason else {})
+                    else:
+                        choice["text"] = text
+                    sent_tokens[index] = len(c.token_ids)
+                    offsets[index] = offsets.get(index, 0) + len(text)
+                    if reason:
+                        finished.add(index)
+                    choices.append(choice)
+                if choices:
+                    yield _sse(P.envelope(self.id, kind, self.created, self.model, choices,
+                                          **extra))
+        except EngineStopped as e:
+            yield _sse(P.APIError(503, str(e), "server_error", code="shutting_down").body())
+            return
+        if self.req.include_usage:
+            finals = [last[i] for i in sorted(last)]
+            yield _sse(P.envelope(self.id, kind, self.created, self.model, [],
+                                  usage=P.usage(finals)))
+        yield "data: [DONE]\n\n"
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"

@@ -1,0 +1,227 @@
+"""AsyncEngine: one thread steps the LLMEngine; HTTP handlers await their requests' outputs.
+
+The engine is not thread-safe, so every call into it happens on the engine thread. Handlers
+only enqueue commands; the thread applies them between steps and hands each step's outputs
+back to the event loop in one call:
+
+    handler ── add / abort ──> commands ──(between steps)──> engine.step()
+       ^                                                          │
+       └──── asyncio.Queue per HTTP request <── call_soon_threadsafe(outputs)
+
+Prompts are tokenized by the handlers (in a thread pool) before they are added, and the
+handlers turn outputs into JSON, so a step never waits on either.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable
+
+from qserve.errors import QServeError
+from qserve.outputs import RequestOutput
+from qserve.sampling_params import SamplingParams
+
+log = logging.getLogger("qserve.server")
+
+
+class EngineStopped(RuntimeError):
+    """The server is shutting down (or the engine thread died); the request was aborted."""
+
+
+class AsyncEngine:
+    """Runs `engine.step()` on its own thread for as long as there is work.
+
+    Args:
+        engine: an LLMEngine; after `start()` only the engine thread touches it.
+        on_finished: called on the engine thread with every finished RequestOutput (metrics).
+    """
+
+    def __init__(self, engine, on_finished: Callable[[RequestOutput], None] | None = None):
+        self.engine = engine
+        self.tokenizer = engine.tokenizer  # handlers' tokenizing happens off the engine thread
+        self.max_model_len: int = engine.max_model_len
+        self.stats: dict = engine.stats()  # a snapshot, replaced after every step
+        self._on_finished = on_finished
+        self._commands: collections.deque = collections.deque()  # appends are thread-safe
+        self._wake = threading.Event()
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._ids = itertools.count()
+
+    # ---- lifecycle ---------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="qserve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def shutdown(self) -> None:
+        """Stop stepping, abort whatever is still running, and end its streams."""
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join()
+        for rid in list(self._queues):  # the thread is gone: the engine is ours now
+            self.engine.abort(rid)
+            self._deliver_error(rid, EngineStopped("the server is shutting down"))
+
+    # ---- called from the event loop ----------------------------------------------------
+    def new_request_id(self, prefix: str) -> str:
+        return f"{prefix}-{next(self._ids)}"
+
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+               queue: asyncio.Queue) -> asyncio.Future:
+        """Queue a request; its outputs go to `queue`. The returned future resolves when the
+        engine has accepted it, or raises the QServeError it was refused with."""
+        loop = asyncio.get_running_loop()
+        accepted = loop.create_future()
+        if self._stopping:
+            accepted.set_exception(EngineStopped("the server is shutting down"))
+            return accepted
+        self._commands.append(("add", request_id, prompt_token_ids, params, loop, queue, accepted))
+        self._wake.set()
+        return accepted
+
+    def abort(self, request_id: str) -> None:
+        self._commands.append(("abort", request_id))
+        self._wake.set()
+
+    # ---- the engine thread -------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            self._apply_commands()
+            if self._stopping:
+                return
+            if not self.engine.has_unfinished_requests():
+                self.stats = self.engine.stats()
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # a bug, not bad input: fail what is running, keep serving
+                log.exception("engine step failed; aborting the running requests")
+                for rid in list(self._queues):
+                    self.engine.abort(rid)
+                    self._deliver_error(rid, e)
+                continue
+            self.stats = self.engine.stats()
+            self._deliver(outputs)
+
+    def _apply_commands(self) -> None:
+        applied = False
+        while self._commands:
+            cmd = self._commands.popleft()
+            applied = True
+            if cmd[0] == "abort":
+                self.engine.abort(cmd[1])
+                self._queues.pop(cmd[1], None)
+                continue
+            _, rid, ids, params, loop, queue, accepted = cmd
+            try:
+                self.engine.add_request(rid, None, params, prompt_token_ids=ids)
+            except Exception as e:  # QServeError: the handler answers 400 / 503
+                if not isinstance(e, QServeError):
+                    log.exception("add_request failed")
+                loop.call_soon_threadsafe(_settle, accepted, e)
+                continue
+            self._queues[rid] = (loop, queue)
+            loop.call_soon_threadsafe(_settle, accepted, None)
+        if applied:
+            self.stats = self.engine.stats()
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        for out in outputs:
+            target = self._queues.get(out.request_id)
+            if out.finished:
+                self._queues.pop(out.request_id, None)
+                if self._on_finished is not None:
+                    self._on_finished(out)
+            if target is not None:
+                batches.setdefault(target[0], []).append((target[1], out))
+        for loop, batch in batches.items():  # one wake-up of the event loop per step
+            loop.call_soon_threadsafe(_put_all, batch)
+
+    def _deliver_error(self, rid: str, error: BaseException) -> None:
+        target = self._queues.pop(rid, None)
+        if target is not None:
+            target[0].call_soon_threadsafe(_put_all, [(target[1], error)])
+
+
+def _settle(fut: asyncio.Future, error: BaseException | None) -> None:
+    if fut.done():  # the handler went away while the add was queued
+        return
+    if error is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(error)
+
+
+def _put_all(batch: list) -> None:
+    for queue, item in batch:
+        queue.put_nowait(item)
+
+
+class Generation:
+    """One HTTP request's prompts, each an engine request with `params.n` samples.
+
+    `await start()` adds them all (raising the QServeError of the first refused, with the
+    others aborted); iterating yields (prompt index, RequestOutput) until all have finished;
+    `close()` aborts whatever has not finished (a client that went away) and is idempotent.
+    """
+
+    def __init__(self, engine: AsyncEngine, prefix: str, prompts: list[list[int]],
+                 params: SamplingParams):
+        self.engine = engine
+        self.prompts = prompts
+        self.params = params
+        self.request_ids = [engine.new_request_id(prefix) for _ in prompts]
+        self._index = {rid: i for i, rid in enumerate(self.request_ids)}
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._unfinished = set(self.request_ids)
+
+    async def start(self) -> None:
+        futures = [self.engine.submit(rid, ids, self.params, self._queue)
+                   for rid, ids in zip(self.request_ids, self.prompts)]
+        try:
+            results = await asyncio.gather(*futures, return_exceptions=True)
+        except asyncio.CancelledError:
+            self.close()
+            raise
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            self.close()
+            raise errors[0]
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        while self._unfinished:
+            item = await self._queue.get()
+            if isinstance(item, BaseException):
+                self.close()
+                raise item
+            if item.finished:
+                self._unfinished.discard(item.request_id)
+            yield self._index[item.request_id], item
+
+    async def final_outputs(self) -> list[RequestOutput]:
+        """Run to completion; the finished output of each prompt, in order."""
+        finals: list[RequestOutput | None] = [None] * len(self.prompts)
+        try:
+            async for i, out in self:
+                if out.finished:
+                    finals[i] = out
+        finally:
+            self.close()
+        return finals  # type: ignore[return-value]
+
+    def close(self) -> None:
+        for rid in self._unfinished:
+            self.engine.abort(rid)
+        self._unfinished.clear()

@@ -1,0 +1,253 @@
+"""OpenAI's wire format: request bodies -> SamplingParams, engine outputs -> response JSON.
+
+Validation happens here, at the edge: a wrong type or an out-of-range value becomes an
+`APIError` (400, OpenAI's error shape) naming the field. Fields OpenAI has and qserve does
+not use (`user`, `logit_bias`, ...) and unknown fields are ignored, as OpenAI does.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+from qserve.errors import QServeError
+from qserve.outputs import CompletionOutput, RequestOutput
+from qserve.sampling_params import MAX_LOGPROBS, SamplingParams
+
+MAX_N = 32
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+
+
+class APIError(Exception):
+    """An error answered as `{"error": {"message", "type", "param", "code"}}`."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = (
+            status, message, type, param, code)
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+@dataclass
+class GenerateRequest:
+    """What a completion or chat request asks for, validated."""
+
+    model: str | None
+    prompts: list[str | list[int]]  # chat: empty until the template is applied
+    messages: list[dict] | None  # chat only
+    params: SamplingParams  # max_tokens is a placeholder until the prompt length is known
+    max_tokens: int | None  # None: as many as the context leaves
+    stream: bool
+    include_usage: bool
+    echo: bool
+    logprobs: int | None  # top-N alternatives to report per token; None: no logprobs
+
+
+# ---- requests ---------------------------------------------------------------------------
+_NUMBER = (int, float)
+
+
+def _get(body: dict, name: str, kinds: tuple, what: str, default=None):
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+        raise bad(f"'{name}' must be {what}, not {type(value).__name__} {value!r}"[:200], name)
+    return value
+
+
+def parse_completion(body: dict) -> GenerateRequest:
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        prompts = list(prompt)
+    elif isinstance(prompt, list) and prompt and all(_is_ids(p) for p in prompt):
+        prompts = [list(prompt)]
+    elif isinstance(prompt, list) and prompt and all(
+            isinstance(p, list) and p and _is_ids(p) for p in prompt):
+        prompts = [list(p) for p in prompt]
+    else:
+        raise bad("'prompt' must be a string, a list of strings, or token ids", "prompt")
+    if any(p == "" for p in prompts):
+        raise bad("'prompt' is empty; give at least one token of text", "prompt")
+    logprobs = _get(body, "logprobs", (int,), "an integer from 0 to 20")
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise bad(f"'logprobs'={logprobs} must be in [0, {MAX_LOGPROBS}]", "logprobs")
+    return _common(body, prompts, None, _get(body, "max_tokens", (int,), "an integer", 16),
+                   logprobs, echo=_get(body, "echo", (bool,), "a boolean", False))
+
+
+def _is_ids(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def parse_chat(body: dict) -> GenerateRequest:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("'messages' must be a non-empty list of {role, content} objects", "messages")
+    clean = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
+            raise bad(f"messages[{i}] must have a role of {', '.join(CHAT_ROLES)}", "messages")
+        clean.append({"role": "system" if m["role"] == "developer" else m["role"],
+                      "content": _content(m.get("content"), i)})
+    max_tokens = _get(body, "max_completion_tokens", (int,), "an integer")
+    if max_tokens is None:
+        max_tokens = _get(body, "max_tokens", (int,), "an integer")
+    want = _get(body, "logprobs", (bool,), "a boolean", False)
+    top = _get(body, "top_logprobs", (int,), "an integer from 0 to 20")
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise bad(f"'top_logprobs'={top} must be in [0, {MAX_LOGPROBS}]", "top_logprobs")
+    if top is not None and not want:
+        raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return _common(body, [], clean, max_tokens, (top or 0) if want else None, echo=False)
+
+
+def _content(content, i: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+        parts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)):
+                raise bad(f"messages[{i}].content: only text parts are supported", "messages")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
+
+
+def _common(body: dict, prompts, messages, max_tokens: int | None, logprobs: int | None,
+            echo: bool) -> GenerateRequest:
+    model = _get(body, "model", (str,), "a string")
+    if max_tokens is not None and max_tokens < 1:
+        raise bad(f"'max_tokens'={max_tokens} must be at least 1", "max_tokens")
+    temperature = _get(body, "temperature", _NUMBER, "a number", 1.0)
+    if not 0 <= temperature <= 2:
+        raise bad(f"'temperature'={temperature} must be in [0, 2]", "temperature")
+    n = _get(body, "n", (int,), "an integer", 1)
+    if not 1 <= n <= MAX_N:
+        raise bad(f"'n'={n} must be in [1, {MAX_N}]", "n")
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        raise bad("'stop' must be a string or a list of strings", "stop")
+    stream_options = _get(body, "stream_options", (dict,), "an object", {})
+    sampling = dict(
+        n=n, temperature=temperature,
+        top_p=_get(body, "top_p", _NUMBER, "a number", 1.0),
+        top_k=_get(body, "top_k", (int,), "an integer", 0),
+        min_p=_get(body, "min_p", _NUMBER, "a number", 0.0),
+        repetition_penalty=_get(body, "repetition_penalty", _NUMBER, "a number", 1.0),
+        presence_penalty=_get(body, "presence_penalty", _NUMBER, "a number", 0.0),
+        frequency_penalty=_get(body, "frequency_penalty", _NUMBER, "a number", 0.0),
+        seed=_get(body, "seed", (int,), "an integer"),
+        stop=[s for s in stop or [] if s],
+        stop_token_ids=_get(body, "stop_token_ids", (list,), "a list of token ids", []),
+        ignore_eos=_get(body, "ignore_eos", (bool,), "a boolean", False),
+        min_tokens=_get(body, "min_tokens", (int,), "an integer", 0),
+        logprobs=logprobs,
+    )
+    _get(body, "user", (str,), "a string")
+    try:  # validate now, before tokenizing; max_tokens is fixed once the prompt length is known
+        params = SamplingParams(max_tokens=max(max_tokens or 1, sampling["min_tokens"], 1),
+                                **sampling)
+    except QServeError as e:
+        name = str(e).split("=", 1)[0]
+        raise bad(str(e), name if name in sampling else None) from None
+    return GenerateRequest(model, prompts, messages, params, max_tokens,
+                           _get(body, "stream", (bool,), "a boolean", False),
+                           bool(stream_options.get("include_usage")), echo, logprobs)
+
+
+def fit_to_context(req: GenerateRequest, prompt_lens: list[int], max_model_len: int,
+                   param: str = "prompt") -> SamplingParams:
+    """The request's params with max_tokens set; a prompt or a prompt + max_tokens over the
+    context is refused with code `context_length_exceeded`, as OpenAI does."""
+    longest = max(prompt_lens)
+    if longest >= max_model_len:
+        raise bad(f"This model's maximum context length is {max_model_len} tokens; the prompt "
+                  f"has {longest} tokens. Shorten it to at most {max_model_len - 1} tokens.",
+                  param, "context_length_exceeded")
+    if req.max_tokens is None:
+        return dataclasses.replace(req.params, max_tokens=max_model_len - longest)
+    if longest + req.max_tokens > max_model_len:
+        raise bad(f"This model's maximum context length is {max_model_len} tokens; you asked "
+                  f"for {longest + req.max_tokens} ({longest} in the prompt, {req.max_tokens} "
+                  f"in the completion). Lower max_tokens or shorten the prompt.",
+                  "max_tokens", "context_length_exceeded")
+    return dataclasses.replace(req.params, max_tokens=req.max_tokens)
+
+
+# ---- responses --------------------------------------------------------------------------
+def finish_reason(c: CompletionOutput) -> str | None:
+    """OpenAI's two reasons; an abort (only at shutdown) reads as "stop"."""
+    if c.finish_reason is None:
+        return None
+    return "length" if c.finish_reason == "length" else "stop"
+
+
+def usage(outputs: list[RequestOutput]) -> dict:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+def envelope(rid: str, kind: str, created: int, model: str, choices: list, **extra) -> dict:
+    return {"id": rid, "object": kind, "created": created, "model": model,
+            "choices": choices, **extra}
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class LogprobFormatter:
+    """Engine logprobs ({token_id: logprob} per token, top-N plus the chosen) in OpenAI's two
+    shapes. Token strings are decoded here, in the handler, not on the engine thread."""
+
+    def __init__(self, tokenizer, top_n: int):
+        self.tokenizer, self.top_n = tokenizer, top_n
+        self._strings: dict[int, str] = {}
+
+    def token(self, token_id: int) -> str:
+        s = self._strings.get(token_id)
+        if s is None:
+            s = self._strings[token_id] = self.tokenizer.decode([token_id],
+                                                                skip_special_tokens=False)
+        return s
+
+    def _top(self, lp: dict[int, float]) -> list[tuple[int, float]]:
+        return sorted(lp.items(), key=lambda kv: -kv[1])[: self.top_n]
+
+    def completion(self, ids: list[int], lps: list[dict[int, float]], offset: int) -> dict:
+        tokens, chosen, tops, offsets = [], [], [], []
+        for tid, lp in zip(ids, lps):
+            s = self.token(tid)
+            tokens.append(s)
+            chosen.append(lp[tid])
+            tops.append({self.token(t): v for t, v in self._top(lp)})
+            offsets.append(offset)
+            offset += len(s)
+        return {"tokens": tokens, "token_logprobs": chosen, "top_logprobs": tops,
+                "text_offset": offsets}
+
+    def chat(self, ids: list[int], lps: list[dict[int, float]]) -> dict:
+        def item(tid: int, v: float) -> dict:
+            s = self.token(tid)
+            return {"token": s, "logprob": v, "bytes": list(s.encode("utf-8"))}
+
+        return {"content": [dict(item(tid, lp[tid]),
+                                 top_logprobs=[item(t, v) for t, v in self._top(lp)])
+                            for tid, lp in zip(ids, lps)]}

@@ -1,0 +1,87 @@
+"""`qserve chat` as a person meets it, through a pseudo-terminal (pexpect), and as a script
+meets it, with stdin piped. Both run `python -m qserve chat` on the default model, greedy."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pexpect = pytest.importorskip("pexpect")
+pytest.importorskip("prompt_toolkit")
+
+pytestmark = pytest.mark.slow
+
+CHAT = [sys.executable, "-m", "qserve", "chat", "--kv-cache-memory", "256MiB", "--temperature",
+        "0"]
+# No cursor-position requests: pexpect is not a terminal that would answer them.
+ENV = dict(os.environ, PROMPT_TOOLKIT_NO_CPR="1", TERM="xterm")
+PROMPT = ">>>"
+REPLY_STARTS = r"\x1b\[\?2004l"  # prompt_toolkit leaves bracketed-paste mode; the reply follows
+
+
+def saved(path) -> list[dict]:
+    return json.loads(path.read_text())["messages"]
+
+
+def test_repl_in_a_terminal(tmp_path):
+    child = pexpect.spawn(CHAT[0], CHAT[1:] + ["--max-model-len", "512", "--max-tokens", "12"],
+                          env=ENV, encoding="utf-8", timeout=120, dimensions=(24, 200))
+    try:
+        child.expect(PROMPT)
+        child.sendline("What is the capital of France?")
+        child.expect("Paris")  # the answer streams out ...
+        child.expect(PROMPT)  # ... and the prompt comes back
+        child.sendline(f"/save {tmp_path / 'before.json'}")
+        child.expect("saved 2 messages")
+        assert [m["role"] for m in saved(tmp_path / "before.json")] == ["user", "assistant"]
+
+        child.sendline("/reset")
+        child.expect("conversation cleared")
+        child.sendline(f"/save {tmp_path / 'after.json'}")
+        child.expect("saved 0 messages")
+        assert saved(tmp_path / "after.json") == []
+
+        child.sendline("/set max_tokens 400")
+        child.expect(r"max_tokens = 400")
+        child.sendline("Write a long story about a dragon.")
+        child.expect(REPLY_STARTS)
+        child.expect(r"[A-Za-z]{2}")  # the first words of the reply, long before its end
+        child.sendintr()
+        child.expect(r"\(interrupted\)")
+        child.expect(PROMPT)
+
+        child.sendline("/stats")
+        child.expect(r"time to first token \d+ ms")
+        child.expect("KV blocks in use")
+        child.sendline("/set temperature -1")
+        child.expect("temperature=-1.0 must be >= 0")
+        child.sendline("/exit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0
+
+
+def test_piped_answers_each_line_and_drops_old_turns(tmp_path):
+    """A 128-token context cannot hold four turns: the oldest go, the system prompt stays."""
+    questions = ["Tell me about the history of Rome, its emperors, its wars and its fall.",
+                 "Tell me about the history of Greece, its cities, its wars and its gods.",
+                 "Tell me about the history of Egypt, its pharaohs, its wars and its Nile.",
+                 "Tell me about the history of China, its dynasties, its walls and its rivers."]
+    save = tmp_path / "conversation.json"
+    lines = "\n".join(questions + [f"/save {save}"]) + "\n"
+    r = subprocess.run(CHAT + ["--max-model-len", "128", "--max-tokens", "4", "--system",
+                               "Answer briefly."], input=lines, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "outgrew the 128-token context" in r.stderr
+    messages = saved(save)
+    assert messages[0] == {"role": "system", "content": "Answer briefly."}
+    assert messages[-2] == {"role": "user", "content": questions[-1]}
+    assert len(messages) < 1 + 2 * len(questions)  # some turns were dropped
+    replies = r.stdout.split("\n")
+    assert len([line for line in replies if line]) >= len(questions)
+    assert r.stdout.endswith(messages[-1]["content"] + "\n")

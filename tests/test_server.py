@@ -1,0 +1,365 @@
+"""`qserve serve` as users meet it: a real server process on a free loopback port, driven by the
+unmodified `openai` client (and raw HTTP for what the client would refuse to send).
+
+One server (with an API key) serves the module; a second, with one sequence and a one-request
+waiting queue, checks back-pressure (503) and a clean exit on SIGTERM. Generations are a few
+tokens each, so the module stays quick on a slow CPU.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("prometheus_client")
+
+pytestmark = pytest.mark.slow
+
+KEY = "test-key"
+MODEL = "smollm2-135m-instruct"
+SERVER_FLAGS = ["--max-model-len", "1024", "--kv-cache-memory", "512MiB"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A `python -m qserve serve` process; its stdout and stderr go to `log`. It is launched
+    at once and waited for in `ready()`, so two servers can load their models side by side."""
+
+    def __init__(self, log_path, *flags: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "qserve", "serve", "--port", str(self.port), *SERVER_FLAGS,
+             *flags], stdout=self._log, stderr=subprocess.STDOUT)
+
+    def ready(self) -> "Server":
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.log()
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        pytest.fail("the server did not come up:\n" + self.log())
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        return {m[1]: float(m[2]) for m in re.finditer(r"^(\w+) ([\d.e+-]+)$", text, re.M)}
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """The module's server (with an API key), and a small one for back-pressure: one running
+    sequence, one waiting request."""
+    logs = tmp_path_factory.mktemp("serve")
+    main = Server(logs / "server.log", "--api-key", KEY)
+    small = Server(logs / "small.log", "--max-num-seqs", "1", "--max-waiting", "1")
+    yield main, small
+    for srv in (small, main):
+        assert srv.stop() == 0, srv.log()
+        log = srv.log()
+        assert "Traceback" not in log and " 500 " not in log, log
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers[0].ready()
+
+
+@pytest.fixture(scope="module")
+def small_server(servers):
+    return servers[1].ready()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from qserve.loader import load_tokenizer
+
+    return load_tokenizer(None)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def post(server, path: str, body, key: str | None = KEY) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    data = body if isinstance(body, (str, bytes)) else json.dumps(body)
+    return httpx.post(server.url + path, content=data, timeout=120,
+                      headers={**headers, "Content-Type": "application/json"})
+
+
+def chat_ids(tokenizer, messages) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+PROMPT = "The capital of France is"
+HELLO = [{"role": "system", "content": "You are brief."},
+         {"role": "user", "content": "Say hello."}]
+
+
+# ---- the happy paths ---------------------------------------------------------------------
+def test_models(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+
+
+def test_completion_and_usage(client, tokenizer):
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0)
+    assert r.object == "text_completion" and r.model == MODEL and r.id and r.created
+    (c,) = r.choices
+    assert c.text and c.finish_reason == "length"
+    n_prompt = len(tokenizer.encode(PROMPT))
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (n_prompt, 6)
+    assert r.usage.total_tokens == n_prompt + 6
+    echoed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6,
+                                       temperature=0, echo=True)
+    assert echoed.choices[0].text == PROMPT + c.text
+
+
+def test_chat_uses_the_template(client, tokenizer):
+    r = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=8,
+                                       temperature=0)
+    assert r.object == "chat.completion"
+    (c,) = r.choices
+    assert c.message.role == "assistant" and c.message.content
+    assert c.finish_reason in ("stop", "length")
+    assert r.usage.prompt_tokens == len(chat_ids(tokenizer, HELLO))
+
+
+def test_stream_equals_whole_at_temperature_0(client):
+    whole = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=10,
+                                           temperature=0)
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=HELLO, max_tokens=10, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == whole.choices[0].message.content
+    reasons = [ch.choices[0].finish_reason for ch in chunks if ch.choices]
+    assert reasons[-1] == whole.choices[0].finish_reason and not any(reasons[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == whole.usage.total_tokens
+
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0)
+    streamed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6,
+                                         temperature=0, stream=True)
+    assert "".join(ch.choices[0].text for ch in streamed) == plain.choices[0].text
+
+
+def test_n_and_prompt_lists(client):
+    r = client.completions.create(model=MODEL, prompt=[PROMPT, "Once upon a time"], n=2,
+                                  max_tokens=4, temperature=1.0, seed=1)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert r.usage.completion_tokens == 4 * 4
+    chat = client.chat.completions.create(model=MODEL, messages=HELLO, n=2, max_tokens=4,
+                                          temperature=1.0, seed=3)
+    assert [c.index for c in chat.choices] == [0, 1]
+
+
+def test_stop(client):
+    text = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8,
+                                     temperature=0).choices[0].text
+    stop = text.strip()[1:3]  # cut the greedy text short where `stop` first appears
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0,
+                                  stop=[stop])
+    assert r.choices[0].text == text[: text.index(stop)]
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_logprobs(client):
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0,
+                                  logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert "".join(lp.tokens) == r.choices[0].text
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 2 and chosen <= 0
+        assert chosen == pytest.approx(max(top.values()))  # greedy picks the likeliest
+    chat = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=3,
+                                          temperature=0, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in content)
+
+
+def test_sixteen_concurrent_streams(client, server):
+    prompts = [f"Question {i}: what is {i} plus {i}? Answer:" for i in range(4)]
+    expected = {p: client.completions.create(model=MODEL, prompt=p, max_tokens=6,
+                                             temperature=0).choices[0].text for p in prompts}
+    aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0,
+                                 timeout=300)
+
+    async def one(prompt):
+        stream = await aclient.completions.create(model=MODEL, prompt=prompt, max_tokens=6,
+                                                  temperature=0, stream=True)
+        return "".join([ch.choices[0].text async for ch in stream])
+
+    async def all16():
+        try:
+            return await asyncio.gather(*(one(prompts[i % 4]) for i in range(16)))
+        finally:
+            await aclient.close()
+
+    texts = asyncio.run(all16())
+    assert texts == [expected[prompts[i % 4]] for i in range(16)]
+
+
+def test_disconnected_stream_frees_its_blocks(server):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 500, "ignore_eos": True,
+            "stream": True}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=headers,
+                      timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        m = server.metrics()
+        assert m["qserve_requests_running"] == 1 and m["qserve_kv_blocks_used"] > 0
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        m = server.metrics()
+        if m["qserve_requests_running"] == 0 and m["qserve_kv_blocks_used"] == 0:
+            break
+        time.sleep(0.2)
+    assert (m["qserve_requests_running"], m["qserve_kv_blocks_used"]) == (0, 0)
+    assert m["qserve_generation_tokens_total"] > 0 and "qserve_preemptions_total" in m
+    assert m["qserve_time_to_first_token_seconds_count"] > 0
+
+
+# ---- errors ------------------------------------------------------------------------------
+LONG = "hello " * 1100  # over the 1024-token context
+
+
+@pytest.mark.parametrize("path, body, status, param, code", [
+    ("/v1/completions", "{not json", 400, None, None),
+    ("/v1/completions", [1, 2], 400, None, None),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": -1}, 400,
+     "max_tokens", None),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": 2.5}, 400,
+     "temperature", None),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": "hot"}, 400,
+     "temperature", None),
+    ("/v1/completions", {"model": MODEL, "prompt": 7}, 400, "prompt", None),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_p": 0}, 400, "top_p", None),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 0}, 400, "n", None),
+    ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages", None),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]},
+     400, "messages", None),
+    ("/v1/chat/completions", {"model": MODEL, "messages": HELLO, "max_tokens": "5"}, 400,
+     "max_tokens", None),
+    ("/v1/completions", {"model": MODEL, "prompt": LONG}, 400, "prompt",
+     "context_length_exceeded"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": LONG}]},
+     400, "messages", "context_length_exceeded"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 5000}, 400,
+     "max_tokens", "context_length_exceeded"),
+    ("/v1/completions", {"model": "gpt-4", "prompt": "hi"}, 404, "model", "model_not_found"),
+    ("/v1/nothing-here", {}, 404, None, "not_found"),
+])
+def test_errors_have_openai_shape(server, path, body, status, param, code):
+    r = post(server, path, body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert (error["param"], error["code"]) == (param, code)
+
+
+def test_errors_through_the_client(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[], max_tokens=4)
+    assert e.value.status_code == 400
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="hi", max_tokens=2)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=LONG, max_tokens=2)
+    assert e.value.code == "context_length_exceeded"
+
+
+def test_unknown_fields_are_ignored(client):
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, user="me",
+                                  extra_body={"no_such_option": 1, "logit_bias": {}})
+    assert r.usage.completion_tokens == 2
+
+
+def test_api_key_is_enforced(server):
+    for key in (None, "wrong"):
+        r = post(server, "/v1/completions", {"model": MODEL, "prompt": "hi"}, key=key)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    bad = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    assert httpx.get(server.url + "/health").status_code == 200  # health needs no key
+
+
+# ---- back-pressure and shutdown ----------------------------------------------------------
+def test_full_queue_is_503_and_sigterm_exits_0(small_server):
+    srv = small_server
+    body = {"model": MODEL, "prompt": PROMPT, "ignore_eos": True}
+    with httpx.stream("POST", srv.url + "/v1/completions", timeout=120,
+                      json={**body, "max_tokens": 12, "stream": True}) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")  # running: it holds the only sequence slot
+        statuses = []
+        waiting = threading.Thread(target=lambda: statuses.append(post(
+            srv, "/v1/completions", {**body, "max_tokens": 2}, key=None).status_code))
+        waiting.start()
+        deadline = time.monotonic() + 30
+        while srv.metrics()["qserve_requests_waiting"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        full = post(srv, "/v1/completions", {**body, "max_tokens": 2}, key=None)
+        assert full.status_code == 503, full.text
+        assert full.json()["error"]["code"] == "queue_full"
+
+        srv.proc.send_signal(signal.SIGTERM)  # in-flight requests finish, then exit 0
+        assert [line for line in lines if line][-1] == "data: [DONE]"
+    waiting.join(60)
+    assert statuses == [200]  # the queued request was served before the exit
+    assert srv.proc.wait(60) == 0, srv.log()
+
+
+def test_binding_elsewhere_without_a_key_warns():
+    from click.testing import CliRunner
+
+    from qserve import cli
+
+    # --max-model-len 1 fails in engine_config after the warning, before any model loads
+    result = CliRunner().invoke(cli.main, ["serve", "--host", "0.0.0.0", "--max-model-len", "1"],
+                                env={"QSERVE_API_KEY": ""})
+    assert "warning: serving on 0.0.0.0 without an API key" in result.output
+
