@@ -1,9 +1,18 @@
 """Paged attention and KV-cache writes, pure torch (the reference the fast kernels test against).
 
-Cache layout, per layer (one tensor each for K and V):
+Cache layout, per layer: a dict of named tensors that share their two leading dimensions.
 
-    cache[block, offset, kv_head, :]      (num_blocks, block_size, num_kv_heads, head_dim)
-    slot = block * block_size + offset    (the flat index a token's K/V is written to)
+    cache["k"][block, offset, kv_head, :]   (num_blocks, block_size, num_kv_heads, head_dim)
+    slot = block * block_size + offset      (the flat index a token's K/V is written to)
+
+With quantized KV (kernels/kv_quant.py) the values are int8, or int4 packed two per byte
+(last dimension head_dim / 2), and each (slot, kv_head) has its scale (and int4 offset) beside
+them in the same slot:
+
+    cache["k_scale"][block, offset, kv_head]   (num_blocks, block_size, num_kv_heads) fp16
+    cache["k_offset"][block, offset, kv_head]  int4 only; likewise "v", "v_scale", "v_offset"
+
+Attention dequantizes only the context it gathers, into the query's dtype.
 
 A step's tokens are packed flat, with no padding: sequence i owns query rows
 query_start_loc[i] : query_start_loc[i + 1], which are its last `query_len` positions out of
@@ -14,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from qserve.kernels.kv_quant import dequantize, kv_parts, quantize
 
 
 @dataclass
@@ -29,36 +40,51 @@ class PagedAttentionMetadata:
     sliding_window: int | None = None
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Scatter new K/V into their slots.
+def _names(cache: dict[str, torch.Tensor], which: str) -> tuple[str, ...]:
+    """"k" -> ("k", "k_scale", ...): the tensors that together hold K (or V)."""
+    return (which,) + tuple(f"{which}_{p}" for p in kv_parts(cache[which].dtype))
 
-    k, v: (T, num_kv_heads, head_dim); k_cache, v_cache: (num_blocks, block_size, num_kv_heads,
-    head_dim); slot_mapping: (T,).
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, cache: dict[str, torch.Tensor],
+             slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scatter new K/V (quantized, if the cache is) into their slots.
+
+    k, v: (T, num_kv_heads, head_dim); slot_mapping: (T,).
+    Returns:
+        k, v (T, num_kv_heads, head_dim) in k's dtype, exactly as attention will read them
+        back from the cache, so a fresh prefill attending to these sees the same values a
+        later chunk or decode step gathers.
     """
-    nb, bs, hkv, d = k_cache.shape
-    k_cache.view(nb * bs, hkv, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(nb * bs, hkv, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    out = []
+    for which, x in (("k", k), ("v", v)):
+        parts = quantize(x, cache[which].dtype)
+        for name, part in zip(_names(cache, which), parts):
+            t = cache[name]
+            t.view(-1, *t.shape[2:]).index_copy_(0, slot_mapping, part)
+        out.append(dequantize(parts, x.dtype))
+    return out[0], out[1]
 
 
-def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """(num_blocks, bs, hkv, d) cache, (n,) block ids -> (length, hkv, d) contiguous context."""
-    nb, bs, hkv, d = cache.shape
-    return cache[block_table[: -(-length // bs)]].reshape(-1, hkv, d)[:length]
+def _gather(cache: dict[str, torch.Tensor], which: str, block_table: torch.Tensor, length: int,
+            dtype: torch.dtype) -> torch.Tensor:
+    """(n,) block ids -> (length, hkv, d) contiguous, dequantized context of K or V."""
+    ids = block_table[: -(-length // cache[which].shape[1])]
+    parts = tuple(cache[name][ids].flatten(0, 1)[:length] for name in _names(cache, which))
+    return dequantize(parts, dtype)
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+def paged_attention(q: torch.Tensor, cache: dict[str, torch.Tensor],
                     meta: PagedAttentionMetadata, scale: float,
                     k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None
                     ) -> torch.Tensor:
     """Causal attention of packed queries against each sequence's cached context.
 
-    q: (T, num_heads, head_dim). The caches already hold this step's K/V. `k_new`/`v_new`
-    (T, num_kv_heads, head_dim), when given, let a sequence whose whole context is new this step
-    (a fresh prefill) skip the gather. Returns (T, num_heads, head_dim).
+    q: (T, num_heads, head_dim). The cache already holds this step's K/V. `k_new`/`v_new`
+    (T, num_kv_heads, head_dim), as write_kv returns them, let a sequence whose whole context
+    is new this step (a fresh prefill) skip the gather. Returns (T, num_heads, head_dim).
     """
     if meta.decode_only:
-        return _decode_attention(q, k_cache, v_cache, meta, scale)
+        return _decode_attention(q, cache, meta, scale)
     out = torch.empty_like(q)
     starts = meta.query_start_loc.tolist()
     for i, (qlen, slen) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
@@ -66,8 +92,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         if qlen == slen and k_new is not None:
             k, v = k_new[s:e], v_new[s:e]
         else:
-            k = _gather(k_cache, meta.block_tables[i], slen)
-            v = _gather(v_cache, meta.block_tables[i], slen)
+            k = _gather(cache, "k", meta.block_tables[i], slen, q.dtype)
+            v = _gather(cache, "v", meta.block_tables[i], slen, q.dtype)
         out[s:e] = _attend(q[s:e], k, v, scale, meta.sliding_window)
     return out
 
@@ -90,16 +116,21 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     return out.transpose(0, 1)
 
 
-def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+def _decode_attention(q: torch.Tensor, cache: dict[str, torch.Tensor],
                       meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
     """One query per sequence, batched: gather every context padded to the longest, mask."""
     B, H, d = q.shape
-    nb, bs, hkv, _ = k_cache.shape
+    bs, hkv = cache["k"].shape[1:3]
     g = H // hkv
     nblk = -(-meta.max_seq_len // bs)
     tables = meta.block_tables[:, :nblk]
-    k = k_cache[tables].reshape(B, nblk * bs, hkv, d).permute(0, 2, 3, 1)  # (B, hkv, d, L)
-    v = v_cache[tables].reshape(B, nblk * bs, hkv, d).transpose(1, 2)  # (B, hkv, L, d)
+
+    def gather(which: str) -> torch.Tensor:  # (B, nblk * bs, hkv, d), dequantized
+        return dequantize(tuple(cache[n][tables].flatten(1, 2) for n in _names(cache, which)),
+                          q.dtype)
+
+    k = gather("k").permute(0, 2, 3, 1)  # (B, hkv, d, L)
+    v = gather("v").transpose(1, 2)  # (B, hkv, L, d)
     scores = torch.matmul(q.view(B, hkv, g, d), k) * scale  # (B, hkv, g, L)
     pos = torch.arange(nblk * bs)
     valid = pos.unsqueeze(0) < meta.seq_lens.unsqueeze(1)  # (B, L)

@@ -72,8 +72,10 @@ _ENGINE_FLAGS = [
                  default="recompute", show_default=True),
     click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto",
                  show_default=True),
-    click.option("--kv-dtype", type=click.Choice(["auto", "fp32", "fp16", "bf16"]),
-                 default="auto", show_default=True, help="KV cache dtype (auto: --dtype)."),
+    click.option("--kv-dtype",
+                 type=click.Choice(["auto", "fp32", "fp16", "bf16", "int8", "int4"]),
+                 default="auto", show_default=True,
+                 help="KV cache dtype (auto: --dtype; int8/int4: quantized in the blocks)."),
     click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default="fp32",
                  show_default=True, help="Activation and dense weight dtype."),
     click.option("--no-prefix-caching", is_flag=True, help="Do not reuse cached prompt blocks."),
@@ -131,7 +133,7 @@ def info(model, as_json, engine):
     import torch
 
     from qserve.config import engine_config
-    from qserve.engine.cache_engine import DTYPES, bytes_per_block, kv_budget_bytes
+    from qserve.engine.cache_engine import KV_STORAGE, bytes_per_block, kv_budget_bytes
     from qserve.loader import load_arch, resolve_model
 
     config = engine_config(model, **engine)
@@ -140,11 +142,12 @@ def info(model, as_json, engine):
     files = [p for p in path.rglob("*") if p.is_file()] if path.is_dir() else [path]
     bs, device = config.cache.block_size, torch.device(config.resolved_device())
     budget = kv_budget_bytes(config.cache, device)
-    kv_per_token, kv_tokens = {}, {}
-    for name, dtype in DTYPES.items():
+    kv_per_token, kv_tokens, kv_per_gib = {}, {}, {}
+    for name, dtype in KV_STORAGE.items():  # int8 / int4 count their scales and offsets too
         per_block = bytes_per_block(arch, bs, dtype)
         kv_per_token[name] = per_block // bs
         kv_tokens[name] = budget // per_block * bs  # whole blocks only, as the engine allocates
+        kv_per_gib[name] = (1 << 30) // per_block * bs
     n = arch.num_params
     report = {
         "model": str(path), "architecture": arch.architecture, "num_layers": arch.num_layers,
@@ -157,6 +160,7 @@ def info(model, as_json, engine):
         "kv_bytes_per_token": kv_per_token,
         "kv_cache_memory": budget,
         "kv_tokens": kv_tokens,  # tokens of KV cache that budget holds, per KV dtype
+        "kv_tokens_per_gib": kv_per_gib,
     }
     if as_json:
         click.echo(json.dumps(report))
@@ -314,3 +318,153 @@ def bench(model, batch_sizes, input_len, output_len, seed, as_json, engine):
             click.echo(json.dumps(row))
     else:
         click.echo(format_table(rows))
+
+
+# ---- eval --------------------------------------------------------------------------------
+@main.command("eval")
+@click.argument("model", required=False)
+@click.option("--ref", metavar="MODEL",
+              help="Reference model (same tokenizer): adds mean KL(ref || MODEL) and top-1 "
+                   "agreement. It runs with --kv-dtype auto.")
+@click.option("--text", "text_file", type=click.Path(dir_okay=False),
+              help="UTF-8 text to score  [default: Python's pydoc topics text]")
+@click.option("--context", type=click.IntRange(min=2), default=1024, show_default=True,
+              help="Tokens per window; windows do not overlap.")
+@click.option("--max-tokens", type=click.IntRange(min=2),
+              help="Score only the text's first N tokens  [default: all]")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@engine_flags
+def eval_(model, ref, text_file, context, max_tokens, as_json, engine):
+    """Perplexity of MODEL over a text through the engine (quantized KV included); with
+    --ref, KL divergence and top-1 agreement against a reference model."""
+    from qserve.eval import default_text, eval_engine, evaluate, tokenize_for_eval
+
+    if text_file is None:
+        text = default_text()
+    else:
+        try:
+            text = Path(text_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            why = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
+            raise QServeError(f"--text {text_file!r} cannot be read: {why}") from None
+    eng = eval_engine(model, context, **engine)
+    ref_eng = eval_engine(ref, context, **{**engine, "kv_dtype": "auto"}) if ref else None
+    result = evaluate(eng, tokenize_for_eval(eng, text, max_tokens, ref_eng), context, ref_eng)
+    if as_json:
+        click.echo(json.dumps(result.to_dict()))
+        return
+    click.echo(f"model    {result.model}  (KV {result.kv_dtype})")
+    click.echo(f"tokens   {result.num_tokens:,} scored in {result.num_windows} windows of "
+               f"{result.context}")
+    click.echo(f"PPL      {result.ppl:.4f}")
+    if result.ref is not None:
+        click.echo(f"ref      {result.ref}  PPL {result.ref_ppl:.4f}  "
+                   f"({100 * (result.ppl / result.ref_ppl - 1):+.2f}%)")
+        click.echo(f"KL       {result.kl:.5f} nats/token")
+        click.echo(f"top-1    {100 * result.top1:.2f}%")
+
+
+# ---- serve -------------------------------------------------------------------------------
+@main.command()
+@click.argument("model", required=False)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("--api-key", envvar="QSERVE_API_KEY", metavar="KEY",
+              help="Require `Authorization: Bearer KEY` on /v1 (also $QSERVE_API_KEY).")
+@click.option("--served-model-name", metavar="NAME",
+              help="The model id clients send  [default: MODEL, or the default model's alias]")
+@click.option("--max-waiting", type=click.IntRange(min=1), default=1024, show_default=True,
+              help="Queued requests beyond this are refused with 503.")
+@engine_flags
+def serve(model, host, port, api_key, served_model_name, max_waiting, engine):
+    """An OpenAI-compatible HTTP server for MODEL (Ctrl-C or SIGTERM stops it)."""
+    from qserve.loader.registry import DEFAULT_MODEL
+    from qserve.server.api import LOOPBACK, serve as run_server
+
+    if host not in LOOPBACK and not api_key:
+        click.echo(f"warning: serving on {host} without an API key; anyone who can reach "
+                   f"port {port} can use it (set --api-key or QSERVE_API_KEY)", err=True)
+    eng = _build_engine(model, dict(engine, max_waiting=max_waiting))
+    run_server(eng, served_model_name or model or DEFAULT_MODEL, host, port, api_key)
+
+
+# ---- chat --------------------------------------------------------------------------------
+_CHAT_SAMPLING_FLAGS = [
+    click.option("--max-tokens", type=int, default=512, show_default=True,
+                 help="Longest reply, in tokens (the context may allow fewer)."),
+    click.option("--temperature", type=float, default=0.7, show_default=True, help="0: greedy."),
+    click.option("--top-p", type=float, default=1.0, show_default=True),
+    click.option("--top-k", type=int, default=0, show_default=True, help="0: off."),
+    click.option("--min-p", type=float, default=0.0, show_default=True),
+    click.option("--repetition-penalty", type=float, default=1.0, show_default=True),
+    click.option("--presence-penalty", type=float, default=0.0, show_default=True),
+    click.option("--frequency-penalty", type=float, default=0.0, show_default=True),
+    click.option("--seed", type=int, help="Makes sampling reproducible."),
+]
+
+
+def _chat_sampling_flags(f):
+    for flag in reversed(_CHAT_SAMPLING_FLAGS):
+        f = flag(f)
+    return f
+
+
+@main.command()
+@click.argument("model", required=False)
+@click.option("--system", help="System prompt.")
+@_chat_sampling_flags
+@engine_flags
+def chat(model, system, engine, **sampling):
+    """Talk with MODEL in the terminal; replies stream as they are generated. Piped, each
+    input line is one message and gets one reply. /help lists the commands."""
+    from qserve.chat import ChatSession, run
+    from qserve.loader.registry import DEFAULT_MODEL
+    from qserve.sampling_params import SamplingParams
+
+    params = SamplingParams(**sampling)
+    run(ChatSession(_build_engine(model, engine), params, system, model or DEFAULT_MODEL))
+
+
+# ---- quantize ----------------------------------------------------------------------------
+@main.command()
+@click.argument("src")
+@click.option("--output", "-o", "out", required=True, metavar="OUT",
+              help="Checkpoint directory to write (must not exist unless --force).")
+@click.option("--recipe", "-r", metavar="NAME|PATH",
+              help="A recipes/*.yaml name or a YAML path  [default: gguf-native for a Q4_0/"
+                   "Q4_1/Q8_0 GGUF, else w4g64]")
+@click.option("--calib-text", type=click.Path(dir_okay=False), metavar="FILE",
+              help="Calibration text for AWQ recipes  [default: Python's pydoc_data.topics]")
+@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
+def quantize(src, out, recipe, calib_text, force, as_json):
+    """Quantize SRC (alias, .gguf, HF directory or ORG/NAME) into the qserve checkpoint OUT,
+    which every command then loads like any model."""
+    from tqdm import tqdm
+
+    from qserve.quant.quantize import quantize as run_quantize
+
+    bar = None  # made at the first finished layer, so an early error prints alone
+
+    def progress(label: str) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(desc="quantize", unit="layer", disable=as_json, leave=False)
+        bar.set_postfix_str(label)
+        bar.update()
+    try:
+        summary = run_quantize(src, out, recipe, calib_text, force, progress)
+    finally:
+        if bar is not None:
+            bar.close()
+    if as_json:
+        click.echo(json.dumps(summary))
+        return
+    for row in summary["layers"]:
+        click.echo(f"{row['name']:<40} {'x'.join(map(str, row['shape'])):>10}  "
+                   f"{row['scheme']:<20} {row['bytes_fp16']:>11,} -> {row['bytes']:>10,}  "
+                   f"{row['note']}")
+    click.echo(f"recipe {summary['recipe']}: {summary['out']}\n"
+               f"bytes  fp16 {summary['bytes_fp16']:,} -> written {summary['bytes']:,}\n"
+               f"resident at --dtype fp16: {summary['resident_ratio']:.3f}x fp16 with the "
+               f"embedding, {summary['resident_ratio_without_embedding']:.3f}x without")

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from qserve.errors import ConfigError
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
-KV_DTYPES = ("auto", "fp32", "fp16", "bf16")
+KV_DTYPES = ("auto", "fp32", "fp16", "bf16", "int8", "int4")
 PREEMPTION_MODES = ("recompute", "swap")
 DEVICES = ("auto", "cpu", "cuda")
 

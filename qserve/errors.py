@@ -12,3 +12,7 @@ class ModelLoadError(QServeError):
 
 class ConfigError(QServeError):
     """An engine, cache or scheduler setting is out of range or inconsistent."""
+
+
+class QueueFullError(QServeError):
+    """The engine's waiting queue is at its bound (SchedulerConfig.max_waiting); retry later."""

@@ -1,9 +1,17 @@
 """Cache engine: the KV block pools themselves, on the device and in host memory.
 
 Every cache tensor has the layout (num_layers, num_blocks, ...) so that moving blocks between
-pools is one indexed copy per tensor, whatever the tensor holds. Today that is "k" and "v"
-(num_layers, num_blocks, block_size, num_kv_heads, head_dim); quantized KV adds its scales
-as more named tensors with the same two leading dimensions, and swap / copy move them along.
+pools is one indexed copy per tensor, whatever the tensor holds: "k" and "v"
+(num_layers, num_blocks, block_size, num_kv_heads, head_dim), and with int8 / int4 KV their
+per-(token, head) scales and offsets beside them, so swap / copy move values and scales together:
+
+    --kv-dtype      "k", "v", per block                 companions, per block: (bs, hkv) fp16
+    fp32/fp16/bf16  (bs, hkv, d) float                  -
+    int8            (bs, hkv, d) int8                   k_scale, v_scale
+    int4            (bs, hkv, d / 2) uint8, 2 per byte  k_scale, k_offset, v_scale, v_offset
+
+The KV "dtype" passed around is the storage dtype of the values: torch.int8 means int8 KV,
+torch.uint8 means packed int4 KV (kernels/kv_quant.py).
 On a CPU machine both pools are CPU tensors, but they stay separate pools with separate budgets.
 """
 from __future__ import annotations
@@ -12,20 +20,29 @@ import torch
 
 from qserve.config import CacheConfig, ModelArchConfig
 from qserve.errors import ConfigError
+from qserve.kernels.kv_quant import SCALE_DTYPE, kv_parts
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# --kv-dtype name -> storage dtype of the K/V values
+KV_STORAGE = {**DTYPES, "int8": torch.int8, "int4": torch.uint8}
 
 
 def kv_torch_dtype(cache: CacheConfig, model_dtype: torch.dtype) -> torch.dtype:
-    return model_dtype if cache.kv_dtype == "auto" else DTYPES[cache.kv_dtype]
+    return model_dtype if cache.kv_dtype == "auto" else KV_STORAGE[cache.kv_dtype]
 
 
 def cache_tensor_specs(arch: ModelArchConfig, block_size: int, dtype: torch.dtype
                        ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Per-block shape and dtype of each named cache tensor (leading num_layers/num_blocks
     dimensions left out)."""
-    shape = (block_size, arch.num_kv_heads, arch.head_dim)
-    return {"k": (shape, dtype), "v": (shape, dtype)}
+    d = arch.head_dim // 2 if dtype == torch.uint8 else arch.head_dim
+    shape = (block_size, arch.num_kv_heads, d)
+    specs = {}
+    for which in ("k", "v"):
+        specs[which] = (shape, dtype)
+        for part in kv_parts(dtype):
+            specs[f"{which}_{part}"] = (shape[:2], SCALE_DTYPE)
+    return specs
 
 
 def bytes_per_block(arch: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -47,7 +64,10 @@ class CacheEngine:
         self.block_size = cache.block_size
         specs = cache_tensor_specs(arch, cache.block_size, dtype)
         L = arch.num_layers
-        self.device_cache = {name: torch.empty((L, num_blocks, *shape), dtype=dt, device=device)
+        # zeros, not empty: the decode path reads whole blocks (masked past each sequence's
+        # end), and garbage there could dequantize to inf/NaN, which a zero probability times V
+        # does not undo. Host blocks are only ever read after a swap-out wrote them.
+        self.device_cache = {name: torch.zeros((L, num_blocks, *shape), dtype=dt, device=device)
                              for name, (shape, dt) in specs.items()}
         pin = device.type == "cuda"
         self.host_cache = {name: torch.empty((L, num_host_blocks, *shape), dtype=dt,

@@ -22,7 +22,7 @@ from qserve.engine.model_runner import ModelRunner
 from qserve.engine.sampler import Sampler, SamplingRow
 from qserve.engine.scheduler import Scheduler
 from qserve.engine.sequence import Sequence
-from qserve.errors import ConfigError, QServeError
+from qserve.errors import ConfigError, QServeError, QueueFullError
 from qserve.models.llama import LlamaForCausalLM
 from qserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from qserve.sampling_params import SamplingParams
@@ -109,7 +109,7 @@ class LLMEngine:
                 f"{self.max_model_len}; shorten it to at most {self.max_model_len - 1} tokens")
         if (self.config.scheduler.max_waiting is not None
                 and len(self.scheduler.waiting) >= self.config.scheduler.max_waiting):
-            raise QServeError("the waiting queue is full; try again later")
+            raise QueueFullError("the waiting queue is full; try again later")
         now = time.monotonic() if arrival_time is None else arrival_time
         seq = Sequence(request_id, 0, list(prompt_token_ids), len(prompt_token_ids), params, now)
         seq.num_forks = params.n - 1

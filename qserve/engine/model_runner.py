@@ -76,14 +76,30 @@ class ModelRunner:
         Returns:
             (S, vocab) fp32 logits, one row per scheduled sequence that samples, in order.
         """
-        ce = self.cache_engine
-        ce.swap_out(out.swap_out)
-        ce.swap_in(out.swap_in)
-        ce.copy(out.copies)
-        input_ids, positions, meta, rows = self.prepare(out)
-        hidden = self.model(input_ids, positions, self.layer_caches, meta)
+        hidden, rows = self._forward(out)
         if not rows:
             return hidden.new_empty((0, self.model.arch.vocab_size), dtype=torch.float32)
         if len(rows) < hidden.shape[0]:
             hidden = hidden[torch.tensor(rows, device=hidden.device)]
         return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def run_all_positions(self, out: SchedulerOutput) -> torch.Tensor:
+        """Like run(), but logits for every scheduled token, not just the sampling ones: what
+        evaluation needs (the next-token distribution at each position of a text).
+
+        Returns:
+            (T, vocab) fp32 logits, one row per scheduled token, in packed order.
+        """
+        hidden, _ = self._forward(out)
+        return self.model.compute_logits(hidden)
+
+    def _forward(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
+        """Block copies, then the forward pass: (T, hidden) final hidden states and the rows
+        of the sampling sequences' last tokens."""
+        ce = self.cache_engine
+        ce.swap_out(out.swap_out)
+        ce.swap_in(out.swap_in)
+        ce.copy(out.copies)
+        input_ids, positions, meta, rows = self.prepare(out)
+        return self.model(input_ids, positions, self.layer_caches, meta), rows

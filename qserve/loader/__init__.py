@@ -2,6 +2,8 @@
 
     spec (alias | .gguf file | HF directory | ORG/NAME) --registry--> local path
         .gguf -> gguf_loader      directory -> hf_loader
+        qserve checkpoint (a directory whose config.json says quant_method "qserve")
+              -> hf_loader for config and tokenizer, quant.checkpoint for packed weights
     -> LoadedModel(arch, weights under Hugging Face Llama names, tokenizer)
 """
 from __future__ import annotations
@@ -29,13 +31,16 @@ class LoadedModel:
     that F16/BF16 tensors of a GGUF and the stored dtype of safetensors are kept as they are.
     lm_head.weight is present only when not tied to model.embed_tokens.weight.
     arch.eos_token_ids includes every id in tokenizer.eos_token_ids.
+    A qserve checkpoint stores quantized linears as `<name>.qweight`, `.scales`[, `.offsets`]
+    instead of `<name>.weight` (qserve/quant/schemes.py), described by `quant`.
     """
 
     arch: ModelArchConfig
     weights: dict[str, torch.Tensor]
     tokenizer: Tokenizer
     path: Path
-    source_format: str  # "gguf" | "hf"
+    source_format: str  # "gguf" | "hf" | "qserve"
+    quant: dict | None = None  # a qserve checkpoint's quantization_config
 
 
 def _locate(spec: str | Path | None) -> tuple[Path, str]:
@@ -44,7 +49,9 @@ def _locate(spec: str | Path | None) -> tuple[Path, str]:
         if not (path / "config.json").exists():
             raise ModelLoadError(f"{path}: no config.json; qserve reads a .gguf file or a Hugging Face "
                                  f"model directory (config.json + *.safetensors + tokenizer)")
-        return path, "hf"
+        from qserve.quant.checkpoint import quantization_config
+
+        return path, "qserve" if quantization_config(path) is not None else "hf"
     return path, "gguf"  # GGUFFile rejects anything without the GGUF magic
 
 
@@ -52,6 +59,7 @@ def load_model(spec: str | Path | None = None) -> LoadedModel:
     """Load config, weights and tokenizer. spec: alias (None: the default model), a .gguf file,
     a Hugging Face model directory, or a Hugging Face repo id ORG/NAME."""
     path, fmt = _locate(spec)
+    quant = None
     if fmt == "gguf":
         gguf = gguf_loader.GGUFFile(path)
         arch = gguf_loader.read_arch(gguf)
@@ -59,10 +67,16 @@ def load_model(spec: str | Path | None = None) -> LoadedModel:
         tokenizer = gguf_loader.read_tokenizer(gguf)
     else:
         arch = hf_loader.read_config(path)
-        weights = hf_loader.read_weights(path, arch)
         tokenizer = hf_loader.read_tokenizer(path)
+        if fmt == "qserve":
+            from qserve.quant.checkpoint import quantization_config, read_checkpoint
+
+            quant = quantization_config(path)
+            weights = read_checkpoint(path, arch, quant)
+        else:
+            weights = hf_loader.read_weights(path, arch)
     arch.eos_token_ids = sorted(set(arch.eos_token_ids) | tokenizer.eos_token_ids)
-    return LoadedModel(arch, weights, tokenizer, path, fmt)
+    return LoadedModel(arch, weights, tokenizer, path, fmt, quant)
 
 
 def load_arch(spec: str | Path | None = None) -> ModelArchConfig:

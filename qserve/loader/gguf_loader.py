@@ -142,6 +142,15 @@ class GGUFFile:
             raise self.error(f"metadata near byte {self._pos} has unknown value type {vtype}")
         return self._unpack(_SCALARS[vtype])[0]
 
+    def blocks(self, name: str) -> tuple[GGUFTensorInfo, np.ndarray]:
+        """A tensor's raw bytes, one row per output: (out, bytes_per_row) uint8, read-only.
+        For a block type a row is in_features / block blocks of GGML_QUANT_SIZES bytes."""
+        info = self.tensors.get(name)
+        if info is None:
+            raise self.error(f"missing tensor {name}")
+        raw = np.frombuffer(self._mm, np.uint8, info.nbytes, info.offset)
+        return info, raw.reshape(-1, info.nbytes // int(np.prod(info.shape[:-1], dtype=np.int64)))
+
     def tensor(self, name: str) -> torch.Tensor:
         """One tensor in HF (out, in) order: quantized types dequantized to fp32, F32/F16/BF16 as
         stored (zero-copy views of a copy-on-write map of the file)."""
@@ -247,21 +256,34 @@ def llama3_rope_divisors(s: dict, theta: float, head_dim: int) -> torch.Tensor:
     return torch.where(wavelen < orig / s["high_freq_factor"], 1.0, out).float()
 
 
-def read_weights(gguf: GGUFFile, arch: ModelArchConfig) -> dict[str, torch.Tensor]:
-    """All weights under Hugging Face Llama names, shapes (out_features, in_features)."""
+def hf_names(arch: ModelArchConfig) -> dict[str, str]:
+    """GGUF tensor name -> Hugging Face name, for every tensor the model needs."""
     names = dict(_GLOBAL_NAMES)
     if arch.tie_word_embeddings:
         del names["output.weight"]
     per_layer = _LAYER_NAMES | (_BIAS_NAMES if arch.attention_bias else {})
     for i in range(arch.num_layers):
         names |= {f"blk.{i}.{g}": f"model.layers.{i}.{h}" for g, h in per_layer.items()}
-    permuted = arch.architecture == "llama"  # llama.cpp leaves qwen2's q/k in HF order
+    return names
+
+
+def unpermute_rows(gguf_name: str, arch: ModelArchConfig) -> int | None:
+    """The head count to `_unpermute` a tensor's rows by, or None if it is in HF order
+    (llama.cpp permutes llama's q/k, and leaves qwen2's in HF order)."""
+    if arch.architecture != "llama":
+        return None
+    if ".attn_q." in gguf_name:
+        return arch.num_heads
+    return arch.num_kv_heads if ".attn_k." in gguf_name else None
+
+
+def read_weights(gguf: GGUFFile, arch: ModelArchConfig) -> dict[str, torch.Tensor]:
+    """All weights under Hugging Face Llama names, shapes (out_features, in_features)."""
     weights = {}
-    for gguf_name, hf_name in names.items():
+    for gguf_name, hf_name in hf_names(arch).items():
         w = gguf.tensor(gguf_name)
-        if permuted and (".attn_q." in gguf_name or ".attn_k." in gguf_name):
-            w = _unpermute(w, arch.num_heads if ".attn_q." in gguf_name else arch.num_kv_heads)
-        weights[hf_name] = w
+        n_head = unpermute_rows(gguf_name, arch)
+        weights[hf_name] = w if n_head is None else _unpermute(w, n_head)
     check_shapes(weights, arch, gguf.path)
     return weights
 

@@ -14,6 +14,8 @@ from qserve.config import ModelArchConfig
 from qserve.errors import ModelLoadError
 from qserve.kernels.paged_attention import PagedAttentionMetadata, paged_attention, write_kv
 from qserve.models.rope import RotaryEmbedding
+from qserve.quant.linear import QuantEmbedding, QuantLinear, packed_weight
+from qserve.quant.schemes import cat_quantized
 
 
 class RMSNorm(nn.Module):
@@ -49,8 +51,8 @@ class Attention(nn.Module):
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         q, k = self.rope(positions, q, k)
-        write_kv(k, v, cache["k"], cache["v"], meta.slot_mapping)
-        out = paged_attention(q, cache["k"], cache["v"], meta, self.scale, k_new=k, v_new=v)
+        k, v = write_kv(k, v, cache, meta.slot_mapping)  # as the cache holds them
+        out = paged_attention(q, cache, meta, self.scale, k_new=k, v_new=v)
         return self.o_proj(out.reshape(T, self.q_size))
 
 
@@ -105,12 +107,18 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(S, hidden) -> (S, vocab) fp32 logits."""
+        if isinstance(self.lm_head, QuantLinear):
+            return self.lm_head(hidden).float()
+        if self.lm_head is None and isinstance(self.embed_tokens, QuantEmbedding):
+            return self.embed_tokens.logits(hidden)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Take Hugging Face-named tensors; fuse q/k/v and gate/up as they go in. The module
-        may have been built on the meta device: every parameter is replaced."""
+        may have been built on the meta device: every parameter is replaced. A linear stored
+        packed (`<name>.qweight`, `.scales`, `.offsets`: a qserve checkpoint) becomes a
+        QuantLinear; fused parts are stacked along the output dim, which is exact."""
         dtype, device = self.dtype, self.device
         params = dict(self.named_parameters())
         seen = set()
@@ -130,22 +138,50 @@ class LlamaForCausalLM(nn.Module):
                 raise ModelLoadError(f"weight {name} is missing from the checkpoint")
             return weights[name]
 
-        put("embed_tokens.weight", get("model.embed_tokens.weight"))
+        def linear(dst: str, srcs: list[str], bias: bool = False) -> None:
+            """Load nn.Linear `dst` from the HF linears `srcs` (stacked along out)."""
+            module = self.get_submodule(dst)
+            packed = [packed_weight(weights, s, module.in_features) for s in srcs]
+            b = torch.cat([get(s + ".bias") for s in srcs]) if bias else None
+            if all(p is None for p in packed):
+                w = get(srcs[0] + ".weight") if len(srcs) == 1 else torch.cat(
+                    [get(s + ".weight") for s in srcs])
+                put(dst + ".weight", w)
+                if bias:
+                    put(dst + ".bias", b)
+                return
+            if any(p is None for p in packed):
+                raise ModelLoadError(f"weights {', '.join(srcs)} are fused at run time but "
+                                     f"only some of them are quantized")
+            try:
+                qt = cat_quantized(packed)
+            except ValueError as e:
+                raise ModelLoadError(f"weights {', '.join(srcs)}: {e}") from None
+            if qt.shape != (module.out_features, module.in_features):
+                raise ModelLoadError(f"weight {dst}: shape {qt.shape}, expected "
+                                     f"{(module.out_features, module.in_features)}")
+            b = None if b is None else b.to(dtype)  # packed tensors keep their dtypes
+            owner, _, attr = dst.rpartition(".")
+            setattr(self.get_submodule(owner), attr, QuantLinear(qt, b).to(device))
+            seen.update({dst + ".weight", dst + ".bias"})
+
+        packed = packed_weight(weights, "model.embed_tokens", self.arch.hidden_size)
+        if packed is None:
+            put("embed_tokens.weight", get("model.embed_tokens.weight"))
+        else:
+            self.embed_tokens = QuantEmbedding(packed, dtype).to(device)
+            seen.add("embed_tokens.weight")
         put("norm.weight", get("model.norm.weight"))
         if self.lm_head is not None:
-            put("lm_head.weight", get("lm_head.weight"))
+            linear("lm_head", ["lm_head"])
         for i in range(self.arch.num_layers):
             src, dst = f"model.layers.{i}.", f"layers.{i}."
             attn = src + "self_attn."
-            put(dst + "self_attn.qkv_proj.weight", torch.cat(
-                [get(attn + f"{p}_proj.weight") for p in "qkv"]))
-            if self.arch.attention_bias:
-                put(dst + "self_attn.qkv_proj.bias", torch.cat(
-                    [get(attn + f"{p}_proj.bias") for p in "qkv"]))
-            put(dst + "self_attn.o_proj.weight", get(attn + "o_proj.weight"))
-            put(dst + "mlp.gate_up_proj.weight", torch.cat(
-                [get(src + "mlp.gate_proj.weight"), get(src + "mlp.up_proj.weight")]))
-            put(dst + "mlp.down_proj.weight", get(src + "mlp.down_proj.weight"))
+            linear(dst + "self_attn.qkv_proj", [attn + f"{p}_proj" for p in "qkv"],
+                   bias=self.arch.attention_bias)
+            linear(dst + "self_attn.o_proj", [attn + "o_proj"])
+            linear(dst + "mlp.gate_up_proj", [src + "mlp.gate_proj", src + "mlp.up_proj"])
+            linear(dst + "mlp.down_proj", [src + "mlp.down_proj"])
             put(dst + "input_layernorm.weight", get(src + "input_layernorm.weight"))
             put(dst + "post_attention_layernorm.weight",
                 get(src + "post_attention_layernorm.weight"))

@@ -1,0 +1,142 @@
+"""A qserve checkpoint: a Hugging Face-style directory whose linears are stored packed.
+
+    config.json              the model's config + "quantization_config" (below)
+    model.safetensors        dense tensors under HF names (`<name>.weight`); each quantized
+                             linear as `<name>.qweight`, `<name>.scales` [, `<name>.offsets`]
+    tokenizer.json, tokenizer_config.json, chat_template.jinja, generation_config.json
+
+    "quantization_config": {
+      "quant_method": "qserve", "format_version": 1,
+      "recipe": {...},                  the recipe it was made with (recipe.py)
+      "kv_dtype": "fp16",               the KV cache dtype it suggests
+      "layers": {"model.layers.0.self_attn.q_proj": {"bits": 4, "group_size": 64,
+                 "symmetric": false}, ...}      every packed linear; the rest are dense
+    }
+
+The loader checks every tensor's presence, shape and dtype against this before using any.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from qserve.config import ModelArchConfig
+from qserve.errors import ModelLoadError
+
+QUANT_METHOD, FORMAT_VERSION = "qserve", 1
+WEIGHTS_FILE = "model.safetensors"
+
+
+def quantization_config(path: Path) -> dict | None:
+    """The directory's quantization_config if it is a qserve checkpoint, else None."""
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None  # hf_loader reports an unreadable config.json
+    q = cfg.get("quantization_config") if isinstance(cfg, dict) else None
+    return q if isinstance(q, dict) and q.get("quant_method") == QUANT_METHOD else None
+
+
+def hf_config(arch: ModelArchConfig) -> dict:
+    """config.json fields that hf_loader.read_config reads back into the same arch."""
+    cfg = {
+        "model_type": arch.architecture, "architectures": ["LlamaForCausalLM"],
+        "vocab_size": arch.vocab_size, "hidden_size": arch.hidden_size,
+        "intermediate_size": arch.intermediate_size, "num_hidden_layers": arch.num_layers,
+        "num_attention_heads": arch.num_heads, "num_key_value_heads": arch.num_kv_heads,
+        "head_dim": arch.head_dim, "rms_norm_eps": arch.rms_norm_eps,
+        "rope_theta": arch.rope_theta, "rope_scaling": arch.rope_scaling,
+        "max_position_embeddings": arch.max_position_embeddings,
+        "tie_word_embeddings": arch.tie_word_embeddings, "attention_bias": arch.attention_bias,
+        "bos_token_id": arch.bos_token_id, "eos_token_id": list(arch.eos_token_ids),
+        "torch_dtype": "float16",
+    }
+    if arch.sliding_window is not None:
+        cfg |= {"sliding_window": arch.sliding_window, "use_sliding_window": True}
+    return cfg
+
+
+def packed_specs(shape: tuple[int, int], layer: dict) -> dict[str, tuple[tuple, torch.dtype]]:
+    """Suffix -> (shape, dtype) of a packed linear of HF shape (out, in)."""
+    out, n_in = shape
+    gs = layer["group_size"] or n_in
+    G = math.ceil(n_in / gs)
+    specs = {"qweight": ((out, G * gs // 2), torch.uint8) if layer["bits"] == 4
+             else ((out, G * gs), torch.int8),
+             "scales": ((out, G), torch.float16)}
+    if not layer["symmetric"]:
+        specs["offsets"] = ((out, G), torch.float16)
+    return specs
+
+
+def save_checkpoint(out: Path, arch: ModelArchConfig, tokenizer, tensors: dict[str, torch.Tensor],
+                    quant: dict) -> None:
+    """Write a checkpoint into the (new, empty) directory `out`."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    config = hf_config(arch) | {"quantization_config": {
+        "quant_method": QUANT_METHOD, "format_version": FORMAT_VERSION} | quant}
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / WEIGHTS_FILE),
+              metadata={"format": "pt"})
+    (out / "tokenizer.json").write_text(tokenizer.backend.to_str())
+    (out / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token}, indent=2) + "\n")
+    (out / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": tokenizer.bos_token_id,
+         "eos_token_id": sorted(tokenizer.eos_token_ids)}, indent=2) + "\n")
+    if tokenizer.chat_template:
+        (out / "chat_template.jinja").write_text(tokenizer.chat_template)
+
+
+def read_checkpoint(path: Path, arch: ModelArchConfig, quant: dict) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors, each checked for presence, shape and dtype (ModelLoadError)."""
+    from safetensors import safe_open
+
+    from qserve.loader.hf_loader import expected_shapes
+
+    if quant.get("format_version") != FORMAT_VERSION:
+        raise ModelLoadError(f"{path}: qserve checkpoint format_version "
+                             f"{quant.get('format_version')!r}; this qserve reads {FORMAT_VERSION}")
+    layers = quant.get("layers")
+    if not isinstance(layers, dict):
+        raise ModelLoadError(f"{path}/config.json: quantization_config has no 'layers' mapping")
+    expected: dict[str, tuple[tuple, torch.dtype | None]] = {}
+    for name, shape in expected_shapes(arch).items():
+        layer = layers.get(name.removesuffix(".weight"))
+        if layer is None:
+            expected[name] = (shape, None)  # dense: any float dtype
+            continue
+        try:
+            specs = packed_specs(shape, layer)
+        except (KeyError, TypeError, ZeroDivisionError):
+            raise ModelLoadError(f"{path}/config.json: layer {name} has a bad quantization "
+                                 f"entry {layer!r}") from None
+        for suffix, spec in specs.items():
+            expected[name.removesuffix("weight") + suffix] = spec
+    file = path / WEIGHTS_FILE
+    weights = {}
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            present = set(f.keys())
+            for name, (shape, dtype) in expected.items():
+                if name not in present:
+                    raise ModelLoadError(f"{file}: missing tensor {name}")
+                t = f.get_tensor(name)
+                if tuple(t.shape) != shape:
+                    raise ModelLoadError(f"{file}: tensor {name} has shape {tuple(t.shape)}, "
+                                         f"expected {shape}")
+                if (t.dtype != dtype) if dtype is not None else not t.is_floating_point():
+                    raise ModelLoadError(f"{file}: tensor {name} has dtype {t.dtype}, expected "
+                                         f"{dtype or 'a float dtype'}")
+                weights[name] = t
+    except ModelLoadError:
+        raise
+    except Exception as e:  # safetensors raises its own SafetensorError, not an OSError
+        raise ModelLoadError(f"{file}: not a readable safetensors file "
+                             f"({type(e).__name__}: {e})".splitlines()[0]) from None
+    return weights

@@ -1,0 +1,316 @@
+"""`qserve quantize`: a loaded model and a recipe in, a qserve checkpoint directory out.
+
+    plan_layers(arch, recipe)      which linears are packed how (group-size fallbacks decided
+                                   here, so a recipe that cannot apply fails before any work)
+    quantize_weights(...)          HF state dict -> packed state dict (+ AWQ scaling first)
+    quantize(src, out, recipe)     load, plan, quantize, write to a temporary directory, rename
+
+Every linear of every layer is planned, and the token embedding when the recipe says so.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from qserve.errors import ConfigError, QServeError
+from qserve.quant.recipe import Recipe, load_recipe
+from qserve.quant.schemes import GROUP_SIZES, QuantizedTensor, WeightScheme, quantize as rtn
+
+CALIB_TOKENS = 512
+_FUSED = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+          ("mlp.gate_proj", "mlp.up_proj"))
+_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclass
+class LayerPlan:
+    name: str  # HF linear name without ".weight"
+    shape: tuple[int, int]  # (out, in)
+    scheme: WeightScheme | None  # None: kept dense
+    group_size: int | None = None  # the group size used (None: per channel)
+    note: str = ""
+
+    @property
+    def entry(self) -> dict:
+        """Its quantization_config.layers entry."""
+        return {"bits": self.scheme.bits, "group_size": self.group_size,
+                "symmetric": self.scheme.sym}
+
+    def describe(self) -> str:
+        if self.scheme is None:
+            return "dense"
+        return str(WeightScheme(self.scheme.bits, self.group_size, self.scheme.sym))
+
+
+EMBEDDING = "model.embed_tokens"
+
+
+def linear_shapes(arch, embedding: bool = False) -> dict[str, tuple[int, int]]:
+    """HF name (no ".weight") -> (out, in) of every linear [and the embedding, (vocab, hidden)]."""
+    from qserve.loader.hf_loader import expected_shapes
+
+    return {n.removesuffix(".weight"): s for n, s in expected_shapes(arch).items()
+            if len(s) == 2 and (embedding or n != EMBEDDING + ".weight")}
+
+
+def plan_layers(arch, recipe: Recipe, gguf_types: dict[str, str] | None = None
+                ) -> list[LayerPlan]:
+    """One plan per linear. gguf_types (method gguf): HF linear name -> GGUF type name.
+    Raises ConfigError when the recipe's group size cannot apply and it says `error`."""
+    plans = {}
+    for name, shape in linear_shapes(arch, recipe.embedding == "quantize").items():
+        if name != EMBEDDING and recipe.kept(name, arch.num_layers):
+            plans[name] = LayerPlan(name, shape, None, note="kept by the recipe")
+        elif recipe.method == "gguf":
+            plans[name] = _gguf_plan(name, shape, gguf_types[name])
+        else:
+            plans[name] = _rtn_plan(name, shape, recipe)
+    for i in range(arch.num_layers):  # fused at run time: one format for all parts
+        for parts in _FUSED:
+            group = [plans[f"model.layers.{i}.{p}"] for p in parts]
+            kinds = {(p.scheme, p.group_size) for p in group}
+            if len(kinds) == 1:
+                continue
+            if recipe.method != "gguf":
+                raise ConfigError(
+                    f"recipe {recipe.name!r} treats {', '.join(p.name for p in group)} "
+                    f"differently, but they run as one fused matrix; keep or quantize them together")
+            for p in group:  # e.g. a K-quant v_proj next to Q4_0 q/k: keep the three dense
+                p.scheme, p.group_size = None, None
+                p.note = "kept dense: its fused partners have other GGUF types"
+    return list(plans.values())
+
+
+def _rtn_plan(name: str, shape: tuple[int, int], recipe: Recipe) -> LayerPlan:
+    n_in, gs = shape[1], recipe.group_size
+    plan = LayerPlan(name, shape, recipe.scheme, gs)
+    if gs is None or n_in % gs == 0:
+        return plan
+    if recipe.group_fallback == "pad":
+        plan.note = f"{n_in} inputs: last group of {gs} padded ({n_in % gs} real)"
+    elif recipe.group_fallback == "divisor":
+        fits = [g for g in GROUP_SIZES if g <= gs and n_in % g == 0]
+        if not fits:
+            raise ConfigError(f"group size {gs} does not divide {name}'s {n_in} inputs and no "
+                              f"smaller group size of {GROUP_SIZES} does; use group_fallback: pad")
+        plan.group_size = fits[-1]
+        plan.note = f"group size {gs} does not divide {n_in} inputs: used {fits[-1]}"
+    else:
+        raise ConfigError(f"group size {gs} does not divide {name}'s {n_in} inputs; set the "
+                          f"recipe's weights.group_fallback to pad or divisor")
+    return plan
+
+
+def _gguf_plan(name: str, shape: tuple[int, int], ggml_type: str) -> LayerPlan:
+    schemes = {"Q4_0": WeightScheme(4, 32, True), "Q4_1": WeightScheme(4, 32, False),
+               "Q8_0": WeightScheme(8, 32, True)}
+    if ggml_type not in schemes:
+        return LayerPlan(name, shape, None, note=f"GGUF {ggml_type}: kept dense, as loaded")
+    return LayerPlan(name, shape, schemes[ggml_type], 32, note=f"GGUF {ggml_type}, lossless")
+
+
+def quantize_weights(loaded, recipe: Recipe, plans: list[LayerPlan], calib_ids=None,
+                     progress=None) -> tuple[dict[str, torch.Tensor], dict]:
+    """HF state dict -> the checkpoint's tensors. Returns (tensors, extra info for the summary:
+    AWQ alphas). progress(label) is called once per finished transformer block."""
+    weights, info = loaded.weights, {}
+    by_name = {p.name: p for p in plans}
+    if recipe.method == "awq":
+        from qserve.quant import awq
+
+        def fake_quant(name: str, w: torch.Tensor) -> torch.Tensor:
+            p = by_name[name]
+            return w if p.scheme is None else rtn(w, p.scheme, p.group_size).dequantize()
+
+        weights, info["awq_alpha"] = awq.calibrate(
+            loaded.arch, weights, calib_ids, fake_quant,
+            progress=progress and (lambda i: progress(f"calibrated layer {i}")))
+    gguf = None
+    if recipe.method == "gguf":
+        from qserve.loader.gguf_loader import GGUFFile, hf_names
+
+        gguf = GGUFFile(loaded.path)
+        gguf_name = {h.removesuffix(".weight"): g for g, h in hf_names(loaded.arch).items()}
+    dense = None if recipe.dense_dtype == "source" else _DTYPES[recipe.dense_dtype]
+    out: dict[str, torch.Tensor] = {}
+    for name, w in weights.items():  # dense tensors: norms, biases, embedding, kept linears
+        plan = by_name.get(name.removesuffix(".weight"))
+        if plan is not None and plan.scheme is not None:
+            continue
+        if w.dim() == 1:
+            out[name] = w.float()  # norms and biases: tiny, and AWQ may have rescaled them
+        else:
+            out[name] = w if dense is None else w.to(dense)
+    for block, group in itertools.groupby(plans, key=_block_of):
+        for plan in group:
+            if plan.scheme is None:
+                continue
+            if gguf is not None:
+                qt = _import_gguf(gguf, gguf_name[plan.name], loaded.arch)
+            else:
+                qt = rtn(weights[plan.name + ".weight"], plan.scheme, plan.group_size)
+            out |= {f"{plan.name}.{k}": v for k, v in qt.tensors().items()}
+        if progress:
+            progress(block)
+    return out, info
+
+
+def _block_of(plan: LayerPlan) -> str:
+    """'layer 3' for model.layers.3.*, else the tensor's own name (embedding, lm_head)."""
+    m = re.match(r"model\.layers\.(\d+)\.", plan.name)
+    return f"layer {m.group(1)}" if m else plan.name
+
+
+def _import_gguf(gguf, gguf_name: str, arch) -> QuantizedTensor:
+    from qserve.loader.gguf_loader import unpermute_rows
+    from qserve.quant.gguf_import import import_blocks, unpermute_packed
+
+    info, raw = gguf.blocks(gguf_name)
+    qt = import_blocks(raw, info.ggml_type, info.shape[-1])
+    n_head = unpermute_rows(gguf_name, arch)
+    return qt if n_head is None else unpermute_packed(qt, n_head)
+
+
+def summarize(loaded, plans: list[LayerPlan], tensors: dict[str, torch.Tensor]) -> dict:
+    """Bytes before (fp16) and after, per linear and in total. `resident_*` counts what a
+    --dtype fp16 engine keeps: packed linears, and every dense tensor at 2 bytes a value."""
+    def nbytes(names):
+        return sum(tensors[n].numel() * tensors[n].element_size() for n in names)
+
+    layers = []
+    for p in plans:
+        names = [n for n in tensors if n.rsplit(".", 1)[0] == p.name]
+        layers.append({"name": p.name, "shape": list(p.shape), "scheme": p.describe(),
+                       "note": p.note, "bytes_fp16": 2 * p.shape[0] * p.shape[1],
+                       "bytes": nbytes(names)})
+    fp16_total = 2 * loaded.arch.num_params
+    embed_fp16 = 2 * loaded.arch.vocab_size * loaded.arch.hidden_size
+    embed = next((row["bytes"] for row, p in zip(layers, plans)
+                  if p.name == EMBEDDING and p.scheme is not None), embed_fp16)
+    packed = sum(row["bytes"] for row, p in zip(layers, plans) if p.scheme is not None)
+    packed_fp16 = sum(row["bytes_fp16"] for row, p in zip(layers, plans) if p.scheme is not None)
+    resident = fp16_total - packed_fp16 + packed
+    return {
+        "layers": layers,
+        "bytes_fp16": fp16_total,
+        "bytes": nbytes(tensors),  # as written (dense tensors in the recipe's dense_dtype)
+        "resident_bytes_fp16_engine": resident,
+        "resident_ratio": resident / fp16_total,
+        "resident_ratio_without_embedding": (resident - embed) / (fp16_total - embed_fp16),
+        "quantized_linear_ratio": packed / packed_fp16 if packed_fp16 else 1.0,
+    }
+
+
+def quantize(src: str | None, out: str | Path, recipe: str | Path | None = None,
+             calib_text: str | Path | None = None, force: bool = False, progress=None) -> dict:
+    """Quantize the model `src` with `recipe` into the checkpoint directory `out`.
+
+    recipe None: gguf-native for a GGUF source whose linears are all Q4_0 / Q4_1 / Q8_0
+    (lossless), else w4g64. Returns the summary. Nothing is left at `out` unless it succeeds.
+    """
+    from qserve.loader import load_arch, load_model, resolve_model
+
+    out = Path(out)
+    if out.exists() and not force:
+        raise QServeError(f"{out} already exists; pass --force to replace it")
+    src_path = resolve_model(src)
+    if out.exists() and out.resolve() == src_path.resolve():
+        raise QServeError(f"{out} is the source model; write the checkpoint somewhere else")
+    arch = load_arch(src_path)
+    gguf_types = _gguf_types(src_path, arch)
+    if recipe is None:
+        recipe = "gguf-native" if gguf_types and all(
+            t in ("Q4_0", "Q4_1", "Q8_0") for n, t in gguf_types.items() if n != EMBEDDING
+        ) else "w4g64"
+    r = load_recipe(recipe)
+    if r.method == "gguf" and gguf_types is None:
+        raise QServeError(f"recipe {r.name!r} imports GGUF blocks, but {src_path} is not a "
+                          f"GGUF file; choose an rtn or awq recipe")
+    plans = plan_layers(arch, r, gguf_types)  # ConfigError here: nothing loaded or written
+    text = None
+    if r.method == "awq":
+        from qserve.quant.calibration import read_text
+
+        text = read_text(calib_text)
+    elif calib_text is not None:
+        raise QServeError(f"--calib-text applies to AWQ recipes; recipe {r.name!r} uses method "
+                          f"{r.method}, which needs no calibration")
+    loaded = load_model(src_path)
+    if loaded.quant is not None:
+        tensors, plans, info = _requantize(loaded, r, src_path)
+    else:
+        ids = None
+        if text is not None:
+            ids = loaded.tokenizer.encode(text[:CALIB_TOKENS * 20],
+                                          add_special_tokens=False)[:CALIB_TOKENS]
+        tensors, info = quantize_weights(loaded, r, plans, ids, progress)
+    summary = summarize(loaded, plans, tensors) | {
+        "source": str(src_path), "out": str(out), "recipe": r.name, **info}
+    quant = {"recipe": r.to_dict(), "kv_dtype": r.kv_dtype,
+             "layers": {p.name: p.entry for p in plans if p.scheme is not None}}
+    _write_atomically(out, lambda tmp: _save(tmp, loaded, tensors, quant))
+    return summary
+
+
+def _save(tmp: Path, loaded, tensors, quant) -> None:
+    from qserve.quant.checkpoint import save_checkpoint
+
+    save_checkpoint(tmp, loaded.arch, loaded.tokenizer, tensors, quant)
+
+
+def _gguf_types(path: Path, arch) -> dict[str, str] | None:
+    """HF linear (and embedding) name -> GGUF type name, or None if `path` is not a GGUF."""
+    if path.is_dir():
+        return None
+    from qserve.loader.gguf_loader import GGUFFile, hf_names
+
+    gguf = GGUFFile(path)
+    linears = linear_shapes(arch, embedding=True)
+    return {h.removesuffix(".weight"): gguf.tensors[g].ggml_type.name
+            for g, h in hf_names(arch).items() if h.removesuffix(".weight") in linears}
+
+
+def _requantize(loaded, r: Recipe, src: Path):
+    """A qserve checkpoint as the source: only its own recipe applies (a plain copy); anything
+    else would re-round rounded weights."""
+    have = loaded.quant.get("recipe", {})
+    strip = lambda d: {k: v for k, v in d.items() if k not in ("name", "description")}  # noqa: E731
+    if strip(have) != strip(r.to_dict()):
+        raise QServeError(f"{src} is already a qserve checkpoint (recipe {have.get('name')!r}); "
+                          f"quantize its original model instead, or pass --recipe "
+                          f"{have.get('name')} to copy it")
+    shapes = linear_shapes(loaded.arch, embedding=True)
+    plans = []
+    for name, shape in shapes.items():
+        e = loaded.quant["layers"].get(name)
+        if e is None and name == EMBEDDING:
+            continue
+        scheme = e and WeightScheme(e["bits"], e["group_size"], e["symmetric"])
+        plans.append(LayerPlan(name, shape, scheme, e and e["group_size"], "copied"))
+    return dict(loaded.weights), plans, {}
+
+
+def _write_atomically(out: Path, write) -> None:
+    """write(tmp) into a hidden sibling of `out`, then rename it into place; on any failure
+    or interrupt the temporary directory goes and `out` is as it was."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        write(tmp)
+        if out.exists():
+            out.rename(old)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old.exists() and not out.exists():
+            old.rename(out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,234 @@
+"""Quantized KV cache: quantize/dequantize bounds, packing, the paged write/attend path with
+int8 and int4 blocks against attention over the dequantized values, block moves, and the
+byte accounting behind `qserve info` (int4 holds >= 3.5x the tokens of fp16)."""
+import pytest
+import torch
+
+from qserve.config import CacheConfig, ModelArchConfig
+from qserve.engine.cache_engine import (CacheEngine, KV_STORAGE, bytes_per_block,
+                                        cache_tensor_specs, plan_num_blocks)
+from qserve.kernels import kv_quant
+from qserve.kernels.paged_attention import PagedAttentionMetadata, paged_attention, write_kv
+
+# (tokens, kv heads, head_dim): odd token counts, one head, head_dims that are not powers of two
+SHAPES = [(1, 1, 2), (7, 3, 64), (83, 2, 80), (5, 4, 128), (33, 1, 96)]
+STORAGE = {"int8": torch.int8, "int4": torch.uint8}
+
+
+def sample(shape, dtype=torch.float32, seed=0):
+    """Llama-like K: Gaussian with a few large outlier channels and a per-channel offset."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g)
+    x[..., :: max(1, shape[-1] // 4)] *= 8
+    return (x + torch.randn(shape[-1], generator=g)).to(dtype)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_int8_error_is_half_a_step(shape, dtype):
+    x = sample(shape, dtype)
+    q, s = kv_quant.quantize_int8(x)
+    assert q.dtype == torch.int8 and q.shape == x.shape
+    assert s.dtype == torch.float16 and s.shape == x.shape[:-1]
+    err = (kv_quant.dequantize_int8(q, s, torch.float32) - x.float()).abs()
+    # |y - q s| <= s / 2: round-to-nearest on the stored scale; the fp16 rounding of s moves
+    # max|y| / s by at most 2^-11 * 127 < 0.5, so the clamp at 127 never adds error.
+    # 1e-6 relative covers fp32 rounding of y / s and q * s.
+    assert (err <= s.float().unsqueeze(-1) / 2 + 1e-6 * x.float().abs()).all()
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_int4_error_is_half_a_step(shape, dtype):
+    x = sample(shape, dtype)
+    packed, s, m = kv_quant.quantize_int4(x)
+    assert packed.dtype == torch.uint8 and packed.shape == (*x.shape[:-1], x.shape[-1] // 2)
+    err = (kv_quant.dequantize_int4(packed, s, m, torch.float32) - x.float()).abs()
+    # as for int8, plus the offset's fp16 rounding (2^-11 relative): rounded above min x, the
+    # smallest values clamp at q = 0 by up to that much.
+    bound = s.float().unsqueeze(-1) / 2 + 2 ** -11 * m.float().abs().unsqueeze(-1)
+    assert (err <= bound + 1e-6 * x.float().abs()).all()
+
+
+def test_int4_packs_low_nibble_first():
+    x = torch.arange(16.0).view(1, 16)  # min 0, scale 1: q == x
+    packed, s, m = kv_quant.quantize_int4(x)
+    assert s.item() == 1 and m.item() == 0
+    assert packed.tolist() == [[0x10, 0x32, 0x54, 0x76, 0x98, 0xBA, 0xDC, 0xFE]]
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_constant_and_zero_vectors(name):
+    x = torch.tensor([[0.0] * 8, [3.0] * 8, [-1e-9] * 8])
+    out = kv_quant.dequantize(kv_quant.quantize(x, STORAGE[name]), torch.float32)
+    assert out[0].abs().max() < 1e-6
+    torch.testing.assert_close(out[1], x[1], atol=3 * 2 ** -11, rtol=0)  # fp16 offset/scale
+    assert out.isfinite().all()
+
+
+@pytest.mark.parametrize("d", [2, 64, 80, 96, 128])
+def test_hadamard_is_orthonormal_and_symmetric(d):
+    h = kv_quant.hadamard(d)
+    torch.testing.assert_close(h @ h, torch.eye(d), atol=1e-6, rtol=0)
+    assert torch.equal(h, h.T)
+
+
+@pytest.mark.parametrize("d", [2, 64, 80, 96, 128])
+def test_fast_hadamard_transform_matches_the_matrix(d):
+    x = sample((13, 3, d))
+    # butterflies vs a matmul: same sums in a different order, fp32 rounding apart
+    torch.testing.assert_close(kv_quant.hadamard_transform(x), x @ kv_quant.hadamard(d),
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_quantization_is_per_token(name):
+    """A token's stored bytes and what is read back do not depend on the tokens beside it."""
+    x = sample((83, 3, 64))
+    full = kv_quant.quantize(x, STORAGE[name])
+    rows = [kv_quant.quantize(x[i:i + 1], STORAGE[name]) for i in range(83)]
+    for j, part in enumerate(full):
+        assert torch.equal(torch.cat([r[j] for r in rows]), part)
+    assert torch.equal(torch.cat([kv_quant.dequantize(r, torch.float32) for r in rows]),
+                       kv_quant.dequantize(full, torch.float32))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_rotated_roundtrip_bound(shape, name):
+    """quantize/dequantize work on y = H x; H is orthonormal, so the error in x has the same
+    2-norm as in y, where each element is within half a step: ||x - x^|| <= sqrt(d) s / 2."""
+    x = sample(shape)
+    parts = kv_quant.quantize(x, STORAGE[name])
+    out = kv_quant.dequantize(parts, torch.float32)
+    step = parts[1].float()
+    slack = 2 ** -11 * parts[2].float().abs() if name == "int4" else 0
+    bound = shape[-1] ** 0.5 * (step / 2 + slack) + 1e-5 * x.norm(dim=-1)
+    assert ((out - x).norm(dim=-1) <= bound).all()
+    # and the rotation is what makes int4 usable on outlier channels: it beats no rotation
+    if name == "int4" and shape[-1] >= 64:
+        plain = kv_quant.dequantize_int4(*kv_quant.quantize_int4(x), torch.float32)
+        assert (out - x).norm() < (plain - x).norm()
+
+
+# ---- the paged path ------------------------------------------------------------------------
+def _cache(name, num_blocks, bs, hkv, d):
+    arch = ModelArchConfig("llama", 10, 8, 8, 1, hkv * 3, hkv, d)
+    return {k: torch.zeros((num_blocks, *shape), dtype=dt)
+            for k, (shape, dt) in cache_tensor_specs(arch, bs, KV_STORAGE[name]).items()}
+
+
+def _meta(query_lens, seq_lens, tables, bs):
+    slots, starts = [], [0]
+    for q, s, t in zip(query_lens, seq_lens, tables):
+        slots += [t[p // bs] * bs + p % bs for p in range(s - q, s)]
+        starts.append(starts[-1] + q)
+    width = max(map(len, tables))
+    return PagedAttentionMetadata(
+        slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor(starts),
+        seq_lens=torch.tensor(seq_lens),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+        query_lens_list=list(query_lens), seq_lens_list=list(seq_lens),
+        max_seq_len=max(seq_lens), decode_only=all(q == 1 for q in query_lens))
+
+
+def _reference(q, k, v, scale):
+    """One sequence, all positions: causal attention over already-dequantized K/V."""
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=scale,
+        enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+@pytest.mark.parametrize("name", ["fp32", "int8", "int4"])
+def test_paged_prefill_chunk_and_decode_agree(name):
+    """Three sequences (lengths 19, 7, 33) in shuffled 4-token blocks, run as a fresh prefill
+    of all but the last five tokens, a four-token chunk, and a batched decode step. Every query
+    must match causal attention over the values the cache gives back, and what write_kv
+    returns must be exactly what a later gather reads."""
+    torch.manual_seed(0)
+    bs, hkv, H, d = 4, 2, 6, 64
+    lens = [19, 7, 33]
+    perm = torch.randperm(40).tolist()
+    tables, used = [], 0
+    for n in lens:
+        nb = -(-n // bs)
+        tables.append(perm[used:used + nb])
+        used += nb
+    cache = _cache(name, 40, bs, hkv, d)
+    qs = [torch.randn(n, H, d) for n in lens]
+    ks = [sample((n, hkv, d), seed=i) for i, n in enumerate(lens)]
+    vs = [torch.randn(n, hkv, d) for n in lens]
+    scale = d ** -0.5
+    outs = [[] for _ in lens]
+    read_k = [[] for _ in lens]
+    read_v = [[] for _ in lens]
+    for lo, hi in [(0, -5), (-5, -1), (-1, None)]:
+        cut = [slice(lo % n if lo else 0, hi % n if hi else n) for n in lens]
+        q = torch.cat([x[c] for x, c in zip(qs, cut)])
+        k = torch.cat([x[c] for x, c in zip(ks, cut)])
+        v = torch.cat([x[c] for x, c in zip(vs, cut)])
+        qlens = [c.stop - c.start for c in cut]
+        meta = _meta(qlens, [c.stop for c in cut], tables, bs)
+        k_read, v_read = write_kv(k, v, cache, meta.slot_mapping)
+        out = paged_attention(q, cache, meta, scale, k_new=k_read, v_new=v_read)
+        for i, part in enumerate(out.split(qlens)):
+            outs[i].append(part)
+        for i, (kr, vr) in enumerate(zip(k_read.split(qlens), v_read.split(qlens))):
+            read_k[i].append(kr)
+            read_v[i].append(vr)
+    for i, n in enumerate(lens):
+        k, v = torch.cat(read_k[i]), torch.cat(read_v[i])
+        # what was returned at write time is what the blocks hold
+        gathered = cache["k"][tables[i]].flatten(0, 1)[:n]
+        parts = (gathered,) + tuple(cache[f"k_{p}"][tables[i]].flatten(0, 1)[:n]
+                                    for p in kv_quant.kv_parts(cache["k"].dtype))
+        assert torch.equal(kv_quant.dequantize(parts, torch.float32), k)
+        # fp32 rounding differs between SDPA's causal path and the masked/batched ones
+        torch.testing.assert_close(torch.cat(outs[i]), _reference(qs[i], k, v, scale),
+                                   atol=1e-5, rtol=1e-5)
+        if name != "fp32":  # and quantization really happened, within the expected error
+            err = (k - ks[i]).norm() / ks[i].norm()
+            assert 0 < err < (0.01 if name == "int8" else 0.12)
+
+
+@pytest.mark.parametrize("name", ["fp16", "int8", "int4"])
+def test_copy_and_swap_move_values_and_scales(name):
+    arch = ModelArchConfig("llama", 10, 8, 8, 2, 6, 2, 64)
+    ce = CacheEngine(arch, CacheConfig(block_size=4), 6, 3, torch.device("cpu"),
+                     KV_STORAGE[name])
+    assert set(ce.device_cache) == {"k", "v"} | {f"{w}_{p}" for w in "kv" for p in
+                                                   kv_quant.kv_parts(KV_STORAGE[name])}
+    for t in ce.device_cache.values():
+        t.copy_(torch.randint(0, 100, t.shape).to(t.dtype))
+    before = {n: t.clone() for n, t in ce.device_cache.items()}
+    ce.copy([(1, 4)])
+    ce.swap_out([(2, 0), (3, 2)])
+    ce.swap_in([(0, 5), (2, 0)])
+    for n, t in ce.device_cache.items():
+        b = before[n]
+        assert torch.equal(t[:, 4], b[:, 1]) and torch.equal(t[:, 5], b[:, 2])
+        assert torch.equal(t[:, 0], b[:, 3])
+
+
+# ---- byte accounting -------------------------------------------------------------------------
+SMOLLM2_135M = ModelArchConfig("llama", 49152, 576, 1536, 30, 9, 3, 64)
+
+
+def test_bytes_per_block_counts_values_and_scales_exactly():
+    bs, L, hkv = 16, 30, 3
+    per_head_token = {"fp32": 256, "fp16": 128, "bf16": 128, "int8": 64 + 2, "int4": 32 + 2 + 2}
+    for name, nbytes in per_head_token.items():
+        got = bytes_per_block(SMOLLM2_135M, bs, KV_STORAGE[name])
+        assert got == 2 * L * bs * hkv * nbytes, name
+
+
+def test_int4_holds_3_5x_the_tokens_of_fp16_at_the_same_budget():
+    cache = CacheConfig(kv_cache_memory=1 << 30, swap_space=0)
+    tokens = {name: plan_num_blocks(SMOLLM2_135M, cache, KV_STORAGE[name], torch.device("cpu"),
+                                    2048)[0] * cache.block_size
+              for name in ("fp16", "int8", "int4")}
+    # 1 GiB / (2 * 30 * 3 * 128 B) = 46,603 fp16 tokens; int4: 36 B -> 165,696 tokens
+    assert tokens["fp16"] == 46592 and tokens["int4"] == 165696
+    assert tokens["int4"] >= 3.5 * tokens["fp16"]
+    assert tokens["int8"] >= 1.9 * tokens["fp16"]

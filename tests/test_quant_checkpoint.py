@@ -1,0 +1,225 @@
+"""qserve checkpoints on the real default model: the lossless GGUF import, save/load round
+trips with identical logits, generation through the engine, the `quantize` command, and every
+bad input (one line, exit 2, nothing written)."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
+
+from qserve import LLM, SamplingParams, cli
+from qserve.errors import ModelLoadError
+from qserve.loader import load_model
+from qserve.quant import calibration
+from qserve.quant.linear import packed_weight
+from qserve.quant.quantize import plan_layers, quantize, quantize_weights
+from qserve.quant.recipe import load_recipe
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three primary colors:"]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory, default_model_path):
+    """recipe name -> checkpoint directory of the default model, made on first use."""
+    made = {}
+
+    def get(recipe: str) -> Path:
+        if recipe not in made:
+            made[recipe] = tmp_path_factory.mktemp("ckpt") / recipe
+            quantize(str(default_model_path), made[recipe], recipe)
+        return made[recipe]
+    return get
+
+
+def invoke(*args):
+    return CliRunner().invoke(cli.main, list(args))
+
+
+def assert_user_error(result, *needles):
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.output
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_gguf_native_is_lossless(ckpt, loaded_model):
+    """Every linear of the Q4_1 model comes back as the same packed g32 blocks, dequantizing bit
+    for bit to what the GGUF loader (gguf.quants.dequantize) gives; dense tensors are equal."""
+    q = load_model(ckpt("gguf-native"))
+    assert q.source_format == "qserve" and q.quant["recipe"]["name"] == "gguf-native"
+    layers = q.quant["layers"]
+    assert len(layers) == 7 * 30 + 1
+    assert layers["model.embed_tokens"] == {"bits": 8, "group_size": 32, "symmetric": True}
+    for name, w in loaded_model.weights.items():
+        layer = name.removesuffix(".weight")
+        if layer in layers:
+            if layer != "model.embed_tokens":
+                assert layers[layer] == {"bits": 4, "group_size": 32, "symmetric": False}
+            deq = packed_weight(q.weights, layer, w.shape[1]).dequantize()
+            assert torch.equal(deq.view(torch.int32), w.view(torch.int32)), name
+        else:
+            assert torch.equal(q.weights[name], w), name
+
+
+@pytest.mark.parametrize("recipe", ["w8", "gguf-native"])
+def test_engine_generates_from_checkpoint(ckpt, loaded_model, recipe):
+    """Through the engine: gguf-native greedy tokens equal the fp32 dequantized model's (same
+    weights, bit for bit); w8 generates, its first tokens those of fp32."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    kw = dict(kv_cache_memory="128MiB", max_model_len=256)
+    ref = [o.outputs[0].token_ids for o in LLM(loaded=loaded_model, **kw).generate(PROMPTS, params)]
+    llm = LLM(str(ckpt(recipe)), **kw)
+    assert type(llm.engine.model.layers[0].mlp.down_proj).__name__ == "QuantLinear"
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    if recipe == "gguf-native":
+        assert got == ref
+    else:
+        assert [g[:2] for g in got] == [r[:2] for r in ref]
+
+
+def test_checkpoint_round_trip_identical_logits(ckpt, loaded_model):
+    """The tensors quantize_weights makes in memory, and the same after save + load, give
+    identical logits (and identical tensors)."""
+    recipe = load_recipe("w8")
+    tensors, _ = quantize_weights(loaded_model, recipe, plan_layers(loaded_model.arch, recipe))
+    q = load_model(ckpt("w8"))
+    assert tensors.keys() == q.weights.keys()
+    for k in tensors:
+        assert torch.equal(tensors[k], q.weights[k]), k
+    ids = loaded_model.tokenizer.encode("Quantized weights, loaded back, give the same logits.")
+    a = calibration.logits(calibration.build_model(q.arch, tensors, 64), ids)
+    b = calibration.logits(calibration.build_model(q.arch, q.weights, 64), ids)
+    assert torch.equal(a, b)
+    assert q.tokenizer.encode("<|im_start|>user 12 héllo") == \
+        loaded_model.tokenizer.encode("<|im_start|>user 12 héllo")
+    assert q.tokenizer.chat_template == loaded_model.tokenizer.chat_template
+    assert q.arch == loaded_model.arch
+
+
+def test_quantize_command_w4g64(tmp_path, default_model_path):
+    """The command end to end: JSON summary per layer (576 inputs divide by 64, no fallback
+    note), resident int4 bytes <= 0.30x fp16 without the embedding, and a loadable checkpoint
+    whose resident weights match that claim in an fp16 model."""
+    out = tmp_path / "w4"
+    r = invoke("quantize", str(default_model_path), "-o", str(out), "--recipe", "w4g64", "--json")
+    assert r.exit_code == 0, r.output
+    s = json.loads(r.output.strip().splitlines()[-1])
+    assert len(s["layers"]) == 210 and all(x["scheme"] == "int4 g64 asym" for x in s["layers"])
+    assert s["resident_ratio_without_embedding"] <= 0.30
+    assert s["quantized_linear_ratio"] == pytest.approx(4.5 / 16)
+    assert sorted(p.name for p in out.iterdir()) == [
+        "chat_template.jinja", "config.json", "generation_config.json", "model.safetensors",
+        "tokenizer.json", "tokenizer_config.json"]
+    cfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert cfg["kv_dtype"] == "fp16" and cfg["recipe"]["weights"]["group_size"] == 64
+    q = load_model(out)
+    model = calibration.build_model(q.arch, q.weights, 16, dtype=torch.float16)
+    resident = sum(t.numel() * t.element_size() for n, t in
+                   [*model.named_parameters(), *model.named_buffers()] if "rope" not in n)
+    embed = model.embed_tokens.weight.numel() * 2
+    fp16 = 2 * q.arch.num_params
+    assert resident == s["resident_bytes_fp16_engine"]
+    assert (resident - embed) / (fp16 - embed) <= 0.30
+    # and the 128-group recipe pads the 576-input layers, saying so per layer
+    r = invoke("quantize", str(default_model_path), "-o", str(tmp_path / "g128"), "-r", "w4g128")
+    assert r.exit_code == 0, r.output
+    assert "576 inputs: last group of 128 padded (64 real)" in r.output
+    assert "resident at --dtype fp16" in r.output
+
+
+# ---- bad input -----------------------------------------------------------------------------
+def test_existing_out_is_refused_without_force(tmp_path, default_model_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert_user_error(invoke("quantize", str(default_model_path), "-o", str(out)),
+                      "already exists", "--force")
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+
+
+@pytest.mark.parametrize("recipe_text, needle", [
+    (None, "unknown recipe 'w5'"),
+    ("weights: {bits: 4, group_sise: 64}\n", "unknown key 'weights.group_sise'"),
+    ("weights: {bits: 4, group_size: 128, group_fallback: error}\n",
+     "group size 128 does not divide model.layers.0.self_attn.q_proj's 576 inputs"),
+])
+def test_bad_recipe_writes_nothing(tmp_path, default_model_path, recipe_text, needle):
+    recipe = "w5"
+    if recipe_text is not None:
+        recipe = str(tmp_path / "r.yaml")
+        Path(recipe).write_text(recipe_text)
+    out = tmp_path / "out"
+    assert_user_error(invoke("quantize", str(default_model_path), "-o", str(out), "-r", recipe),
+                      needle)
+    assert not out.exists() and [p.name for p in tmp_path.iterdir()] == (
+        [] if recipe_text is None else ["r.yaml"])
+
+
+def test_requantizing_a_checkpoint(ckpt, tmp_path):
+    """A qserve checkpoint as SRC: another recipe is refused; its own recipe copies it."""
+    src = ckpt("w8")
+    assert_user_error(invoke("quantize", str(src), "-o", str(tmp_path / "a"), "-r", "w4g64"),
+                      "already a qserve checkpoint", "recipe 'w8'")
+    assert_user_error(invoke("quantize", str(src), "-o", str(tmp_path / "b"), "-r", "gguf-native"),
+                      "not a GGUF file")
+    assert not list(tmp_path.iterdir())
+    r = invoke("quantize", str(src), "-o", str(tmp_path / "c"), "-r", "w8", "--json")
+    assert r.exit_code == 0, r.output
+    assert load_file(str(tmp_path / "c" / "model.safetensors")).keys() == \
+        load_file(str(src / "model.safetensors")).keys()
+
+
+def test_interrupted_run_leaves_nothing(tmp_path, default_model_path, monkeypatch):
+    from qserve.quant import checkpoint
+
+    def interrupted(out, *args):
+        (out / "config.json").parent.mkdir(parents=True)
+        (out / "config.json").write_text("{}")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(checkpoint, "save_checkpoint", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        quantize(str(default_model_path), tmp_path / "out", "gguf-native")
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("corruption, needle", [
+    ("missing", "missing tensor model.layers.3.mlp.down_proj.scales"),
+    ("shape", "tensor model.layers.3.mlp.down_proj.scales has shape (576, 47)"),
+    ("dtype", "tensor model.layers.3.mlp.down_proj.scales has dtype torch.float32"),
+])
+def test_corrupt_checkpoint(ckpt, tmp_path, corruption, needle):
+    """A damaged tensor is named on load (API: ModelLoadError; CLI: one line, exit 2)."""
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(ckpt("w8"), bad)
+    tensors = load_file(str(bad / "model.safetensors"))
+    name = "model.layers.3.mlp.down_proj.scales"
+    if corruption == "missing":
+        del tensors[name]
+    elif corruption == "shape":
+        tensors[name] = tensors[name].repeat(1, 47)
+    else:
+        tensors[name] = tensors[name].float()
+    save_file(tensors, str(bad / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="model.safetensors: "):
+        load_model(bad)
+    assert_user_error(invoke("quantize", str(bad), "-o", str(tmp_path / "o"), "-r", "w8"), needle)
+    assert not (tmp_path / "o").exists()
+
+
+def test_calib_text_errors(tmp_path, default_model_path):
+    out = tmp_path / "o"
+    assert_user_error(invoke("quantize", str(default_model_path), "-o", str(out), "-r", "w8",
+                             "--calib-text", str(tmp_path / "x.txt")),
+                      "--calib-text applies to AWQ recipes")
+    assert_user_error(invoke("quantize", str(default_model_path), "-o", str(out), "-r",
+                             "w4g64-awq", "--calib-text", str(tmp_path / "missing.txt")),
+                      "missing.txt", "cannot be read")
+    assert not out.exists()

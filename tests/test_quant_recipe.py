@@ -1,0 +1,97 @@
+"""Recipes: the shipped ones load; bad ones fail naming the key; group-size fallbacks are
+planned per layer (pad / divisor / error) on the default model's shapes (576 = 4.5 x 128)."""
+import pytest
+
+from qserve.config import ModelArchConfig
+from qserve.errors import ConfigError
+from qserve.quant.quantize import plan_layers
+from qserve.quant.recipe import available, load_recipe, parse_recipe
+
+SMOL = ModelArchConfig("llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                       num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
+                       tie_word_embeddings=True)
+
+
+def test_shipped_recipes():
+    names = available()
+    assert {"w8", "w4g32", "w4g64", "w4g128", "w4g64-awq", "w4g64-sym", "w4g64-all",
+            "gguf-native"} <= set(names)
+    for name in names:
+        r = load_recipe(name)
+        assert r.name == name and r.kv_dtype != "auto"
+    assert load_recipe("w8").scheme.bits == 8 and load_recipe("w8").group_size is None
+    assert load_recipe("w4g64-awq").method == "awq"
+
+
+def test_recipe_by_path(tmp_path):
+    p = tmp_path / "mine.yaml"
+    p.write_text("weights: {bits: 4, group_size: 32, symmetric: true}\nkv_dtype: fp16\n")
+    r = load_recipe(str(p))
+    assert (r.name, r.bits, r.group_size, r.symmetric, r.keep) == ("mine", 4, 32, True, ["lm_head"])
+
+
+@pytest.mark.parametrize("data, needle", [
+    ({"weights": {"bits": 4}, "kvdtype": "fp16"}, "unknown key 'kvdtype'"),
+    ({"weights": {"bits": 4, "groupsize": 64}}, "unknown key 'weights.groupsize'"),
+    ({"weights": {"bits": 3}}, "key 'weights.bits' is 3"),
+    ({"weights": {"bits": 4, "group_size": 48}}, "key 'weights.group_size' is 48"),
+    ({"weights": {"bits": 4, "group_size": None}}, "key 'weights.group_size' is None"),
+    ({"weights": {"bits": 8, "symmetric": False}}, "weights.symmetric"),
+    ({"weights": {"method": "gptq"}}, "key 'weights.method' is 'gptq'"),
+    ({"weights": {"method": "gguf", "bits": 4}}, "weights.bits' does not apply"),
+    ({"weights": {"group_fallback": "round"}}, "weights.group_fallback"),
+    ({"weights": {"keep": "lm_head"}}, "weights.keep"),
+    ({"weights": {"embedding": "int4"}}, "key 'weights.embedding' is 'int4'"),
+    ({"weights": {}, "kv_dtype": "fp8"}, "key 'kv_dtype' is 'fp8'"),
+    ({"kv_dtype": "fp16"}, "key 'weights'"),
+    (["not", "a", "mapping"], "YAML mapping"),
+])
+def test_bad_recipes_name_the_key(data, needle):
+    with pytest.raises(ConfigError, match=None) as e:
+        parse_recipe(data)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_unknown_recipe_lists_the_known_ones():
+    with pytest.raises(ConfigError, match="unknown recipe 'w3'.*w4g64"):
+        load_recipe("w3")
+
+
+def test_bad_yaml(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("weights: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_recipe(str(p))
+
+
+def _plans(**weights):
+    return {p.name: p for p in plan_layers(SMOL, parse_recipe({"weights": weights}))}
+
+
+def test_group_fallback_pad_divisor_error():
+    q, down = "model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj"
+    pad = _plans(bits=4, group_size=128, group_fallback="pad")
+    assert pad[q].group_size == 128 and "padded" in pad[q].note  # 576 inputs
+    assert pad[down].group_size == 128 and pad[down].note == ""  # 1536 = 12 x 128
+    div = _plans(bits=4, group_size=128, group_fallback="divisor")
+    assert div[q].group_size == 64 and "used 64" in div[q].note
+    with pytest.raises(ConfigError, match="group size 128 does not divide .*576 inputs"):
+        _plans(bits=4, group_size=128, group_fallback="error")
+    assert all(p.note == "" for p in _plans(bits=4, group_size=64).values())
+
+
+def test_keep_patterns_and_fused_consistency():
+    plans = _plans(bits=8, keep=["model.layers.{first}.*", "model.layers.{last}.mlp.*"])
+    assert plans["model.layers.0.self_attn.o_proj"].scheme is None
+    assert plans["model.layers.29.mlp.up_proj"].scheme is None
+    assert plans["model.layers.29.self_attn.q_proj"].scheme is not None
+    with pytest.raises(ConfigError, match="fused"):
+        _plans(bits=8, keep=["*.q_proj"])
+
+
+def test_embedding_quantized_on_request():
+    plans = _plans(bits=4, group_size=128, embedding="quantize")
+    emb = plans["model.embed_tokens"]
+    assert emb.shape == (49152, 576) and emb.group_size == 128 and "padded" in emb.note
+    assert "model.embed_tokens" not in _plans(bits=4)
+    assert load_recipe("gguf-native").embedding == "quantize"
