@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
+sys.path[:0] = [str(REPO), str(REPO / "tests")]  # run from a checkout, installed or not
 os.environ.setdefault("QSERVE_HOME", str(REPO / ".cache" / "qserve"))
 
 

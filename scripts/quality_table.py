@@ -57,7 +57,8 @@ def dir_bytes(path: Path) -> int:
 def hf_scorer(name: str, model) -> Scorer:
     """A transformers model scored on the same windows (no paged engine: its own forward)."""
     def fn(window: list[int]) -> torch.Tensor:
-        with torch.no_grad():
+        # evaluate_all runs under inference_mode, which quanto's autograd Function refuses
+        with torch.inference_mode(False), torch.no_grad():
             logits = model(input_ids=torch.tensor([window])).logits[0].float()
         return torch.log_softmax(logits, dim=-1)
     return Scorer(name, "peer", fn)
@@ -88,8 +89,10 @@ def peers(hf_dir: Path) -> tuple[list[tuple[str, Scorer, int]], list[str]]:
         try:
             model = AutoModelForCausalLM.from_pretrained(
                 str(hf_dir), dtype=torch.float32, quantization_config=config()).eval()
-            size = model.get_memory_footprint()
-            rows.append((label, hf_scorer(label, model), size))
+            scorer = hf_scorer(label, model)
+            with torch.inference_mode():  # as evaluate_all will call it: fail here, not there
+                scorer.fn([1, 2, 3])
+            rows.append((label, scorer, model.get_memory_footprint()))
         except Exception as e:  # a peer that does not run on this machine is reported, not fatal
             skipped.append(f"{label}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
     return rows, skipped
