@@ -116,7 +116,7 @@ def test_batch_invariance(llm, loaded_model, tokenizer, kv_dtype):
     assert_no_leaks(llm)
 
 
-@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("kv_dtype", ["auto", "int4"])  # int8 runs in batch invariance
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_gives_same_outputs(llm, loaded_model, tokenizer, mode, kv_dtype):
     from qserve.engine.cache_engine import KV_STORAGE, bytes_per_block

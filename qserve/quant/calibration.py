@@ -13,15 +13,11 @@ from torch.nn import functional as F
 from qserve.errors import QServeError
 
 
-def default_text() -> str:
-    from pydoc_data.topics import topics
-
-    return "\n\n".join(topics[k] for k in sorted(topics))
-
-
 def read_text(path: str | Path | None) -> str:
     """--calib-text FILE, or the default text."""
     if path is None:
+        from qserve.eval import default_text
+
         return default_text()
     try:
         text = Path(path).read_text(encoding="utf-8")
