@@ -167,12 +167,8 @@ def test_work_per_token_is_bounded_by_the_window(bpe):
     assert counting.longest <= 5 + 4  # prompt context + at most one 4-byte character's tokens
 
 
-def test_real_tokenizer_on_long_text(request):
-    try:
-        from qserve.loader import load_model  # noqa: F401
-    except ImportError as e:
-        pytest.skip(f"qserve.loader is not ready ({e})")
-    tok = request.getfixturevalue("tokenizer")
+def test_real_tokenizer_on_long_text(tokenizer):
+    tok = tokenizer
     from pydoc_data.topics import topics
 
     text = topics["typesseq"][:6000] + f" {MULTIBYTE} ünïcödé ✓ 🤖🚀 日本語のテキスト"
