@@ -215,14 +215,8 @@ def run(session: ChatSession, stdin=None) -> None:
     stdin = stdin or sys.stdin
     if not stdin.isatty():
         for line in stdin:
-            line = line.strip()
-            if not line:
-                continue
-            if line.startswith("/"):
-                if not session.command(line):
-                    return
-            else:
-                session.reply(line)
+            if not _handle(session, line.strip()):
+                return
         return
     read = _line_reader()
     session._note(f"qserve chat with {session.model_name}: /help for commands, "
@@ -234,13 +228,18 @@ def run(session: ChatSession, stdin=None) -> None:
             continue
         except EOFError:
             return
-        if not line:
-            continue
-        if line.startswith("/"):
-            if not session.command(line):
-                return
-        else:
-            session.reply(line)
+        if not _handle(session, line):
+            return
+
+
+def _handle(session: ChatSession, line: str) -> bool:
+    """One input line: a /command or a message. Returns False when the chat should end."""
+    if not line:
+        return True
+    if line.startswith("/"):
+        return session.command(line)
+    session.reply(line)
+    return True
 
 
 def _line_reader():
