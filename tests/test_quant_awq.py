@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_awq_beats_round_to_nearest(loaded_model):
-    text, tok = calibration.default_text(), loaded_model.tokenizer
+    text, tok = calibration.read_text(None), loaded_model.tokenizer
     calib = tok.encode(text[:8000], add_special_tokens=False)[:256]
     held_out = tok.encode(text[-8000:], add_special_tokens=False)[-256:]
     recipe = load_recipe("w4g64")  # the same scheme as w4g64-awq, without calibration
