@@ -12,7 +12,9 @@ from torch.nn import functional as F
 
 from qserve.config import ModelArchConfig
 from qserve.errors import ModelLoadError
-from qserve.kernels.paged_attention import PagedAttentionMetadata, paged_attention, write_kv
+from qserve.kernels.cpu_ops import CpuDecoder
+from qserve.kernels.dispatch import attention
+from qserve.kernels.paged_attention import PagedAttentionMetadata
 from qserve.models.rope import RotaryEmbedding
 from qserve.quant.linear import QuantEmbedding, QuantLinear, packed_weight
 from qserve.quant.schemes import cat_quantized
@@ -51,8 +53,7 @@ class Attention(nn.Module):
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         q, k = self.rope(positions, q, k)
-        k, v = write_kv(k, v, cache, meta.slot_mapping)  # as the cache holds them
-        out = paged_attention(q, cache, meta, self.scale, k_new=k, v_new=v)
+        out = attention(q, k, v, cache, meta, self.scale)
         return self.o_proj(out.reshape(T, self.q_size))
 
 
@@ -101,9 +102,22 @@ class LlamaForCausalLM(nn.Module):
                 ) -> torch.Tensor:
         """input_ids, positions: (T,) -> final hidden states (T, hidden)."""
         x = self.embed_tokens(input_ids)
+        if meta.decode_only and self.device.type == "cpu":
+            fused = self._cpu_decoder(caches)
+            if fused is not None:
+                return self.norm(fused(x, positions, meta))
         for layer, cache in zip(self.layers, caches):
             x = layer(x, positions, cache, meta)
         return self.norm(x)
+
+    def _cpu_decoder(self, caches: list[dict[str, torch.Tensor]]) -> CpuDecoder | None:
+        """The fused C decode step for these caches, built on first use (None: not available,
+        and the layers run one by one)."""
+        cached = self.__dict__.get("_fused")
+        if cached is None or cached[0] is not caches:
+            cached = (caches, CpuDecoder.build(self, caches))
+            self.__dict__["_fused"] = cached
+        return cached[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(S, hidden) -> (S, vocab) fp32 logits."""

@@ -1,8 +1,8 @@
-"""QuantLinear: the runtime module of a packed weight (pure torch: dequantize, then matmul).
+"""QuantLinear: the runtime module of a packed weight.
 
-It replaces nn.Linear in the model. Only the packed tensors stay resident; the dequantized
-(out, in) matrix is a temporary of one forward call, never kept. The fused kernels of the
-kernels issue take the same buffers.
+It replaces nn.Linear in the model and holds only the packed tensors. On CPU the fused
+dequant-matmul of kernels/cpu_ops.c reads them in place; elsewhere (and as the reference) the
+(out, in) matrix is dequantized as a temporary of one forward call, never kept.
 """
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from qserve.kernels import cpu_ops
+from qserve.kernels.dispatch import packed_linear
 from qserve.quant.schemes import QuantizedTensor
 
 SUFFIXES = ("qweight", "scales", "offsets")
@@ -31,7 +33,8 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (..., in) -> (..., out)."""
-        return F.linear(x, self.packed.dequantize().to(x.dtype), self.bias)
+        return packed_linear(x, self.qweight, self.scales, self.offsets, self.in_features,
+                             self.bias)
 
     def extra_repr(self) -> str:
         kind = "asym" if self.offsets is not None else "sym"
@@ -88,6 +91,9 @@ class QuantEmbedding(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(S, hidden) -> (S, vocab) fp32: hidden @ table^T."""
+        if hidden.device.type == "cpu" and cpu_ops.lib() is not None:
+            return packed_linear(hidden.float(), self.qweight, self.scales, self.offsets,
+                                 self.embedding_dim, None)
         V, n = self.num_embeddings, self.ROWS_PER_SLICE
         return torch.cat([F.linear(hidden, self._rows(slice(i, min(i + n, V)))).float()
                           for i in range(0, V, n)], dim=-1)

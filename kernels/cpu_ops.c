@@ -1,0 +1,810 @@
+/* CPU fast path: fused dequant-matmul over packed int4/int8 weights, and decode-time paged
+ * attention and KV writes over fp32/fp16/bf16/int8/int4 KV blocks.
+ *
+ * Plain C99 + OpenMP, written so that gcc/clang vectorize the inner loops for whatever the
+ * build machine has (-march=native: AVX-512 here, AVX2 or NEON elsewhere). No torch headers:
+ * kernels/cpu_ops.py compiles this file once per machine and calls it through ctypes. Every
+ * function has a pure-torch reference (qserve/quant/schemes.py, kernels/paged_attention.py,
+ * kernels/kv_quant.py) that tests/test_cpu_ops.py compares it against.
+ *
+ * Weight layouts are those of qserve/quant/schemes.py:
+ *   int4  qweight uint8 (N, Kp / 2): byte j of a row holds input 2j (low nibble) and 2j + 1
+ *         (high nibble); w = q * scale + offset (asymmetric) or (q - 8) * scale (symmetric)
+ *   int8  qweight int8 (N, Kp): w = q * scale
+ *   scales, offsets fp16 (N, Kp / group_size)
+ * Kp is a multiple of 32 for int4 (group sizes 32/64/128); int8 may have any Kp.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef _Float16 half;
+
+#define CHUNK 32 /* inputs per inner step: one int4 chunk is 16 bytes */
+#define MT 4     /* activation rows that share one dequantized weight chunk */
+
+/* ---- dequant-matmul ----------------------------------------------------------------------- */
+
+/* Activations are permuted chunk-wise so that int4 bytes are read straight: within each
+ * 32-input chunk the low nibbles are the even inputs and the high nibbles the odd ones, so
+ * xp[c*32 + j] = x[c*32 + 2j] and xp[c*32 + 16 + j] = x[c*32 + 2j + 1] (j < 16). Inputs past K
+ * (the padded last group) are 0. int8 weights need no permutation (permute = 0). */
+static float *pack_activations(const float *x, int64_t M, int64_t K, int64_t ldx, int64_t Kc,
+                               int permute)
+{
+    float *xp = aligned_alloc(64, (sizeof(float) * (size_t)(M * Kc) + 63) / 64 * 64);
+    for (int64_t m = 0; m < M; m++) {
+        const float *xr = x + m * ldx;
+        float *xpr = xp + m * Kc;
+        for (int64_t k = 0; k < Kc; k++) {
+            const int64_t c = k / CHUNK, j = k % CHUNK;
+            const int64_t e = permute ? c * CHUNK + (j < CHUNK / 2 ? 2 * j : 2 * (j - CHUNK / 2) + 1)
+                                      : k;
+            xpr[k] = e < K ? xr[e] : 0.f;
+        }
+    }
+    return xp;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+static inline float hsum(__m256 v)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* 8 bytes -> 8 floats (unsigned / signed). */
+static inline __m256 u8_to_ps(__m128i b) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)); }
+static inline __m256 i8_to_ps(__m128i b) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)); }
+
+/* One weight row against `mt` (<= MT) activation rows. Each 32-input chunk of the row is
+ * dequantized into four 8-float registers once, then multiplied into every activation row;
+ * always_inline with a constant mt, so the two accumulators per row stay in registers. */
+static inline __attribute__((always_inline)) void
+q4_row(const uint8_t *row, const half *sc, const half *of, int64_t nchunk, int64_t per_group,
+       const float *xp, int64_t Kc, const int mt, float *res)
+{
+    __m256 a0[MT], a1[MT];
+    for (int i = 0; i < mt; i++)
+        a0[i] = a1[i] = _mm256_setzero_ps();
+    const __m128i mask = _mm_set1_epi8(15);
+    for (int64_t c = 0; c < nchunk; c++) {
+        const int64_t g = c / per_group;
+        const float s = (float)sc[g], o = of ? (float)of[g] : -8.f * s;
+        const __m256 vs = _mm256_set1_ps(s), vo = _mm256_set1_ps(o);
+        const __m128i b = _mm_loadu_si128((const __m128i *)(row + c * (CHUNK / 2)));
+        const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+        const __m256 w0 = _mm256_fmadd_ps(u8_to_ps(lo), vs, vo);                    /* 0..7 */
+        const __m256 w1 = _mm256_fmadd_ps(u8_to_ps(_mm_srli_si128(lo, 8)), vs, vo); /* 8..15 */
+        const __m256 w2 = _mm256_fmadd_ps(u8_to_ps(hi), vs, vo);                    /* 16..23 */
+        const __m256 w3 = _mm256_fmadd_ps(u8_to_ps(_mm_srli_si128(hi, 8)), vs, vo); /* 24..31 */
+        for (int i = 0; i < mt; i++) {
+            const float *xc = xp + i * Kc + c * CHUNK;
+            a0[i] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xc), a0[i]);
+            a1[i] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xc + 8), a1[i]);
+            a0[i] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xc + 16), a0[i]);
+            a1[i] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xc + 24), a1[i]);
+        }
+    }
+    for (int i = 0; i < mt; i++)
+        res[i] = hsum(_mm256_add_ps(a0[i], a1[i]));
+}
+
+/* int8: chunks of 32 inputs inside one group (group sizes are multiples of 32, or one group
+ * per row, whose length may leave a scalar tail). */
+static inline __attribute__((always_inline)) void
+q8_row(const int8_t *row, const half *sc, int64_t Kp, int64_t group_size,
+       const float *xp, int64_t Kc, const int mt, float *res)
+{
+    __m256 a0[MT], a1[MT];
+    for (int i = 0; i < mt; i++)
+        a0[i] = a1[i] = _mm256_setzero_ps();
+    const int64_t full = group_size % CHUNK == 0 ? Kp
+                         : group_size == Kp ? Kp / CHUNK * CHUNK : 0;
+    for (int64_t k0 = 0; k0 < full; k0 += CHUNK) {
+        const __m256 vs = _mm256_set1_ps((float)sc[k0 / group_size]);
+        const __m128i b0 = _mm_loadu_si128((const __m128i *)(row + k0));
+        const __m128i b1 = _mm_loadu_si128((const __m128i *)(row + k0 + 16));
+        const __m256 w0 = _mm256_mul_ps(i8_to_ps(b0), vs);
+        const __m256 w1 = _mm256_mul_ps(i8_to_ps(_mm_srli_si128(b0, 8)), vs);
+        const __m256 w2 = _mm256_mul_ps(i8_to_ps(b1), vs);
+        const __m256 w3 = _mm256_mul_ps(i8_to_ps(_mm_srli_si128(b1, 8)), vs);
+        for (int i = 0; i < mt; i++) {
+            const float *xc = xp + i * Kc + k0;
+            a0[i] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xc), a0[i]);
+            a1[i] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xc + 8), a1[i]);
+            a0[i] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xc + 16), a0[i]);
+            a1[i] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xc + 24), a1[i]);
+        }
+    }
+    for (int i = 0; i < mt; i++) {
+        float t = hsum(_mm256_add_ps(a0[i], a1[i]));
+        for (int64_t k = full; k < Kp; k++)
+            t += (float)row[k] * (float)sc[k / group_size] * xp[i * Kc + k];
+        res[i] = t;
+    }
+}
+
+/* Dense fp32 weights (the fp32 model's linears in the fused decode step). */
+static inline __attribute__((always_inline)) void
+f32_row(const float *row, int64_t K, const float *xp, int64_t Kc, const int mt, float *res)
+{
+    __m256 a0[MT], a1[MT];
+    for (int i = 0; i < mt; i++)
+        a0[i] = a1[i] = _mm256_setzero_ps();
+    const int64_t full = K / 16 * 16;
+    for (int64_t k0 = 0; k0 < full; k0 += 16) {
+        const __m256 w0 = _mm256_loadu_ps(row + k0), w1 = _mm256_loadu_ps(row + k0 + 8);
+        for (int i = 0; i < mt; i++) {
+            const float *xc = xp + i * Kc + k0;
+            a0[i] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xc), a0[i]);
+            a1[i] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xc + 8), a1[i]);
+        }
+    }
+    for (int i = 0; i < mt; i++) {
+        float t = hsum(_mm256_add_ps(a0[i], a1[i]));
+        for (int64_t k = full; k < K; k++)
+            t += row[k] * xp[i * Kc + k];
+        res[i] = t;
+    }
+}
+
+/* ---- int8-activation path (what llama.cpp does on CPUs) ----
+ * Each 32-input chunk of each activation row is quantized to int8 with its own scale
+ * d = max|x| / 127 (q_x = round(x / d)), so a chunk's dot product with int4 codes is one integer
+ * multiply-add: for w = q_w * s + o,
+ *     sum_j w_j x_j ~ s * d * sum_j q_w,j q_x,j  +  o * d * sum_j q_x,j
+ * _mm256_maddubs_epi16 multiplies unsigned codes (0..15, or |int8|) by signed int8 activations
+ * and adds pairs into int16 without overflow (2 * 15 * 127, 2 * 127 * 127 < 32767). */
+typedef struct {
+    int8_t *q;   /* (M, Kp), chunk-permuted like the fp32 path when int4 */
+    float *d;    /* (M, Kp / 32) chunk scales */
+    float *dsum; /* (M, Kp / 32) d * sum(q_x) of the chunk */
+} qacts;
+
+static qacts quantize_activations(const float *x, int64_t M, int64_t K, int64_t ldx, int64_t Kp,
+                                  int permute)
+{
+    const int64_t nchunk = Kp / CHUNK;
+    qacts a = {aligned_alloc(64, (size_t)((M * Kp + 63) / 64 * 64)),
+               malloc(sizeof(float) * (size_t)(M * nchunk)),
+               malloc(sizeof(float) * (size_t)(M * nchunk))};
+    float *xp = pack_activations(x, M, K, ldx, Kp, permute);
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t c = 0; c < nchunk; c++) {
+            const float *v = xp + m * Kp + c * CHUNK;
+            float amax = 0.f;
+            for (int j = 0; j < CHUNK; j++)
+                amax = fmaxf(amax, fabsf(v[j]));
+            const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+            int sum = 0;
+            for (int j = 0; j < CHUNK; j++) {
+                const int q = (int)nearbyintf(v[j] * id);
+                a.q[m * Kp + c * CHUNK + j] = (int8_t)q;
+                sum += q;
+            }
+            a.d[m * nchunk + c] = d;
+            a.dsum[m * nchunk + c] = d * (float)sum;
+        }
+    free(xp);
+    return a;
+}
+
+static void free_activations(qacts a)
+{
+    free(a.q);
+    free(a.d);
+    free(a.dsum);
+}
+
+static inline __attribute__((always_inline)) void
+q4_row_i8(const uint8_t *row, const half *sc, const half *of, int64_t nchunk, int64_t per_group,
+          const qacts *a, int64_t m0, int64_t Kp, const int mt, float *res)
+{
+    __m256 acc[MT];
+    float off[MT];
+    for (int i = 0; i < mt; i++) {
+        acc[i] = _mm256_setzero_ps();
+        off[i] = 0.f;
+    }
+    const __m256i mask = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    for (int64_t c = 0; c < nchunk; c++) {
+        const int64_t g = c / per_group;
+        const float s = (float)sc[g], o = of ? (float)of[g] : -8.f * s;
+        const __m128i b = _mm_loadu_si128((const __m128i *)(row + c * (CHUNK / 2)));
+        /* bytes 0..15: low nibbles (even inputs), 16..31: high nibbles (odd inputs) */
+        const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), mask);
+        for (int i = 0; i < mt; i++) {
+            const int64_t r = (m0 + i) * nchunk + c;
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(a->q + (m0 + i) * Kp + c * CHUNK));
+            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones);
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(s * a->d[r]), acc[i]);
+            off[i] += o * a->dsum[r];
+        }
+    }
+    for (int i = 0; i < mt; i++)
+        res[i] = hsum(acc[i]) + off[i];
+}
+
+static inline __attribute__((always_inline)) void
+q8_row_i8(const int8_t *row, const half *sc, int64_t nchunk, int64_t group_size,
+          const qacts *a, int64_t m0, int64_t Kp, const int mt, float *res)
+{
+    __m256 acc[MT];
+    for (int i = 0; i < mt; i++)
+        acc[i] = _mm256_setzero_ps();
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t c = 0; c < nchunk; c++) {
+        const float s = (float)sc[c * CHUNK / group_size];
+        const __m256i w = _mm256_loadu_si256((const __m256i *)(row + c * CHUNK));
+        const __m256i aw = _mm256_sign_epi8(w, w); /* |w|, and x takes w's sign */
+        for (int i = 0; i < mt; i++) {
+            const int64_t r = (m0 + i) * nchunk + c;
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(a->q + (m0 + i) * Kp + c * CHUNK));
+            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, w)), ones);
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(s * a->d[r]), acc[i]);
+        }
+    }
+    for (int i = 0; i < mt; i++)
+        res[i] = hsum(acc[i]);
+}
+
+#define HAVE_I8_PATH 1
+#else
+/* Portable versions of the same loops, for compilers/CPUs without AVX-512. */
+static inline void q4_row(const uint8_t *row, const half *sc, const half *of, int64_t nchunk,
+                          int64_t per_group, const float *xp, int64_t Kc, const int mt,
+                          float *res)
+{
+    float acc[MT][CHUNK] = {{0}};
+    for (int64_t c = 0; c < nchunk; c++) {
+        const int64_t g = c / per_group;
+        const float s = (float)sc[g], o = of ? (float)of[g] : -8.f * s;
+        const uint8_t *b = row + c * (CHUNK / 2);
+        float w[CHUNK];
+        for (int j = 0; j < CHUNK / 2; j++) {
+            w[j] = (float)(b[j] & 15) * s + o;
+            w[CHUNK / 2 + j] = (float)(b[j] >> 4) * s + o;
+        }
+        for (int i = 0; i < mt; i++)
+            for (int j = 0; j < CHUNK; j++)
+                acc[i][j] += w[j] * xp[i * Kc + c * CHUNK + j];
+    }
+    for (int i = 0; i < mt; i++) {
+        float t = 0.f;
+        for (int j = 0; j < CHUNK; j++)
+            t += acc[i][j];
+        res[i] = t;
+    }
+}
+
+static inline void q8_row(const int8_t *row, const half *sc, int64_t Kp, int64_t group_size,
+                          const float *xp, int64_t Kc, const int mt, float *res)
+{
+    for (int i = 0; i < mt; i++) {
+        float t = 0.f;
+        for (int64_t k = 0; k < Kp; k++)
+            t += (float)row[k] * (float)sc[k / group_size] * xp[i * Kc + k];
+        res[i] = t;
+    }
+}
+
+static inline void f32_row(const float *row, int64_t K, const float *xp, int64_t Kc,
+                           const int mt, float *res)
+{
+    for (int i = 0; i < mt; i++) {
+        float t = 0.f;
+        for (int64_t k = 0; k < K; k++)
+            t += row[k] * xp[i * Kc + k];
+        res[i] = t;
+    }
+}
+#endif
+
+/* y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) for int4 weights: x (M, K) fp32 with row
+ * stride ldx, K <= Kp, y (M, N) with row stride ldy. Parallel over weight rows; each row is
+ * read once per MT activation rows. */
+void q4_matmul(const float *x, int64_t M, int64_t K, int64_t ldx,
+               const uint8_t *qw, const half *scales, const half *offsets,
+               int64_t N, int64_t Kp, int64_t group_size,
+               const float *bias, float *y, int64_t ldy, int i8, int nthreads)
+{
+    const int64_t nchunk = Kp / CHUNK, G = Kp / group_size, per_group = group_size / CHUNK;
+#ifdef HAVE_I8_PATH
+    qacts a = {0};
+    if (i8)
+        a = quantize_activations(x, M, K, ldx, Kp, 1);
+#else
+    i8 = 0;
+#endif
+    float *xp = i8 ? NULL : pack_activations(x, M, K, ldx, Kp, 1);
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *row = qw + n * (Kp / 2);
+        const half *sc = scales + n * G, *of = offsets ? offsets + n * G : NULL;
+        for (int64_t m0 = 0; m0 < M; m0 += MT) {
+            float res[MT];
+            const int mt = M - m0 < MT ? (int)(M - m0) : MT;
+#ifdef HAVE_I8_PATH
+            if (i8) {
+                switch (mt) {
+                case 1: q4_row_i8(row, sc, of, nchunk, per_group, &a, m0, Kp, 1, res); break;
+                case 2: q4_row_i8(row, sc, of, nchunk, per_group, &a, m0, Kp, 2, res); break;
+                case 3: q4_row_i8(row, sc, of, nchunk, per_group, &a, m0, Kp, 3, res); break;
+                default: q4_row_i8(row, sc, of, nchunk, per_group, &a, m0, Kp, MT, res);
+                }
+            } else
+#endif
+            {
+                const float *xm = xp + m0 * Kp;
+                switch (mt) {
+                case 1: q4_row(row, sc, of, nchunk, per_group, xm, Kp, 1, res); break;
+                case 2: q4_row(row, sc, of, nchunk, per_group, xm, Kp, 2, res); break;
+                case 3: q4_row(row, sc, of, nchunk, per_group, xm, Kp, 3, res); break;
+                default: q4_row(row, sc, of, nchunk, per_group, xm, Kp, MT, res);
+                }
+            }
+            for (int i = 0; i < mt; i++)
+                y[(m0 + i) * ldy + n] = res[i] + (bias ? bias[n] : 0.f);
+        }
+    }
+#ifdef HAVE_I8_PATH
+    if (i8)
+        free_activations(a);
+#endif
+    free(xp);
+}
+
+/* The same for int8 weights (symmetric, w = q * scale, groups of group_size along K). */
+void q8_matmul(const float *x, int64_t M, int64_t K, int64_t ldx,
+               const int8_t *qw, const half *scales,
+               int64_t N, int64_t Kp, int64_t group_size,
+               const float *bias, float *y, int64_t ldy, int i8, int nthreads)
+{
+    const int64_t G = Kp / group_size, nchunk = Kp / CHUNK;
+#ifdef HAVE_I8_PATH
+    qacts a = {0};
+    i8 = i8 && Kp % CHUNK == 0 && group_size % CHUNK == 0;
+    if (i8)
+        a = quantize_activations(x, M, K, ldx, Kp, 0);
+#else
+    i8 = 0;
+#endif
+    float *xp = i8 ? NULL : pack_activations(x, M, K, ldx, Kp, 0);
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const int8_t *row = qw + n * Kp;
+        const half *sc = scales + n * G;
+        for (int64_t m0 = 0; m0 < M; m0 += MT) {
+            float res[MT];
+            const int mt = M - m0 < MT ? (int)(M - m0) : MT;
+#ifdef HAVE_I8_PATH
+            if (i8) {
+                switch (mt) {
+                case 1: q8_row_i8(row, sc, nchunk, group_size, &a, m0, Kp, 1, res); break;
+                case 2: q8_row_i8(row, sc, nchunk, group_size, &a, m0, Kp, 2, res); break;
+                case 3: q8_row_i8(row, sc, nchunk, group_size, &a, m0, Kp, 3, res); break;
+                default: q8_row_i8(row, sc, nchunk, group_size, &a, m0, Kp, MT, res);
+                }
+            } else
+#endif
+            {
+                const float *xm = xp + m0 * Kp;
+                switch (mt) {
+                case 1: q8_row(row, sc, Kp, group_size, xm, Kp, 1, res); break;
+                case 2: q8_row(row, sc, Kp, group_size, xm, Kp, 2, res); break;
+                case 3: q8_row(row, sc, Kp, group_size, xm, Kp, 3, res); break;
+                default: q8_row(row, sc, Kp, group_size, xm, Kp, MT, res);
+                }
+            }
+            for (int i = 0; i < mt; i++)
+                y[(m0 + i) * ldy + n] = res[i] + (bias ? bias[n] : 0.f);
+        }
+    }
+#ifdef HAVE_I8_PATH
+    if (i8)
+        free_activations(a);
+#endif
+    free(xp);
+}
+
+/* Dequantize rows [0, N) of a packed matrix into w (N, K) fp32: the prefill path then runs one
+ * dense GEMM, which at many rows beats re-dequantizing per row tile. */
+void q4_dequant(const uint8_t *qw, const half *scales, const half *offsets,
+                int64_t N, int64_t K, int64_t Kp, int64_t group_size, float *w, int nthreads)
+{
+    const int64_t G = Kp / group_size;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *row = qw + n * (Kp / 2);
+        float *out = w + n * K;
+        for (int64_t k = 0; k < K; k += 2) {
+            const int64_t g = k / group_size;
+            const float s = (float)scales[n * G + g];
+            const float o = offsets ? (float)offsets[n * G + g] : -8.f * s;
+            const uint8_t b = row[k / 2];
+            out[k] = (float)(b & 15) * s + o;
+            if (k + 1 < K)
+                out[k + 1] = (float)(b >> 4) * s + o;
+        }
+    }
+}
+
+void q8_dequant(const int8_t *qw, const half *scales, int64_t N, int64_t K, int64_t Kp,
+                int64_t group_size, float *w, int nthreads)
+{
+    const int64_t G = Kp / group_size;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t k = 0; k < K; k++)
+            w[n * K + k] = (float)qw[n * Kp + k] * (float)scales[n * G + k / group_size];
+}
+
+/* ---- KV cache ----------------------------------------------------------------------------- */
+
+enum { KV_FP32 = 0, KV_FP16 = 1, KV_BF16 = 2, KV_INT8 = 3, KV_INT4 = 4 };
+
+static inline float bf16_to_f32(uint16_t h)
+{
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) /* round to nearest even, as torch does */
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffff) > 0x7f800000)
+        return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
+    u += 0x7fff + ((u >> 16) & 1);
+    return (uint16_t)(u >> 16);
+}
+
+/* In-place x <- x H for the orthonormal Hadamard matrix of kernels/kv_quant.py: butterflies
+ * within blocks of n = the largest power of two dividing d, in the reference's order (so the
+ * result is bit-identical), then the 1/sqrt(n) factor. */
+static void hadamard(float *x, int d)
+{
+    const int n = d & -d;
+    const float norm = (float)(1.0 / sqrt((double)n));
+    for (int base = 0; base < d; base += n) {
+        float *y = x + base;
+        for (int h = 1; h < n; h *= 2)
+            for (int i = 0; i < n; i += 2 * h)
+                for (int j = i; j < i + h; j++) {
+                    const float a = y[j], b = y[j + h];
+                    y[j] = a + b;
+                    y[j + h] = a - b;
+                }
+        for (int j = 0; j < n; j++)
+            y[j] *= norm;
+    }
+}
+
+/* Read one (slot, head) vector of a K or V cache into f[d] fp32 (still Hadamard-rotated for
+ * int8/int4: attention works in the rotated basis). */
+static inline void kv_load(int kind, const void *vals, const half *scale, const half *offset,
+                           int64_t idx, int d, float *f)
+{
+    switch (kind) {
+    case KV_FP32:
+        memcpy(f, (const float *)vals + idx * d, sizeof(float) * d);
+        break;
+    case KV_FP16: {
+        const half *p = (const half *)vals + idx * d;
+        for (int j = 0; j < d; j++)
+            f[j] = (float)p[j];
+        break;
+    }
+    case KV_BF16: {
+        const uint16_t *p = (const uint16_t *)vals + idx * d;
+        for (int j = 0; j < d; j++)
+            f[j] = bf16_to_f32(p[j]);
+        break;
+    }
+    case KV_INT8: {
+        const int8_t *p = (const int8_t *)vals + idx * d;
+        const float s = (float)scale[idx];
+        for (int j = 0; j < d; j++)
+            f[j] = (float)p[j] * s;
+        break;
+    }
+    default: { /* KV_INT4: two values a byte, element 2j low */
+        const uint8_t *p = (const uint8_t *)vals + idx * (d / 2);
+        const float s = (float)scale[idx], o = (float)offset[idx];
+        for (int j = 0; j < d / 2; j++) {
+            f[2 * j] = (float)(p[j] & 15) * s + o;
+            f[2 * j + 1] = (float)(p[j] >> 4) * s + o;
+        }
+    }
+    }
+}
+
+/* Quantize and store one vector x[d] (fp32) at index idx = slot * hkv + head, as
+ * kernels/kv_quant.py quantize() does, bit for bit. x is clobbered. */
+static void kv_store(int kind, void *vals, half *scale, half *offset, int64_t idx, int d,
+                     float *x)
+{
+    const float tiny = 6.103515625e-05f; /* 2^-14 */
+    switch (kind) {
+    case KV_FP32:
+        memcpy((float *)vals + idx * d, x, sizeof(float) * d);
+        return;
+    case KV_FP16: {
+        half *p = (half *)vals + idx * d;
+        for (int j = 0; j < d; j++)
+            p[j] = (half)x[j];
+        return;
+    }
+    case KV_BF16: {
+        uint16_t *p = (uint16_t *)vals + idx * d;
+        for (int j = 0; j < d; j++)
+            p[j] = f32_to_bf16(x[j]);
+        return;
+    }
+    case KV_INT8: {
+        hadamard(x, d);
+        float amax = 0.f;
+        for (int j = 0; j < d; j++)
+            amax = fmaxf(amax, fabsf(x[j]));
+        const half sh = (half)fmaxf(amax / 127.f, tiny);
+        const float s = (float)sh;
+        int8_t *p = (int8_t *)vals + idx * d;
+        for (int j = 0; j < d; j++)
+            p[j] = (int8_t)fminf(fmaxf(nearbyintf(x[j] / s), -127.f), 127.f);
+        scale[idx] = sh;
+        return;
+    }
+    default: {
+        hadamard(x, d);
+        float lo = x[0], hi = x[0];
+        for (int j = 1; j < d; j++) {
+            lo = fminf(lo, x[j]);
+            hi = fmaxf(hi, x[j]);
+        }
+        const half oh = (half)lo;
+        const float o = (float)oh;
+        const half sh = (half)fmaxf((hi - o) / 15.f, tiny);
+        const float s = (float)sh;
+        uint8_t *p = (uint8_t *)vals + idx * (d / 2);
+        for (int j = 0; j < d / 2; j++) {
+            const float a = fminf(fmaxf(nearbyintf((x[2 * j] - o) / s), 0.f), 15.f);
+            const float b = fminf(fmaxf(nearbyintf((x[2 * j + 1] - o) / s), 0.f), 15.f);
+            p[j] = (uint8_t)a | (uint8_t)((uint8_t)b << 4);
+        }
+        scale[idx] = sh;
+        offset[idx] = oh;
+    }
+    }
+}
+
+/* Write T tokens' K and V (T, hkv, d) fp32 into their slots. */
+void kv_write(int kind, const float *k, const float *v, const int64_t *slots, int64_t T,
+              int64_t hkv, int d, void *kc, half *ks, half *ko, void *vc, half *vs, half *vo)
+{
+    float buf[1024];
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < hkv; h++) {
+            const int64_t src = (t * hkv + h) * d, idx = slots[t] * hkv + h;
+            memcpy(buf, k + src, sizeof(float) * d);
+            kv_store(kind, kc, ks, ko, idx, d, buf);
+            memcpy(buf, v + src, sizeof(float) * d);
+            kv_store(kind, vc, vs, vo, idx, d, buf);
+        }
+}
+
+/* Decode attention: one query per sequence against its paged context.
+ *   q (B, H, d) fp32; out (B, H, d) fp32; tables (B, max_blocks); seq_lens (B,)
+ *   K/V caches (num_blocks, block_size, hkv, d or d / 2) with their (num_blocks, block_size,
+ *   hkv) fp16 scales / offsets for int8 / int4.
+ * Each task is one (sequence, kv head): the g = H / hkv query heads of the group share every
+ * K/V read. Quantized KV holds y = H x, and H is symmetric orthonormal, so q . x = (H q) . y
+ * and sum p x = H (sum p y): rotate the queries once and the output once, never the context.
+ * Two passes over the context: scores (kept, fp32), then softmax-weighted values. */
+void paged_decode(int kind, const float *q, float *out, int64_t B, int64_t H, int64_t hkv, int d,
+                  const void *kc, const half *ks, const half *ko,
+                  const void *vc, const half *vs, const half *vo,
+                  const int64_t *tables, int64_t max_blocks, const int64_t *seq_lens,
+                  int64_t block_size, float scale, int64_t window, int nthreads)
+{
+    const int64_t g = H / hkv;
+    const int rotated = kind == KV_INT8 || kind == KV_INT4;
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
+    for (int64_t task = 0; task < B * hkv; task++) {
+        const int64_t b = task / hkv, kvh = task % hkv, L = seq_lens[b];
+        const int64_t start = window > 0 && L > window ? L - window : 0, n = L - start;
+        float *qr = malloc(sizeof(float) * (size_t)(g * d));
+        float *acc = calloc((size_t)(g * d), sizeof(float));
+        float *p = malloc(sizeof(float) * (size_t)(g * (n > 0 ? n : 1)));
+        float f[1024];
+        for (int64_t i = 0; i < g; i++) {
+            memcpy(qr + i * d, q + (b * H + kvh * g + i) * d, sizeof(float) * d);
+            if (rotated)
+                hadamard(qr + i * d, d);
+        }
+        for (int64_t t = 0; t < n; t++) {
+            const int64_t pos = start + t;
+            const int64_t slot = tables[b * max_blocks + pos / block_size] * block_size
+                                 + pos % block_size;
+            kv_load(kind, kc, ks, ko, slot * hkv + kvh, d, f);
+            for (int64_t i = 0; i < g; i++) {
+                const float *qi = qr + i * d;
+                float s = 0.f;
+                for (int j = 0; j < d; j++)
+                    s += qi[j] * f[j];
+                p[i * n + t] = s * scale;
+            }
+        }
+        for (int64_t i = 0; i < g; i++) { /* softmax over the context, per query head */
+            float *pi = p + i * n, mx = -INFINITY, sum = 0.f;
+            for (int64_t t = 0; t < n; t++)
+                mx = fmaxf(mx, pi[t]);
+            for (int64_t t = 0; t < n; t++) {
+                pi[t] = expf(pi[t] - mx);
+                sum += pi[t];
+            }
+            const float inv = 1.f / sum;
+            for (int64_t t = 0; t < n; t++)
+                pi[t] *= inv;
+        }
+        for (int64_t t = 0; t < n; t++) {
+            const int64_t pos = start + t;
+            const int64_t slot = tables[b * max_blocks + pos / block_size] * block_size
+                                 + pos % block_size;
+            kv_load(kind, vc, vs, vo, slot * hkv + kvh, d, f);
+            for (int64_t i = 0; i < g; i++) {
+                const float w = p[i * n + t];
+                float *ai = acc + i * d;
+                for (int j = 0; j < d; j++)
+                    ai[j] += w * f[j];
+            }
+        }
+        for (int64_t i = 0; i < g; i++) {
+            if (rotated)
+                hadamard(acc + i * d, d);
+            memcpy(out + (b * H + kvh * g + i) * d, acc + i * d, sizeof(float) * d);
+        }
+        free(qr);
+        free(acc);
+        free(p);
+    }
+}
+
+/* Dense fp32: y = x W^T (+ bias), W (N, K) row-major. */
+void f32_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const float *w, int64_t N,
+                const float *bias, float *y, int64_t ldy, int nthreads)
+{
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const float *row = w + n * K;
+        for (int64_t m0 = 0; m0 < M; m0 += MT) {
+            float res[MT];
+            const int mt = M - m0 < MT ? (int)(M - m0) : MT;
+            const float *xm = x + m0 * ldx;
+            switch (mt) {
+            case 1: f32_row(row, K, xm, ldx, 1, res); break;
+            case 2: f32_row(row, K, xm, ldx, 2, res); break;
+            case 3: f32_row(row, K, xm, ldx, 3, res); break;
+            default: f32_row(row, K, xm, ldx, MT, res);
+            }
+            for (int i = 0; i < mt; i++)
+                y[(m0 + i) * ldy + n] = res[i] + (bias ? bias[n] : 0.f);
+        }
+    }
+}
+
+/* ---- the fused decode step -------------------------------------------------------------------
+ * Every decoder layer of a Llama-family model for one decode step (T tokens, one per sequence),
+ * in one call, so Python is not on the per-layer path:
+ *
+ *     h = rmsnorm(x) * w_in;  qkv = h Wqkv^T;  rope(q, k);  write k, v;  a = attention(q)
+ *     x += a Wo^T;  h = rmsnorm(x) * w_post;  g, u = h Wgu^T;  x += (silu(g) * u) Wdown^T
+ *
+ * Each layer is described by LAYER_SLOTS int64 values (pointers and sizes; see
+ * kernels/cpu_ops.py CpuDecoder, which builds them once from the model's tensors). */
+enum { LIN_DENSE = 0, LIN_Q4 = 1, LIN_Q8 = 2 };
+#define LIN_SLOTS 9 /* kind, weight/qweight, scales, offsets, bias, N, K, Kp, group_size */
+#define LAYER_SLOTS (2 + 4 * LIN_SLOTS + 6)
+
+static void linear(const int64_t *L, const float *x, int64_t M, float *y, int i8, int nthreads)
+{
+    const int kind = (int)L[0];
+    const void *w = (const void *)L[1];
+    const half *sc = (const half *)L[2], *of = (const half *)L[3];
+    const float *bias = (const float *)L[4];
+    const int64_t N = L[5], K = L[6], Kp = L[7], gs = L[8];
+    if (kind == LIN_DENSE)
+        f32_matmul(x, M, K, K, (const float *)w, N, bias, y, N, nthreads);
+    else if (kind == LIN_Q4)
+        q4_matmul(x, M, K, K, (const uint8_t *)w, sc, of, N, Kp, gs, bias, y, N, i8, nthreads);
+    else
+        q8_matmul(x, M, K, K, (const int8_t *)w, sc, N, Kp, gs, bias, y, N, i8, nthreads);
+}
+
+/* HF LlamaRMSNorm: w * (x / sqrt(mean(x^2) + eps)), fp32. */
+static void rmsnorm(const float *x, const float *w, int64_t T, int64_t n, float eps, float *out)
+{
+    for (int64_t t = 0; t < T; t++) {
+        const float *xr = x + t * n;
+        float ss = 0.f;
+        for (int64_t j = 0; j < n; j++)
+            ss += xr[j] * xr[j];
+        const float r = 1.f / sqrtf(ss / (float)n + eps);
+        for (int64_t j = 0; j < n; j++)
+            out[t * n + j] = w[j] * (xr[j] * r);
+    }
+}
+
+/* Rotate-half rope on `heads` vectors of length d: x' = x cos + rotate_half(x) sin. */
+static void rope(float *x, int64_t heads, int d, const float *cos, const float *sin)
+{
+    const int h = d / 2;
+    for (int64_t i = 0; i < heads; i++) {
+        float *v = x + i * d;
+        for (int j = 0; j < h; j++) {
+            const float a = v[j], b = v[j + h];
+            v[j] = a * cos[j] - b * sin[j];
+            v[j + h] = b * cos[j + h] + a * sin[j + h];
+        }
+    }
+}
+
+void decode_layers(const int64_t *layers, int64_t num_layers, float *x, int64_t T,
+                   int64_t hidden, int64_t H, int64_t hkv, int d, int64_t inter, float eps,
+                   const int64_t *positions, const float *cos_table, const float *sin_table,
+                   int kv_kind, const int64_t *slots, const int64_t *tables, int64_t max_blocks,
+                   const int64_t *seq_lens, int64_t block_size, int64_t window, float scale,
+                   int i8, int nthreads)
+{
+    const int64_t qs = H * d, kvs = hkv * d, qkv_n = qs + 2 * kvs;
+    float *h = malloc(sizeof(float) * (size_t)(T * hidden));
+    float *qkv = malloc(sizeof(float) * (size_t)(T * qkv_n));
+    float *q = malloc(sizeof(float) * (size_t)(T * qs));
+    float *k = malloc(sizeof(float) * (size_t)(T * kvs));
+    float *v = malloc(sizeof(float) * (size_t)(T * kvs));
+    float *att = malloc(sizeof(float) * (size_t)(T * qs));
+    float *gu = malloc(sizeof(float) * (size_t)(T * 2 * inter));
+    float *act = malloc(sizeof(float) * (size_t)(T * inter));
+    float *o = malloc(sizeof(float) * (size_t)(T * hidden));
+    for (int64_t l = 0; l < num_layers; l++) {
+        const int64_t *L = layers + l * LAYER_SLOTS;
+        const int64_t *lin = L + 2, *kvp = L + 2 + 4 * LIN_SLOTS;
+        rmsnorm(x, (const float *)L[0], T, hidden, eps, h);
+        linear(lin, h, T, qkv, i8, nthreads);
+        for (int64_t t = 0; t < T; t++) {
+            const float *row = qkv + t * qkv_n;
+            memcpy(q + t * qs, row, sizeof(float) * qs);
+            memcpy(k + t * kvs, row + qs, sizeof(float) * kvs);
+            memcpy(v + t * kvs, row + qs + kvs, sizeof(float) * kvs);
+            const float *c = cos_table + positions[t] * d, *s = sin_table + positions[t] * d;
+            rope(q + t * qs, H, d, c, s);
+            rope(k + t * kvs, hkv, d, c, s);
+        }
+        kv_write(kv_kind, k, v, slots, T, hkv, d, (void *)kvp[0], (half *)kvp[1],
+                 (half *)kvp[2], (void *)kvp[3], (half *)kvp[4], (half *)kvp[5]);
+        paged_decode(kv_kind, q, att, T, H, hkv, d, (const void *)kvp[0], (const half *)kvp[1],
+                     (const half *)kvp[2], (const void *)kvp[3], (const half *)kvp[4],
+                     (const half *)kvp[5], tables, max_blocks, seq_lens, block_size, scale,
+                     window, nthreads);
+        linear(lin + LIN_SLOTS, att, T, o, i8, nthreads);
+        for (int64_t j = 0; j < T * hidden; j++)
+            x[j] += o[j];
+        rmsnorm(x, (const float *)L[1], T, hidden, eps, h);
+        linear(lin + 2 * LIN_SLOTS, h, T, gu, i8, nthreads);
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t j = 0; j < inter; j++) {
+                const float g = gu[t * 2 * inter + j], u = gu[t * 2 * inter + inter + j];
+                act[t * inter + j] = g / (1.f + expf(-g)) * u;
+            }
+        linear(lin + 3 * LIN_SLOTS, act, T, o, i8, nthreads);
+        for (int64_t j = 0; j < T * hidden; j++)
+            x[j] += o[j];
+    }
+    free(h); free(qkv); free(q); free(k); free(v); free(att); free(gu); free(act); free(o);
+}

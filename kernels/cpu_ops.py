@@ -1,0 +1,293 @@
+"""The CPU fast path: kernels/cpu_ops.c, compiled once per machine and called through ctypes.
+
+The C file is built at first use with the system C compiler (`cc -O3 -march=native -fopenmp`)
+into $QSERVE_HOME/build/, keyed by a hash of the source and the machine, so an upgrade or a
+different CPU rebuilds it. Without a compiler, or if the build fails, `lib()` returns None once
+and the model keeps the pure-torch reference path (kernels/paged_attention.py,
+QuantizedTensor.dequantize); the reason is logged, never raised.
+
+OpenMP: the library links libgomp.so.1 by soname, so inside a process where torch has loaded
+its own libgomp the loader reuses that one: one thread pool, sized from torch.get_num_threads().
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("qserve.kernels")
+
+SOURCE = Path(__file__).with_name("cpu_ops.c")
+# Above this many rows, dequantize once and run one dense GEMM (prefill); at or below it, the
+# fused kernel reads the packed weight once for all rows (decode).
+FUSED_MAX_ROWS = 32
+KV_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int8: 3, torch.uint8: 4}
+MAX_HEAD_DIM = 1024
+
+_lib: ctypes.CDLL | None = None
+_tried = False
+_disabled = 0  # > 0 inside `disabled()`
+
+_i64, _int, _flt, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+_SIGNATURES = {
+    "q4_matmul": [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _i64,
+                  _int, _int],
+    "q8_matmul": [_ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _int,
+                  _int],
+    "q4_dequant": [_ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _int],
+    "q8_dequant": [_ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _int],
+    "kv_write": [_int, _ptr, _ptr, _ptr, _i64, _i64, _int, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr],
+    "f32_matmul": [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _int],
+    "decode_layers": [_ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _int, _i64, _flt, _ptr, _ptr,
+                      _ptr, _int, _ptr, _ptr, _i64, _ptr, _i64, _i64, _flt, _int, _int],
+    "paged_decode": [_int, _ptr, _ptr, _i64, _i64, _i64, _int, _ptr, _ptr, _ptr, _ptr, _ptr,
+                     _ptr, _ptr, _i64, _ptr, _i64, _flt, _i64, _int],
+}
+
+
+def _build_path() -> Path:
+    from qserve.loader.registry import model_home
+
+    key = hashlib.sha256(SOURCE.read_bytes() + platform.machine().encode()
+                         + platform.node().encode()).hexdigest()[:16]
+    return model_home() / "build" / f"cpu_ops-{key}.so"
+
+
+def _compile(out: Path) -> None:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if cc is None:
+        raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # build to a private name, then rename: concurrent processes never load a half-written file
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    cmd = [cc, "-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC",
+           "-std=gnu11", str(SOURCE), "-o", tmp, "-lm"]
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if res.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd[:2])} failed: {res.stderr.strip()[-500:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def lib() -> ctypes.CDLL | None:
+    """The compiled library, building it on first use; None where it cannot be built or is
+    switched off (QSERVE_KERNELS=reference)."""
+    global _lib, _tried
+    if _disabled:
+        return None
+    if _tried:
+        return _lib
+    _tried = True
+    if os.environ.get("QSERVE_KERNELS", "auto") == "reference":
+        return None
+    try:
+        path = _build_path()
+        if not path.exists():
+            _compile(path)
+        handle = ctypes.CDLL(str(path))
+        for name, argtypes in _SIGNATURES.items():
+            fn = getattr(handle, name)
+            fn.argtypes, fn.restype = argtypes, None
+        _lib = handle
+    except Exception as e:  # any failure leaves the reference path, which is always correct
+        log.warning("CPU kernels unavailable, using the pure-torch path: %s", e)
+    return _lib
+
+
+@contextlib.contextmanager
+def disabled():
+    """Run the pure-torch reference path inside this block (tests compare the two)."""
+    global _disabled
+    _disabled += 1
+    try:
+        yield
+    finally:
+        _disabled -= 1
+
+
+def _p(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _threads() -> int:
+    return torch.get_num_threads()
+
+
+# ---- dequant-matmul --------------------------------------------------------------------------
+def dequant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                   offsets: torch.Tensor | None, in_features: int,
+                   bias: torch.Tensor | None = None, int8_activations: bool = False
+                   ) -> torch.Tensor:
+    """x (M, K) fp32 @ W^T for a packed W (N, K) -> (M, N) fp32 (+ bias).
+
+    The layout is qserve/quant/schemes.py's; the reference is
+    F.linear(x, QuantizedTensor(qweight, scales, offsets, in_features).dequantize(), bias).
+    """
+    L = lib()
+    assert L is not None
+    M, K = x.shape
+    N = qweight.shape[0]
+    bits = 4 if qweight.dtype == torch.uint8 else 8
+    Kp = qweight.shape[1] * (2 if bits == 4 else 1)
+    gs = Kp // scales.shape[1]
+    assert K == in_features and x.dtype == torch.float32 and x.stride(1) == 1, (x.shape, x.dtype)
+    assert qweight.is_contiguous() and scales.is_contiguous() and scales.dtype == torch.float16
+    assert offsets is None or (offsets.is_contiguous() and offsets.dtype == torch.float16)
+    assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())
+    assert bits == 8 or gs % 32 == 0, f"int4 group size {gs} is not a multiple of 32"
+    if M > FUSED_MAX_ROWS:  # prefill: dequantize once, one dense GEMM
+        w = torch.empty(N, K, dtype=torch.float32)
+        if bits == 4:
+            L.q4_dequant(_p(qweight), _p(scales), _p(offsets), N, K, Kp, gs, _p(w), _threads())
+        else:
+            L.q8_dequant(_p(qweight), _p(scales), N, K, Kp, gs, _p(w), _threads())
+        return torch.nn.functional.linear(x, w, bias)
+    y = torch.empty(M, N, dtype=torch.float32)
+    if bits == 4:
+        L.q4_matmul(_p(x), M, K, x.stride(0), _p(qweight), _p(scales), _p(offsets), N, Kp, gs,
+                    _p(bias), _p(y), N, int(int8_activations), _threads())
+    else:
+        L.q8_matmul(_p(x), M, K, x.stride(0), _p(qweight), _p(scales), N, Kp, gs, _p(bias),
+                    _p(y), N, int(int8_activations), _threads())
+    return y
+
+
+# ---- KV cache --------------------------------------------------------------------------------
+def _kv(cache: dict[str, torch.Tensor], which: str) -> tuple[int, int | None, int | None]:
+    return _p(cache[which]), _p(cache.get(f"{which}_scale")), _p(cache.get(f"{which}_offset"))
+
+
+def supports_cache(cache: dict[str, torch.Tensor]) -> bool:
+    """Whether these kernels can read and write this layer's cache (CPU, contiguous, known
+    dtype, head_dim that fits the kernels' stack buffer)."""
+    k = cache["k"]
+    d = k.shape[-1] * (2 if k.dtype == torch.uint8 else 1)
+    return (k.device.type == "cpu" and k.dtype in KV_KINDS and d <= MAX_HEAD_DIM
+            and all(t.is_contiguous() for t in cache.values()))
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, cache: dict[str, torch.Tensor],
+             slot_mapping: torch.Tensor) -> None:
+    """Quantize (as the cache stores them) and scatter k, v (T, hkv, d) fp32 into their slots:
+    kernels/paged_attention.py write_kv, without returning the dequantized values."""
+    T, hkv, d = k.shape
+    kind = KV_KINDS[cache["k"].dtype]
+    k, v = k.float().contiguous(), v.float().contiguous()
+    slots = slot_mapping.contiguous()
+    assert slots.dtype == torch.int64 and slots.shape == (T,)
+    lib().kv_write(kind, _p(k), _p(v), _p(slots), T, hkv, d, *_kv(cache, "k"), *_kv(cache, "v"))
+
+
+def paged_decode(q: torch.Tensor, cache: dict[str, torch.Tensor], block_tables: torch.Tensor,
+                 seq_lens: torch.Tensor, scale: float, sliding_window: int | None
+                 ) -> torch.Tensor:
+    """One query per sequence against its paged context: q (B, H, d) -> (B, H, d) fp32.
+    The reference is kernels/paged_attention.py _decode_attention."""
+    B, H, d = q.shape
+    kc = cache["k"]
+    bs, hkv = kc.shape[1:3]
+    assert H % hkv == 0 and d <= MAX_HEAD_DIM
+    assert block_tables.dtype == torch.int64 and seq_lens.dtype == torch.int64
+    q = q.float().contiguous()
+    tables, lens = block_tables.contiguous(), seq_lens.contiguous()
+    out = torch.empty(B, H, d, dtype=torch.float32)
+    lib().paged_decode(KV_KINDS[kc.dtype], _p(q), _p(out), B, H, hkv, d, *_kv(cache, "k"),
+                       *_kv(cache, "v"), _p(tables), tables.shape[1], _p(lens), bs, scale,
+                       sliding_window or 0, _threads())
+    return out
+
+
+# ---- the fused decode step -------------------------------------------------------------------
+LIN_DENSE, LIN_Q4, LIN_Q8 = 0, 1, 2
+
+
+def _linear_slots(module: torch.nn.Module) -> list[int] | None:
+    """kind, weight, scales, offsets, bias, N, K, Kp, group_size of one linear, as
+    decode_layers reads them; None if the C code cannot run it."""
+    from qserve.quant.linear import QuantLinear
+
+    bias = getattr(module, "bias", None)
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        return None
+    if isinstance(module, QuantLinear):
+        qw, sc, of = module.qweight, module.scales, module.offsets
+        bits = 4 if qw.dtype == torch.uint8 else 8
+        Kp = qw.shape[1] * (2 if bits == 4 else 1)
+        gs = Kp // sc.shape[1]
+        if bits == 4 and gs % 32 or sc.dtype != torch.float16:
+            return None
+        return [LIN_Q4 if bits == 4 else LIN_Q8, _p(qw), _p(sc), _p(of) or 0, _p(bias) or 0,
+                qw.shape[0], module.in_features, Kp, gs]
+    w = module.weight
+    if w.dtype != torch.float32 or not w.is_contiguous():
+        return None
+    return [LIN_DENSE, _p(w), 0, 0, _p(bias) or 0, w.shape[0], w.shape[1], w.shape[1], 1]
+
+
+class CpuDecoder:
+    """All decoder layers of a decode step in one C call (decode_layers).
+
+    Built once per (model, KV cache): it records the raw addresses of the weights and cache
+    tensors, and holds references to them so they outlive it. `build` returns None where the
+    C path does not apply (not fp32 on CPU, an unsupported linear or cache)."""
+
+    def __init__(self, model, caches: list[dict[str, torch.Tensor]], slots: list[int]):
+        self.model, self.caches = model, caches
+        self.table = torch.tensor(slots, dtype=torch.int64)
+        arch = model.arch
+        self.kind = KV_KINDS[caches[0]["k"].dtype]
+        self.dims = (arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim,
+                     arch.intermediate_size, float(arch.rms_norm_eps))
+        self.int8_activations = os.environ.get("QSERVE_CPU_ACTIVATIONS", "int8") == "int8"
+
+    @classmethod
+    def build(cls, model, caches: list[dict[str, torch.Tensor]]) -> "CpuDecoder | None":
+        if lib() is None or model.dtype != torch.float32 or model.device.type != "cpu":
+            return None
+        d = model.arch.head_dim
+        if d % 2 or d > MAX_HEAD_DIM or not all(supports_cache(c) for c in caches):
+            return None
+        slots: list[int] = []
+        for layer, cache in zip(model.layers, caches):
+            attn, mlp = layer.self_attn, layer.mlp
+            lins = [_linear_slots(m) for m in
+                    (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            if any(x is None for x in lins):
+                return None
+            slots += [_p(layer.input_layernorm.weight), _p(layer.post_attention_layernorm.weight)]
+            for x in lins:
+                slots += x
+            for which in ("k", "v"):
+                slots += [_p(cache[which]), _p(cache.get(f"{which}_scale")) or 0,
+                          _p(cache.get(f"{which}_offset")) or 0]
+        return cls(model, caches, slots)
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+        """x (T, hidden) fp32 embeddings of one decode step -> (T, hidden) before the final
+        norm; writes the step's K/V into the cache."""
+        x = x.contiguous().clone()
+        T = x.shape[0]
+        hidden, H, hkv, d, inter, eps = self.dims
+        rope = self.model.rope
+        pos, slots = positions.contiguous(), meta.slot_mapping.contiguous()
+        tables, lens = meta.block_tables.contiguous(), meta.seq_lens.contiguous()
+        lib().decode_layers(_p(self.table), len(self.caches), _p(x), T, hidden, H, hkv, d,
+                            inter, eps, _p(pos), _p(rope.cos), _p(rope.sin), self.kind,
+                            _p(slots), _p(tables), tables.shape[1], _p(lens),
+                            self.caches[0]["k"].shape[1], meta.sliding_window or 0,
+                            self.model.layers[0].self_attn.scale, int(self.int8_activations),
+                            _threads())
+        return x

@@ -1,0 +1,51 @@
+"""Which kernel runs: the model calls these, and they pick by device, with no flag needed.
+
+    CPU   kernels/cpu_ops.py (compiled C) for packed linears and decode attention, where it
+          built; the pure-torch reference otherwise, and for prefill attention.
+    CUDA  the pure-torch reference (the Triton kernels are tested on their own; see README).
+
+QSERVE_KERNELS=reference forces the reference everywhere (tests compare the two paths).
+"""
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+
+from qserve.kernels import cpu_ops
+from qserve.kernels.paged_attention import PagedAttentionMetadata, paged_attention, write_kv
+
+
+def _cpu_fast(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and cpu_ops.lib() is not None
+
+
+def packed_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                  offsets: torch.Tensor | None, in_features: int,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+    """x (..., in) @ W^T (+ bias) for a packed W (out, in): (..., out) in x's dtype."""
+    if _cpu_fast(x):
+        x2 = x.reshape(-1, in_features)
+        b = None if bias is None else bias.float().contiguous()
+        y = cpu_ops.dequant_matmul(x2.float().contiguous(), qweight, scales, offsets,
+                                   in_features, b)
+        return y.to(x.dtype).view(*x.shape[:-1], -1)
+    from qserve.quant.schemes import QuantizedTensor
+
+    w = QuantizedTensor(qweight, scales, offsets, in_features).dequantize()
+    return F.linear(x, w.to(x.dtype), bias)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: dict[str, torch.Tensor],
+              meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
+    """Write this step's K/V into the cache, then attend.
+
+    q (T, H, d), k and v (T, Hkv, d), packed as PagedAttentionMetadata describes.
+    Returns (T, H, d) in q's dtype.
+    """
+    if meta.decode_only and _cpu_fast(q) and cpu_ops.supports_cache(cache):
+        cpu_ops.write_kv(k, v, cache, meta.slot_mapping)
+        out = cpu_ops.paged_decode(q, cache, meta.block_tables, meta.seq_lens, scale,
+                                   meta.sliding_window)
+        return out.to(q.dtype)
+    k, v = write_kv(k, v, cache, meta.slot_mapping)  # as the cache holds them
+    return paged_attention(q, cache, meta, scale, k_new=k, v_new=v)

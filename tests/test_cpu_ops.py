@@ -1,0 +1,218 @@
+"""The compiled CPU kernels (kernels/cpu_ops.c) against their pure-torch references, over grids
+with awkward sizes, and the fused decode step against the layer-by-layer reference path."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qserve.config import CacheConfig, ModelArchConfig
+from qserve.engine.cache_engine import KV_STORAGE, CacheEngine, cache_tensor_specs
+from qserve.kernels import cpu_ops, kv_quant
+from qserve.kernels.paged_attention import PagedAttentionMetadata, _decode_attention
+from qserve.quant.schemes import WeightScheme, quantize
+
+if cpu_ops.lib() is None:
+    pytest.skip("the CPU kernels did not build here (see the logged reason)",
+                allow_module_level=True)
+
+SCHEMES = [WeightScheme(4, 32, False), WeightScheme(4, 64, True), WeightScheme(4, 128, False),
+           WeightScheme(8, None, True), WeightScheme(8, 32, True)]
+
+
+def _packed(N, K, scheme, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return quantize(torch.randn(N, K, generator=g), scheme)
+
+
+# ---- dequant-matmul ----------------------------------------------------------------------------
+@pytest.mark.parametrize("scheme", SCHEMES, ids=str)
+@pytest.mark.parametrize("N,K", [(7, 100), (83, 576), (769, 576), (64, 1536), (5, 33)])
+@pytest.mark.parametrize("M", [1, 5, 32, 40])
+def test_dequant_matmul_matches_reference(scheme, N, K, M):
+    qt = _packed(N, K, scheme)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(1))
+    bias = torch.randn(N)
+    ref = torch.nn.functional.linear(x.double(), qt.dequantize().double(), bias.double())
+    out = cpu_ops.dequant_matmul(x, qt.qweight, qt.scales, qt.offsets, K, bias)
+    # fp32 sums of K products in another order: |error| <= ~K * eps * sum|w x|; 1e-5 relative to
+    # the largest |w| |x| sum is K * eps with room (K <= 1536, eps 6e-8)
+    scale = (qt.dequantize().abs() @ x.abs().T).T.max()
+    assert (out.double() - ref).abs().max() <= 1e-5 * scale
+
+
+@pytest.mark.parametrize("scheme", [s for s in SCHEMES if s.bits == 4 or s.group_size], ids=str)
+@pytest.mark.parametrize("N,K", [(83, 576), (64, 1536), (7, 96)])
+@pytest.mark.parametrize("M", [1, 4, 9])
+def test_int8_activation_path_error_is_bounded(scheme, N, K, M):
+    """With int8 activations each 32-input chunk of x is rounded to a step d = max|x| / 127, so
+    |y - y_ref| <= sum over chunks of (d / 2) * sum |w| in the chunk (plus fp32 slack)."""
+    qt = _packed(N, K, scheme, seed=2)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(3))
+    w = qt.dequantize().double()
+    ref = x.double() @ w.T
+    out = cpu_ops.dequant_matmul(x, qt.qweight, qt.scales, qt.offsets, K, int8_activations=True)
+    Kc = -(-K // 32) * 32
+    xc = torch.nn.functional.pad(x.double(), (0, Kc - K)).view(M, -1, 32)
+    wc = torch.nn.functional.pad(w.abs(), (0, Kc - K)).view(N, -1, 32)
+    step = xc.abs().amax(-1) / 127  # (M, chunks)
+    bound = (step / 2) @ wc.sum(-1).T  # (M, N)
+    slack = 1e-5 * (w.abs() @ x.double().abs().T).T
+    assert ((out.double() - ref).abs() <= bound + slack).all()
+    assert not torch.equal(out.double(), ref)  # it is the int8 path, not the fp32 one
+
+
+# ---- KV writes and decode attention ------------------------------------------------------------
+KV = ["fp32", "fp16", "bf16", "int8", "int4"]
+
+
+def _cache(name, num_blocks, bs, hkv, d, fill=0.0):
+    arch = ModelArchConfig("llama", 10, 8, 8, 1, hkv, hkv, d)
+    out = {}
+    for key, (shape, dt) in cache_tensor_specs(arch, bs, KV_STORAGE[name]).items():
+        t = torch.empty((num_blocks, *shape), dtype=dt)
+        if dt.is_floating_point:
+            t.fill_(fill)
+        else:
+            t.fill_(0x5A)  # "poison": any byte value; the kernels must never read it
+        out[key] = t
+    return out
+
+
+@pytest.mark.parametrize("name", KV)
+@pytest.mark.parametrize("hkv,d", [(1, 64), (3, 64), (2, 128), (4, 96)])
+def test_kv_write_matches_reference_bit_for_bit(name, hkv, d):
+    from qserve.kernels.paged_attention import write_kv
+
+    T, nb, bs = 9, 6, 4
+    g = torch.Generator().manual_seed(4)
+    k, v = torch.randn(T, hkv, d, generator=g) * 3, torch.randn(T, hkv, d, generator=g)
+    slots = torch.randperm(nb * bs, generator=g)[:T]
+    ref, fast = _cache(name, nb, bs, hkv, d, float("nan")), _cache(name, nb, bs, hkv, d, float("nan"))
+    write_kv(k, v, ref, slots)
+    cpu_ops.write_kv(k, v, fast, slots)
+    for key in ref:  # written slots equal the reference exactly; the others keep their poison
+        assert torch.equal(ref[key].view(torch.uint8), fast[key].view(torch.uint8)), key
+
+
+def _decode_meta(seq_lens, tables, bs, window=None):
+    width = max(map(len, tables))
+    return PagedAttentionMetadata(
+        slot_mapping=torch.tensor([t[(s - 1) // bs] * bs + (s - 1) % bs
+                                   for s, t in zip(seq_lens, tables)]),
+        query_start_loc=torch.arange(len(seq_lens) + 1),
+        seq_lens=torch.tensor(seq_lens),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+        query_lens_list=[1] * len(seq_lens), seq_lens_list=list(seq_lens),
+        max_seq_len=max(seq_lens), decode_only=True, sliding_window=window)
+
+
+@pytest.mark.parametrize("name", KV)
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+@pytest.mark.parametrize("bs", [8, 16])
+@pytest.mark.parametrize("window", [None, 5])
+def test_paged_decode_matches_reference(name, group, bs, window):
+    """Sequences of lengths that end inside, at and across block edges, on shuffled blocks.
+    Blocks that no table owns hold NaN: the kernel must not read them."""
+    hkv, d = 2, 64
+    seq_lens = [1, bs - 1, bs, bs + 1, 3 * bs + 5]
+    nb = sum(-(-s // bs) for s in seq_lens) + 3
+    g = torch.Generator().manual_seed(5)
+    perm = torch.randperm(nb, generator=g).tolist()
+    tables, used = [], 0
+    for s in seq_lens:
+        n = -(-s // bs)
+        tables.append(perm[used:used + n])
+        used += n
+    clean, poisoned = _cache(name, nb, bs, hkv, d), _cache(name, nb, bs, hkv, d, float("nan"))
+    for s, t in zip(seq_lens, tables):  # fill every owned slot, identically in both caches
+        slots = torch.tensor([t[p // bs] * bs + p % bs for p in range(s)])
+        k, v = torch.randn(s, hkv, d, generator=g), torch.randn(s, hkv, d, generator=g)
+        cpu_ops.write_kv(k, v, clean, slots)
+        cpu_ops.write_kv(k, v, poisoned, slots)
+    q = torch.randn(len(seq_lens), hkv * group, d, generator=g)
+    meta = _decode_meta(seq_lens, tables, bs, window)
+    ref = _decode_attention(q, clean, meta, d ** -0.5)
+    out = cpu_ops.paged_decode(q, poisoned, meta.block_tables, meta.seq_lens, d ** -0.5, window)
+    # fp32 softmax and sums in another order, and (int8/int4) the rotation applied to q and the
+    # output instead of to each K/V row: equal up to a few fp32 roundings of O(1) values
+    torch.testing.assert_close(out, ref.float(), rtol=1e-4, atol=1e-5)
+
+
+# ---- the fused decode step ---------------------------------------------------------------------
+def _tiny_model(quant: WeightScheme | None, bias=False, window=None):
+    from qserve.quant.calibration import build_model
+
+    arch = ModelArchConfig("qwen2" if bias else ("mistral" if window else "llama"), 97, 96, 160,
+                           3, 6, 2, 16, rope_theta=10000.0, attention_bias=bias,
+                           sliding_window=window, max_position_embeddings=128)
+    g = torch.Generator().manual_seed(6)
+    w = {"model.embed_tokens.weight": torch.randn(97, 96, generator=g),
+         "model.norm.weight": 1 + 0.1 * torch.randn(96, generator=g),
+         "lm_head.weight": torch.randn(97, 96, generator=g) / 10}
+    shapes = {"self_attn.q_proj": (96, 96), "self_attn.k_proj": (32, 96),
+              "self_attn.v_proj": (32, 96), "self_attn.o_proj": (96, 96),
+              "mlp.gate_proj": (160, 96), "mlp.up_proj": (160, 96), "mlp.down_proj": (96, 160)}
+    for i in range(3):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = 1 + 0.1 * torch.randn(96, generator=g)
+        w[p + "post_attention_layernorm.weight"] = 1 + 0.1 * torch.randn(96, generator=g)
+        for name, shape in shapes.items():
+            m = torch.randn(*shape, generator=g) / shape[1] ** 0.5
+            if quant is None:
+                w[p + name + ".weight"] = m
+            else:
+                for suffix, t in quantize(m, quant).tensors().items():
+                    w[f"{p}{name}.{suffix}"] = t
+        if bias:
+            for n in "qkv":
+                w[f"{p}self_attn.{n}_proj.bias"] = torch.randn(shapes[f"self_attn.{n}_proj"][0],
+                                                               generator=g) / 10
+    return build_model(arch, w, 128)
+
+
+def _decode_logits(model, prompts: list[list[int]], kv: str, steps: int) -> torch.Tensor:
+    """Teacher-forced decode: every sequence fed one token per step, all in one batch.
+    Returns (steps, B, vocab) logits."""
+    arch, bs = model.arch, 4
+    need = [-(-(len(p)) // bs) for p in prompts]
+    ce = CacheEngine(arch, CacheConfig(block_size=bs), sum(need) + 1, 0, model.device,
+                     KV_STORAGE[kv] if kv != "auto" else torch.float32)
+    caches = [ce.layer(i) for i in range(arch.num_layers)]
+    perm = torch.randperm(sum(need) + 1, generator=torch.Generator().manual_seed(7)).tolist()
+    tables, used = [], 0
+    for n in need:
+        tables.append(perm[used:used + n])
+        used += n
+    out = []
+    with torch.inference_mode():
+        for t in range(steps):
+            meta = _decode_meta([t + 1] * len(prompts), tables, bs, arch.sliding_window)
+            ids = torch.tensor([p[t] for p in prompts])
+            hidden = model(ids, torch.full((len(prompts),), t), caches, meta)
+            out.append(model.compute_logits(hidden))
+    return torch.stack(out)
+
+
+CASES = [(None, {}), (WeightScheme(4, 32, False), {}), (WeightScheme(8, None, True), {}),
+         (WeightScheme(4, 64, True), {"bias": True}), (None, {"window": 6})]
+
+
+@pytest.mark.parametrize("quant,kw", CASES, ids=["fp32", "w4g32", "w8", "w4g64-qkv-bias",
+                                                 "sliding-window"])
+@pytest.mark.parametrize("kv", ["auto", "int8", "int4"])
+def test_fused_decode_step_matches_layer_by_layer(quant, kw, kv, monkeypatch):
+    """decode_layers (fp32 activations) against the pure-torch layers, 12 steps of 3 sequences."""
+    monkeypatch.setenv("QSERVE_CPU_ACTIVATIONS", "fp32")
+    model = _tiny_model(quant, **kw)
+    prompts = [torch.randint(0, 97, (12,), generator=torch.Generator().manual_seed(i)).tolist()
+               for i in range(3)]
+    assert cpu_ops.CpuDecoder.build(model, [{"k": torch.zeros(1, 4, 2, 16),
+                                             "v": torch.zeros(1, 4, 2, 16)}]) is not None
+    fast = _decode_logits(model, prompts, kv, 12)
+    with cpu_ops.disabled():
+        ref = _decode_logits(model, prompts, kv, 12)
+    if kv == "auto":
+        torch.testing.assert_close(fast, ref, rtol=1e-4, atol=1e-4)
+    else:  # a K/V value that lands on a rounding edge may round the other way: rare and small
+        assert (fast - ref).abs().mean() < 1e-3
+        assert (fast.argmax(-1) == ref.argmax(-1)).float().mean() > 0.95
