@@ -2,11 +2,15 @@
 
     CPU   kernels/cpu_ops.py (compiled C) for packed linears and decode attention, where it
           built; the pure-torch reference otherwise, and for prefill attention.
-    CUDA  the pure-torch reference (the Triton kernels are tested on their own; see README).
+    CUDA  the Triton kernels (kernels/triton_*.py) where triton imports; the reference
+          otherwise.
 
 QSERVE_KERNELS=reference forces the reference everywhere (tests compare the two paths).
 """
 from __future__ import annotations
+
+import functools
+import os
 
 import torch
 from torch.nn import functional as F
@@ -19,6 +23,21 @@ def _cpu_fast(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and cpu_ops.lib() is not None
 
 
+@functools.lru_cache(maxsize=None)
+def _triton_available() -> bool:
+    if os.environ.get("QSERVE_KERNELS", "auto") == "reference":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _triton(x: torch.Tensor) -> bool:
+    return x.device.type == "cuda" and _triton_available()
+
+
 def packed_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                   offsets: torch.Tensor | None, in_features: int,
                   bias: torch.Tensor | None) -> torch.Tensor:
@@ -27,12 +46,16 @@ def packed_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         x2 = x.reshape(-1, in_features)
         b = None if bias is None else bias.float().contiguous()
         y = cpu_ops.dequant_matmul(x2.float().contiguous(), qweight, scales, offsets,
-                                   in_features, b)
+                                   in_features, b, cpu_ops.int8_activations())
         return y.to(x.dtype).view(*x.shape[:-1], -1)
     from qserve.quant.schemes import QuantizedTensor
 
-    w = QuantizedTensor(qweight, scales, offsets, in_features).dequantize()
-    return F.linear(x, w.to(x.dtype), bias)
+    qt = QuantizedTensor(qweight, scales, offsets, in_features)
+    if _triton(x):
+        from qserve.kernels.triton_dequant_gemm import dequant_matmul
+
+        return dequant_matmul(x.reshape(-1, in_features), qt, bias).view(*x.shape[:-1], -1)
+    return F.linear(x, qt.dequantize().to(x.dtype), bias)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: dict[str, torch.Tensor],
@@ -47,5 +70,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: dict[str
         out = cpu_ops.paged_decode(q, cache, meta.block_tables, meta.seq_lens, scale,
                                    meta.sliding_window)
         return out.to(q.dtype)
+    if _triton(q):
+        from qserve.kernels import triton_kv_write, triton_paged_attention, triton_prefill_attention
+
+        triton_kv_write.write_kv(k, v, cache, meta.slot_mapping)
+        if meta.decode_only:
+            return triton_paged_attention.decode_attention(q, cache, meta, scale)
+        return triton_prefill_attention.prefill_attention(q, cache, meta, scale)
     k, v = write_kv(k, v, cache, meta.slot_mapping)  # as the cache holds them
     return paged_attention(q, cache, meta, scale, k_new=k, v_new=v)

@@ -1,0 +1,281 @@
+"""The Triton kernels against their pure-torch references (kernels/paged_attention.py,
+kernels/kv_quant.py, QuantizedTensor.dequantize), over odd sizes, GQA ratios, block sizes,
+contexts that cross block boundaries and every KV dtype.
+
+Without CUDA the kernels run in Triton's CPU interpreter at small shapes; with CUDA the same
+tests run on the GPU and add full-size cases. Every cache is poisoned (NaN or 0x7f bytes) in
+the blocks no sequence owns and in the unused tail of each sequence's last block, while the
+reference reads a clean copy, so a kernel that reads outside its tokens fails.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+# TRITON_INTERPRET=1 set by the caller (gpu_check.py --tiny) means CPU even where CUDA is.
+ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+# Without CUDA, triton.jit must see TRITON_INTERPRET=1 when it decorates, and triton.language's
+# own helpers (tl.zeros, tl.sum, ...) are jit functions decorated when triton is first
+# imported: so set it before that. If another test module imported triton first, this file
+# reruns itself in a fresh interpreter (test_in_fresh_process) and skips here.
+IMPORTED_TOO_LATE = (not ON_GPU and "triton" in sys.modules
+                     and os.environ.get("TRITON_INTERPRET") != "1")
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"
+triton = pytest.importorskip("triton")
+
+from qserve.kernels.kv_quant import kv_parts  # noqa: E402
+from qserve.kernels.paged_attention import (PagedAttentionMetadata, _decode_attention,  # noqa: E402
+                                            paged_attention)
+from qserve.kernels.paged_attention import write_kv as ref_write_kv  # noqa: E402
+from qserve.kernels.triton_dequant_gemm import dequant_matmul  # noqa: E402
+from qserve.kernels.triton_kv_write import write_kv  # noqa: E402
+from qserve.kernels.triton_paged_attention import decode_attention  # noqa: E402
+from qserve.kernels.triton_prefill_attention import prefill_attention  # noqa: E402
+from qserve.quant.schemes import WeightScheme, quantize  # noqa: E402
+
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
+KV_DTYPES = (F16, BF16, F32, torch.int8, torch.uint8)  # uint8: int4 packed two a byte
+
+
+@pytest.fixture(autouse=True)
+def _in_a_fresh_process_if_late(request):
+    if IMPORTED_TOO_LATE and request.node.name != "test_in_fresh_process":
+        pytest.skip("triton was imported before TRITON_INTERPRET was set; "
+                    "test_in_fresh_process runs these")
+
+
+@pytest.mark.skipif(not IMPORTED_TOO_LATE, reason="the tests run in this process")
+def test_in_fresh_process():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+
+
+def _tol(dtype: torch.dtype, ulps: float) -> float:
+    """`ulps` units in the last place of `dtype` at 1.0; for fp32, where what differs is
+    summation order over a few hundred terms (~1e-6 relative), units of 1e-5."""
+    return ulps * (1e-5 if dtype == F32 else torch.finfo(dtype).eps)
+
+
+# ---- dequant GEMM ------------------------------------------------------------------------
+# (M, N, K, bits, group, sym, x dtype): M 1..32 is the split-K decode path, 40/64+ the GEMM.
+# K 576 pads to 640 at g128 (the default model); 83 and 200 are not multiples of any tile;
+# g96 (a "divisor" plan's group) cannot hold a 128 tile, g24 no 16 tile at all.
+GEMM_CASES = [
+    (1, 83, 576, 4, 128, True, F16),
+    (3, 7, 83, 8, None, True, F32),
+    (5, 70, 576, 4, 32, False, BF16),
+    (17, 33, 200, 4, 64, True, F32),
+    (32, 19, 256, 4, 128, False, F16),
+    (40, 83, 200, 8, None, True, F16),
+    (2, 20, 96, 4, 96, False, F32),
+    (4, 9, 72, 4, 24, True, F16),
+    (1, 769, 64, 8, 32, True, BF16),
+]
+if ON_GPU:
+    GEMM_CASES += [(1, 4096, 4096, 4, 128, True, F16), (16, 14336, 4096, 4, 64, False, BF16),
+                   (7, 4096, 14336, 8, None, True, F16), (300, 5125, 576, 4, 128, True, F16),
+                   (257, 769, 4096, 8, 128, True, F32)]
+
+
+@pytest.mark.parametrize("M,N,K,bits,group,sym,dtype", GEMM_CASES)
+def test_dequant_matmul(M, N, K, bits, group, sym, dtype):
+    torch.manual_seed(M * 1000 + N)
+    qt = quantize(torch.randn(N, K), WeightScheme(bits, group, sym))
+    qt.qweight, qt.scales = qt.qweight.to(DEVICE), qt.scales.to(DEVICE)
+    qt.offsets = None if qt.offsets is None else qt.offsets.to(DEVICE)
+    x = torch.randn(M, 2 * K, device=DEVICE).to(dtype)[:, ::2]  # strided rows and columns
+    bias = torch.randn(N, device=DEVICE).to(dtype)
+    ref = x.float() @ qt.dequantize().T + bias.float()  # (M, N) in fp32 from the same x
+    out = dequant_matmul(x, qt, bias)
+    assert out.shape == (M, N) and out.dtype == dtype
+    # The kernel sums exact products in fp32 and rounds once to `dtype`: half an ulp of the
+    # output, one (at worst) where the interpreter truncates bf16; 2 ulps of the largest
+    # output leave room for fp32 summation order over K.
+    scale = ref.abs().max().item()
+    torch.testing.assert_close(out.float(), ref, rtol=_tol(dtype, 1), atol=_tol(dtype, 2) * scale)
+
+
+def test_dequant_matmul_split_k_and_no_bias():
+    """Explicit split counts give the same result as one program along K."""
+    torch.manual_seed(1)
+    qt = quantize(torch.randn(24, 320), WeightScheme(4, 32, False))
+    qt.qweight, qt.scales, qt.offsets = (t.to(DEVICE) for t in (qt.qweight, qt.scales, qt.offsets))
+    x = torch.randn(2, 320, device=DEVICE)
+    one = dequant_matmul(x, qt, split_k=1)
+    for s in (2, 3, 10):
+        torch.testing.assert_close(dequant_matmul(x, qt, split_k=s), one, rtol=1e-5, atol=1e-4)
+
+
+# ---- paged cache fixtures ----------------------------------------------------------------
+def _empty_cache(num_blocks, page, hkv, d, kv_dtype, fill=0.0):
+    shape = (num_blocks, page, hkv, d // 2 if kv_dtype == torch.uint8 else d)
+    cache = {w: torch.full(shape, fill, device=DEVICE).to(kv_dtype) for w in "kv"}
+    for part in kv_parts(kv_dtype):
+        for w in "kv":
+            cache[f"{w}_{part}"] = torch.full(shape[:3], fill, device=DEVICE, dtype=F16)
+    return cache
+
+
+def _poison(cache, keep_slots):
+    """A copy of `cache` with every slot outside keep_slots overwritten: NaN in float tensors,
+    0x7f bytes (127, or nibbles 15/7) in integer ones."""
+    out = {}
+    for name, t in cache.items():
+        flat = t.clone().flatten(0, 1)  # (num_blocks * page, ...)
+        keep = torch.zeros(flat.shape[0], dtype=torch.bool, device=DEVICE)
+        keep[keep_slots] = True
+        flat[~keep] = float("nan") if t.is_floating_point() else 0x7f
+        out[name] = flat.view(t.shape)
+    return out
+
+
+def _setup(seq_lens, query_lens, H, hkv, d, page, kv_dtype, dtype, window=None, seed=0):
+    """Sequences over shuffled blocks of a pool with spare blocks, their whole context written
+    by the reference write_kv, queries for their last query_lens positions.
+    Returns (q, clean cache, poisoned cache, metadata)."""
+    torch.manual_seed(seed)
+    need = [-(-n // page) for n in seq_lens]
+    num_blocks = sum(need) + 3
+    perm = torch.randperm(num_blocks)
+    tables = torch.zeros(len(seq_lens), max(need), dtype=torch.long)
+    used = 0
+    for b, n in enumerate(need):
+        tables[b, :n] = perm[used:used + n]
+        used += n
+
+    def slots(b, positions):
+        return tables[b, positions // page] * page + positions % page
+
+    ctx_slots = torch.cat([slots(b, torch.arange(n)) for b, n in enumerate(seq_lens)])
+    cache = _empty_cache(num_blocks, page, hkv, d, kv_dtype)
+    kv = torch.randn(2, len(ctx_slots), hkv, d, device=DEVICE)
+    kv[0, :, :, :3] *= 8  # a few outlier channels in K, as in Llama
+    ref_write_kv(kv[0].to(dtype), kv[1].to(dtype), cache, ctx_slots.to(DEVICE))
+    q_slots = torch.cat([slots(b, torch.arange(n - m, n))
+                         for b, (n, m) in enumerate(zip(seq_lens, query_lens))])
+    meta = PagedAttentionMetadata(
+        slot_mapping=q_slots.to(DEVICE),
+        query_start_loc=torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()],
+                                     device=DEVICE),
+        seq_lens=torch.tensor(seq_lens, device=DEVICE), block_tables=tables.to(DEVICE),
+        query_lens_list=list(query_lens), seq_lens_list=list(seq_lens),
+        max_seq_len=max(seq_lens), decode_only=all(m == 1 for m in query_lens),
+        sliding_window=window)
+    q = torch.randn(sum(query_lens), H, d, device=DEVICE).to(dtype)
+    return q, cache, _poison(cache, ctx_slots.to(DEVICE)), meta
+
+
+def _attn_tol(dtype):
+    # Both sides round K/V (dequantized), scores and probabilities to the query dtype, at
+    # different points (the kernel rotates q once, the reference each key; the reference
+    # multiplies in that dtype, the kernel accumulates in fp32). Against an fp32 computation
+    # over the same cache each is within a few ulps of the query dtype for outputs of size ~1
+    # (measured at 140 keys, fp16: kernel 2.4, reference 5.3 ulps), so they differ by <= 8.
+    return dict(rtol=_tol(dtype, 8), atol=_tol(dtype, 8))
+
+
+# ---- decode attention --------------------------------------------------------------------
+# (seq_lens, H, Hkv, head_dim, page, kv dtype, q dtype, window, num_splits)
+DECODE_CASES = [
+    ([1, 8, 9, 29], 4, 4, 32, 8, F16, F16, None, None),
+    ([17, 40], 6, 2, 64, 16, BF16, BF16, None, 3),
+    ([33, 5], 8, 2, 16, 8, F32, F32, None, 2),
+    ([16, 47], 8, 1, 32, 16, torch.int8, F16, None, 4),
+    ([41, 3], 3, 1, 32, 8, torch.uint8, BF16, None, 3),
+    ([50, 9], 8, 1, 32, 16, torch.uint8, F32, 20, 2),
+    ([26, 70], 4, 2, 32, 8, torch.int8, F32, 7, None),
+    ([20, 9], 4, 2, 48, 8, torch.int8, F16, None, 2),  # H: 3 blocks of 16, padded to 64
+]
+if ON_GPU:
+    DECODE_CASES += [([1024, 8191, 77, 4097], 32, 8, 128, 16, kv, F16, None, None)
+                     for kv in KV_DTYPES] + [
+        ([32768, 2000], 32, 8, 128, 16, torch.int8, BF16, 4096, None)]
+
+
+@pytest.mark.parametrize("seq_lens,H,hkv,d,page,kv_dtype,dtype,window,splits", DECODE_CASES)
+def test_decode_attention(seq_lens, H, hkv, d, page, kv_dtype, dtype, window, splits):
+    q, clean, poisoned, meta = _setup(seq_lens, [1] * len(seq_lens), H, hkv, d, page,
+                                      kv_dtype, dtype, window)
+    out = decode_attention(q, poisoned, meta, d ** -0.5, num_splits=splits)
+    ref = _decode_attention(q, clean, meta, d ** -0.5)
+    assert out.shape == q.shape and out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref.float(), **_attn_tol(dtype))
+
+
+# ---- prefill / chunked prefill -----------------------------------------------------------
+# (seq_lens, query_lens, H, Hkv, head_dim, page, kv dtype, q dtype, window): fresh prefills
+# (query_len = seq_len), chunks after a prefix (prefix hits, later chunks) and decode rows.
+PREFILL_CASES = [
+    ([19, 8], [19, 8], 4, 4, 32, 8, F16, F16, None),
+    ([40, 13, 9], [21, 1, 9], 6, 2, 32, 16, F32, F32, None),
+    ([37, 24], [5, 24], 8, 1, 16, 8, BF16, BF16, None),
+    ([33, 17], [33, 4], 3, 1, 64, 16, torch.int8, F16, None),
+    ([45, 10], [12, 10], 8, 2, 32, 8, torch.uint8, F32, None),
+    ([30, 26], [30, 9], 4, 1, 32, 8, torch.uint8, BF16, 6),
+    ([52], [20], 4, 4, 32, 16, torch.int8, F32, 11),
+    ([140, 20], [100, 20], 2, 1, 16, 16, torch.int8, F16, None),  # two 64-row tiles
+    ([130], [130], 2, 2, 16, 8, F16, F16, 50),
+    ([23], [23], 2, 1, 80, 8, torch.uint8, F32, None),  # H: 5 blocks of 16, padded to 128
+]
+if ON_GPU:
+    PREFILL_CASES += [([2048, 1500, 4097], [2048, 300, 1], 32, 8, 128, 16, kv, BF16, None)
+                      for kv in KV_DTYPES]
+
+
+@pytest.mark.parametrize("seq_lens,query_lens,H,hkv,d,page,kv_dtype,dtype,window",
+                         PREFILL_CASES)
+def test_prefill_attention(seq_lens, query_lens, H, hkv, d, page, kv_dtype, dtype, window):
+    q, clean, poisoned, meta = _setup(seq_lens, query_lens, H, hkv, d, page, kv_dtype, dtype,
+                                      window)
+    out = prefill_attention(q, poisoned, meta, d ** -0.5)
+    ref = paged_attention(q, clean, meta, d ** -0.5)
+    assert out.shape == q.shape and out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref.float(), **_attn_tol(dtype))
+
+
+def test_poisoned_free_blocks_change_nothing():
+    """Bit for bit the same output whether the slots no sequence owns hold zeros or poison."""
+    for kv_dtype in (F16, torch.uint8):
+        q, clean, poisoned, meta = _setup([21, 9], [1, 1], 4, 2, 32, 8, kv_dtype, F16)
+        assert torch.equal(decode_attention(q, clean, meta, 0.2, num_splits=2),
+                           decode_attention(q, poisoned, meta, 0.2, num_splits=2))
+        meta.decode_only = False
+        assert torch.equal(prefill_attention(q, clean, meta, 0.2),
+                           prefill_attention(q, poisoned, meta, 0.2))
+
+
+# ---- KV write ----------------------------------------------------------------------------
+WRITE_CASES = [(kv, F16) for kv in KV_DTYPES] + [(torch.int8, BF16), (torch.int8, F32),
+                                                  (torch.uint8, BF16), (torch.uint8, F32),
+                                                  (BF16, F32)]
+
+
+@pytest.mark.parametrize("kv_dtype,dtype", WRITE_CASES)
+def test_write_kv(kv_dtype, dtype):
+    """Codes, scales and offsets land bit for bit where the reference puts them, and every
+    other byte of a poisoned cache stays as it was."""
+    torch.manual_seed(0)
+    num_blocks, page, hkv, d, T = (64, 16, 8, 128, 300) if ON_GPU else (5, 8, 2, 48, 7)
+    cache = _poison(_empty_cache(num_blocks, page, hkv, d, kv_dtype),
+                    torch.tensor([], dtype=torch.long, device=DEVICE))
+    expected = {n: t.clone() for n, t in cache.items()}
+    slots = torch.randperm(num_blocks * page, device=DEVICE)[:T]
+    k = torch.randn(T, hkv, d, device=DEVICE).to(dtype)
+    v = (torch.randn(T, hkv, d, device=DEVICE) * 3 + 1).to(dtype)
+    k_out, v_out = write_kv(k, v, cache, slots)
+    k_ref, v_ref = ref_write_kv(k, v, expected, slots)
+    for name in cache:  # bytes compare NaN poison as equal to itself
+        assert torch.equal(cache[name].view(torch.uint8), expected[name].view(torch.uint8)), name
+    # The returned K/V are computed the same way as the reference's; a GPU may fuse the int4
+    # q * s + m into one FMA (one rounding instead of two): 1e-6 relative.
+    for got, ref in ((k_out, k_ref), (v_out, v_ref)):
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.float(), ref.float(), rtol=1e-6, atol=1e-6)
