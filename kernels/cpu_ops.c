@@ -161,18 +161,19 @@ f32_row(const float *row, int64_t K, const float *xp, int64_t Kc, const int mt, 
  * _mm256_maddubs_epi16 multiplies unsigned codes (0..15, or |int8|) by signed int8 activations
  * and adds pairs into int16 without overflow (2 * 15 * 127, 2 * 127 * 127 < 32767). */
 typedef struct {
-    int8_t *q;   /* (M, Kp), chunk-permuted like the fp32 path when int4 */
-    float *d;    /* (M, Kp / 32) chunk scales */
-    float *dsum; /* (M, Kp / 32) d * sum(q_x) of the chunk */
+    int8_t *q;     /* (M, Kp), chunk-permuted like the fp32 path when int4 */
+    int64_t Mp;    /* M rounded up to MT */
+    float *d;      /* (Kp / 32, Mp) chunk scales, transposed: one chunk's rows are adjacent */
+    float *dsum;   /* (Kp / 32, Mp) d * sum(q_x) of the chunk */
 } qacts;
 
 static qacts quantize_activations(const float *x, int64_t M, int64_t K, int64_t ldx, int64_t Kp,
                                   int permute)
 {
-    const int64_t nchunk = Kp / CHUNK;
-    qacts a = {aligned_alloc(64, (size_t)((M * Kp + 63) / 64 * 64)),
-               malloc(sizeof(float) * (size_t)(M * nchunk)),
-               malloc(sizeof(float) * (size_t)(M * nchunk))};
+    const int64_t nchunk = Kp / CHUNK, Mp = (M + MT - 1) / MT * MT;
+    qacts a = {aligned_alloc(64, (size_t)((M * Kp + 63) / 64 * 64)), Mp,
+               calloc((size_t)(nchunk * Mp), sizeof(float)),
+               calloc((size_t)(nchunk * Mp), sizeof(float))};
     float *xp = pack_activations(x, M, K, ldx, Kp, permute);
     for (int64_t m = 0; m < M; m++)
         for (int64_t c = 0; c < nchunk; c++) {
@@ -187,8 +188,8 @@ static qacts quantize_activations(const float *x, int64_t M, int64_t K, int64_t 
                 a.q[m * Kp + c * CHUNK + j] = (int8_t)q;
                 sum += q;
             }
-            a.d[m * nchunk + c] = d;
-            a.dsum[m * nchunk + c] = d * (float)sum;
+            a.d[c * Mp + m] = d;
+            a.dsum[c * Mp + m] = d * (float)sum;
         }
     free(xp);
     return a;
@@ -201,33 +202,37 @@ static void free_activations(qacts a)
     free(a.dsum);
 }
 
+/* One weight row against activation rows m0 .. m0 + mt: per chunk, the row's 32 codes are
+ * widened once; each activation row then costs one integer multiply-add, one convert and one
+ * fma with its s * d (computed for the MT rows at once, as is the offset term). */
 static inline __attribute__((always_inline)) void
 q4_row_i8(const uint8_t *row, const half *sc, const half *of, int64_t nchunk, int64_t per_group,
           const qacts *a, int64_t m0, int64_t Kp, const int mt, float *res)
 {
     __m256 acc[MT];
-    float off[MT];
-    for (int i = 0; i < mt; i++) {
+    for (int i = 0; i < mt; i++)
         acc[i] = _mm256_setzero_ps();
-        off[i] = 0.f;
-    }
+    __m128 off = _mm_setzero_ps();
     const __m256i mask = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    float sd[MT];
     for (int64_t c = 0; c < nchunk; c++) {
         const int64_t g = c / per_group;
         const float s = (float)sc[g], o = of ? (float)of[g] : -8.f * s;
         const __m128i b = _mm_loadu_si128((const __m128i *)(row + c * (CHUNK / 2)));
         /* bytes 0..15: low nibbles (even inputs), 16..31: high nibbles (odd inputs) */
         const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), mask);
+        _mm_storeu_ps(sd, _mm_mul_ps(_mm_set1_ps(s), _mm_loadu_ps(a->d + c * a->Mp + m0)));
+        off = _mm_fmadd_ps(_mm_set1_ps(o), _mm_loadu_ps(a->dsum + c * a->Mp + m0), off);
         for (int i = 0; i < mt; i++) {
-            const int64_t r = (m0 + i) * nchunk + c;
             const __m256i xv = _mm256_loadu_si256((const __m256i *)(a->q + (m0 + i) * Kp + c * CHUNK));
             const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones);
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(s * a->d[r]), acc[i]);
-            off[i] += o * a->dsum[r];
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(sd + i), acc[i]);
         }
     }
+    float offs[MT];
+    _mm_storeu_ps(offs, off);
     for (int i = 0; i < mt; i++)
-        res[i] = hsum(acc[i]) + off[i];
+        res[i] = hsum(acc[i]) + offs[i];
 }
 
 static inline __attribute__((always_inline)) void
@@ -238,15 +243,16 @@ q8_row_i8(const int8_t *row, const half *sc, int64_t nchunk, int64_t group_size,
     for (int i = 0; i < mt; i++)
         acc[i] = _mm256_setzero_ps();
     const __m256i ones = _mm256_set1_epi16(1);
+    float sd[MT];
     for (int64_t c = 0; c < nchunk; c++) {
         const float s = (float)sc[c * CHUNK / group_size];
         const __m256i w = _mm256_loadu_si256((const __m256i *)(row + c * CHUNK));
         const __m256i aw = _mm256_sign_epi8(w, w); /* |w|, and x takes w's sign */
+        _mm_storeu_ps(sd, _mm_mul_ps(_mm_set1_ps(s), _mm_loadu_ps(a->d + c * a->Mp + m0)));
         for (int i = 0; i < mt; i++) {
-            const int64_t r = (m0 + i) * nchunk + c;
             const __m256i xv = _mm256_loadu_si256((const __m256i *)(a->q + (m0 + i) * Kp + c * CHUNK));
             const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, w)), ones);
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(s * a->d[r]), acc[i]);
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(sd + i), acc[i]);
         }
     }
     for (int i = 0; i < mt; i++)
