@@ -2,22 +2,39 @@
 """qserve against its peers on the same machine, in one run, printed as one table.
 
     python scripts/bench_vs_peers.py [--repeats 3] [--input-len 128] [--output-len 128]
+                                     [--only qserve-gguf-native,llama.cpp] [--json [FILE]]
 
-Rows: decode tokens/s at batch 1, throughput (generated tokens/s) with 32 concurrent requests
-of 128 prompt + 128 new tokens, and prefill tokens/s (32 x 128 prompt tokens). Peers:
-Hugging Face transformers `generate` at the same precision (fp32), and llama.cpp through
-llama-cpp-python on the default GGUF where it is installed (it runs the GGUF's own Q4_1
-weights, so that row is a different precision; its batch-32 cell is sequential requests,
-since llama-cpp-python's high-level API serves one sequence at a time). Each cell is the
-median of --repeats runs; ratios are qserve / peer.
+Rows: decode tokens/s at batch 1; throughput with 32 concurrent requests of 128 prompt + 128
+new tokens (32 x 128 generated tokens / wall time, prefill included); prefill tokens/s
+(32 x 128 prompt tokens). Columns, each measured in this run on the default model:
 
-Needs the `bench` extra (transformers, accelerate).
+    qserve-fp32         qserve, the model's weights dequantized to dense fp32
+    qserve-gguf-native  qserve, int4 g32 asym layers + int8 g32 embedding imported losslessly
+                        from the GGUF (the very weights llama.cpp runs)
+    qserve-w8           qserve, recipe w8
+    transformers        Hugging Face transformers `generate`, fp32
+    llama.cpp           llama.cpp on the GGUF's own Q4_1 weights, through llama-cpp-python's
+                        low-level API: the 32 sequences share one context, and each decode
+                        step is one llama_decode over all of them (scripts/llama_cpp_batched.py)
+
+The quantized checkpoints are made once with `qserve quantize` into .cache/bench-ckpt/
+(delete a directory there to remake it after a checkpoint format change).
+Each cell is the median of --repeats runs; ratio columns are qserve / peer. Below the table,
+each target of issues #2 and #4 is checked against the measured numbers.
+
+Needs the `bench` extra (transformers, accelerate) and llama-cpp-python for the llama.cpp
+column (skipped, with a note, when it is not installed).
 """
 from __future__ import annotations
 
 import argparse
+import gc
+import importlib.util
+import json
 import os
+import random
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,28 +44,62 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests")]  # run from a checkout, installed or not
 os.environ.setdefault("QSERVE_HOME", str(REPO / ".cache" / "qserve"))
+CKPT_DIR = REPO / ".cache" / "bench-ckpt"
+N_CONCURRENT = 32
+
+COLUMNS = {  # --only name -> table header
+    "qserve-fp32": "qserve fp32",
+    "qserve-gguf-native": "qserve gguf-native",
+    "qserve-w8": "qserve w8",
+    "transformers": "transformers fp32",
+    "llama.cpp": "llama.cpp Q4_1",
+}
+QSERVE_RECIPES = {"qserve-fp32": None, "qserve-gguf-native": "gguf-native", "qserve-w8": "w8"}
+PEERS = ["transformers", "llama.cpp"]
+ROWS = [("decode tok/s, batch 1", "decode_b1"),
+        (f"throughput tok/s, {N_CONCURRENT} concurrent", "throughput_b32"),
+        ("prefill tok/s, {n} x {len}", "prefill")]
+TARGETS = [  # (label, qserve column, peer column, row key, minimum ratio); issues #4 and #2
+    ("int4 (gguf-native) batch-1 decode", "qserve-gguf-native", "llama.cpp", "decode_b1", 0.8),
+    ("int4 (gguf-native) 32-concurrent", "qserve-gguf-native", "llama.cpp", "throughput_b32",
+     1.5),
+    ("int4 (gguf-native) prefill", "qserve-gguf-native", "llama.cpp", "prefill", 1.0),
+    ("int8 (w8) batch-1 decode", "qserve-w8", "transformers", "decode_b1", 3.0),
+    ("fp32 batch-1 decode", "qserve-fp32", "transformers", "decode_b1", 1.1),
+    ("fp32 32-concurrent", "qserve-fp32", "transformers", "throughput_b32", 1.5),
+]
 
 
-def bench_qserve(args) -> dict:
+def checkpoint(gguf: Path, recipe: str) -> Path:
+    """The qserve checkpoint of `gguf` under `recipe`, made with `qserve quantize` if missing
+    (quantize writes the directory only once it has succeeded)."""
+    out = CKPT_DIR / recipe
+    if not out.exists():
+        print(f"making {out} (qserve quantize --recipe {recipe}) ...", file=sys.stderr)
+        subprocess.run([sys.executable, "-m", "qserve", "quantize", str(gguf), "-o", str(out),
+                        "--recipe", recipe], check=True, stdout=subprocess.DEVNULL, cwd=REPO)
+    return out
+
+
+def bench_qserve(args, model: Path | None) -> dict[str, list[float]]:
+    """qserve through qserve.bench.run_bench; `model` None is the default model in fp32."""
     from qserve.bench import run_bench
     from qserve.config import engine_config
     from qserve.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine(engine_config(None, kv_cache_memory="1GiB", max_model_len=1024,
-                                     max_num_batched_tokens=4096))
-    runs = [run_bench(engine, [1, 32], args.input_len, args.output_len, seed=r, warmup=r == 0)
-            for r in range(args.repeats)]
-    b1 = [r[0] for r in runs]
-    b32 = [r[1] for r in runs]
-    return {
-        "decode_b1": statistics.median(r["decode_tokens_per_s"] for r in b1),
-        "throughput_b32": statistics.median(
-            32 * args.output_len / r["total_s"] for r in b32),
-        "prefill": statistics.median(r["prefill_tokens_per_s"] for r in b32),
-    }
+    engine = LLMEngine(engine_config(
+        None if model is None else str(model), kv_cache_memory="1GiB",
+        max_model_len=max(1024, args.input_len + args.output_len),
+        max_num_batched_tokens=max(4096, args.input_len)))
+    runs = [run_bench(engine, [1, N_CONCURRENT], args.input_len, args.output_len, seed=r,
+                      warmup=r == 0) for r in range(args.repeats)]
+    return {"decode_b1": [b1["decode_tokens_per_s"] for b1, _ in runs],
+            "throughput_b32": [N_CONCURRENT * args.output_len / b32["total_s"]
+                               for _, b32 in runs],
+            "prefill": [b32["prefill_tokens_per_s"] for _, b32 in runs]}
 
 
-def bench_transformers(args, gguf: Path) -> dict:
+def bench_transformers(args, gguf: Path) -> dict[str, list[float]]:
     from hf_reference import hf_reference_dir
     from transformers import AutoModelForCausalLM
 
@@ -71,81 +122,124 @@ def bench_transformers(args, gguf: Path) -> dict:
     for r in range(args.repeats):
         first = gen(1, 1, r)
         b1.append((args.output_len - 1) / (gen(1, args.output_len, r) - first))
-        pre_t = gen(32, 1, r)
-        pre.append(32 * args.input_len / pre_t)
-        b32.append(32 * args.output_len / gen(32, args.output_len, r))
-    return {"decode_b1": statistics.median(b1), "throughput_b32": statistics.median(b32),
-            "prefill": statistics.median(pre)}
+        pre.append(N_CONCURRENT * args.input_len / gen(N_CONCURRENT, 1, r))
+        b32.append(N_CONCURRENT * args.output_len / gen(N_CONCURRENT, args.output_len, r))
+    return {"decode_b1": b1, "throughput_b32": b32, "prefill": pre}
 
 
-def bench_llama_cpp(args, gguf: Path) -> dict | None:
-    try:
-        from llama_cpp import Llama
-    except ImportError:
-        return None
-    llm = Llama(model_path=str(gguf), n_ctx=1024, n_batch=512, n_threads=os.cpu_count(),
-                verbose=False)
-    import random
+def bench_llama_cpp(args, gguf: Path) -> dict[str, list[float]]:
+    """llama.cpp with real batching: batch 1 and 32 sequences through one context."""
+    from llama_cpp_batched import BatchedLlama
 
-    def run(seed: int, new: int) -> tuple[float, float]:
+    seq_len = -(-max(256, args.input_len + args.output_len) // 256) * 256
+    llm = BatchedLlama(gguf, n_seq=N_CONCURRENT, max_seq_len=seq_len,
+                       max_prompt_tokens=N_CONCURRENT * args.input_len,
+                       n_threads=os.cpu_count())
+
+    def prompts(n: int, seed: int) -> list[list[int]]:
         rng = random.Random(seed)
-        prompt = [rng.randrange(100, llm.n_vocab()) for _ in range(args.input_len)]
-        llm.reset()
-        t = time.perf_counter()
-        llm.eval(prompt)
-        t_prefill = time.perf_counter() - t
-        t = time.perf_counter()
-        for _ in range(new):
-            nxt = llm.sample(temp=0.0)
-            llm.eval([nxt])
-        return t_prefill, time.perf_counter() - t
+        return [[rng.randrange(100, llm.n_vocab) for _ in range(args.input_len)]
+                for _ in range(n)]
 
-    run(0, 2)
-    b1, pre, b32 = [], [], []
-    for r in range(args.repeats):
-        t_pre, t_dec = run(r, args.output_len)
-        b1.append(args.output_len / t_dec)
-        pre.append(args.input_len / t_pre)
-        t = time.perf_counter()
-        for i in range(32 if args.full_llama_cpp else 4):
-            run(100 * r + i, args.output_len)
-        per_req = (time.perf_counter() - t) / (32 if args.full_llama_cpp else 4)
-        b32.append(args.output_len / per_req)  # requests served one after another
-    return {"decode_b1": statistics.median(b1), "throughput_b32": statistics.median(b32),
-            "prefill": statistics.median(pre)}
+    try:
+        llm.generate(prompts(N_CONCURRENT, -1), 2)  # warm-up at the largest shape
+        b1, b32, pre = [], [], []
+        for r in range(args.repeats):
+            one = llm.generate(prompts(1, r), args.output_len)
+            b1.append((args.output_len - 1) / one["decode_s"])
+            many = llm.generate(prompts(N_CONCURRENT, r), args.output_len)
+            pre.append(N_CONCURRENT * args.input_len / many["prefill_s"])
+            b32.append(N_CONCURRENT * args.output_len / many["total_s"])
+    finally:
+        llm.close()
+    return {"decode_b1": b1, "throughput_b32": b32, "prefill": pre}
+
+
+def measure(name: str, args, gguf: Path) -> dict[str, list[float]]:
+    if name in QSERVE_RECIPES:
+        recipe = QSERVE_RECIPES[name]
+        return bench_qserve(args, None if recipe is None else checkpoint(gguf, recipe))
+    if name == "transformers":
+        return bench_transformers(args, gguf)
+    return bench_llama_cpp(args, gguf)
+
+
+def markdown(header: list[str], rows: list[list[str]]) -> str:
+    """A Markdown table: the first column left-aligned, numbers right-aligned."""
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+    def line(cells: list[str]) -> str:
+        return "| " + " | ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                                 for i, (c, w) in enumerate(zip(cells, widths))) + " |"
+    return "\n".join([line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|",
+                      *map(line, rows)])
+
+
+def report(args, medians: dict[str, dict[str, float]]) -> str:
+    ours = [n for n in medians if n in QSERVE_RECIPES]
+    peers = [n for n in PEERS if n in medians]
+    pairs = [(q, p) for q in ours for p in peers]
+    header = ["metric", *(COLUMNS[n] for n in medians),
+              *(f"{COLUMNS[q].removeprefix('qserve ')} / {p}" for q, p in pairs)]
+    rows = []
+    for label, key in ROWS:
+        label = label.format(n=N_CONCURRENT, len=args.input_len)
+        rows.append([label, *(f"{medians[n][key]:.1f}" for n in medians),
+                     *(f"{medians[q][key] / medians[p][key]:.2f}x" for q, p in pairs)])
+    lines = [markdown(header, rows), "",
+             "targets (issues #4, #2; qserve / peer, this run):"]
+    for label, q, p, key, need in TARGETS:
+        if q in medians and p in medians:
+            ratio = medians[q][key] / medians[p][key]
+            verdict = f"{ratio:.2f}x {'PASS' if ratio >= need else 'MISS'}"
+        else:
+            verdict = "not measured"
+        lines.append(f"- {label} >= {need:g}x {COLUMNS[p]}: {verdict}")
+    return "\n".join(lines)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
-    ap.add_argument("--repeats", type=int, default=3)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=3, help="runs per cell; the median is shown")
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--full-llama-cpp", action="store_true",
-                    help="time all 32 sequential llama.cpp requests instead of 4")
+    ap.add_argument("--only", metavar="COL,...",
+                    help=f"columns to measure, of {','.join(COLUMNS)}  [default: all]")
+    ap.add_argument("--json", nargs="?", const="-", metavar="FILE",
+                    help="also write every run's numbers as JSON to FILE (stdout without one)")
     args = ap.parse_args()
+    if args.repeats < 1 or args.input_len < 1 or args.output_len < 2:
+        ap.error("--repeats and --input-len must be >= 1 and --output-len >= 2 "
+                 "(batch-1 decode needs a token after the first)")
+    names = list(COLUMNS) if args.only is None else [n.strip() for n in args.only.split(",")]
+    if bad := [n for n in names if n not in COLUMNS]:
+        ap.error(f"--only: unknown column {', '.join(bad)}; choose from {', '.join(COLUMNS)}")
+    names = [n for n in COLUMNS if n in names]  # table order
+    if "llama.cpp" in names and importlib.util.find_spec("llama_cpp") is None:
+        print("llama-cpp-python is not installed: no llama.cpp column", file=sys.stderr)
+        names.remove("llama.cpp")
     from qserve.loader.registry import resolve_model
 
     gguf = resolve_model(None)
-    results = {"qserve fp32": bench_qserve(args),
-               "transformers fp32": bench_transformers(args, gguf)}
-    lc = bench_llama_cpp(args, gguf)
-    if lc is not None:
-        results["llama.cpp Q4_1"] = lc
-    rows = [("decode tok/s, batch 1", "decode_b1"),
-            ("throughput tok/s, 32 concurrent", "throughput_b32"),
-            ("prefill tok/s, 32 x 128", "prefill")]
-    names = list(results)
-    ours = results["qserve fp32"]
-    print(f"\nmodel: {gguf.name}, {os.cpu_count()} CPU threads, torch {torch.__version__}, "
-          f"median of {args.repeats}")
-    header = f"| {'metric':34} | " + " | ".join(f"{n:>18}" for n in names)
-    header += " | " + " | ".join(f"{'qserve / ' + n.split()[0]:>22}" for n in names[1:]) + " |"
-    print(header)
-    print("|" + "|".join("-" * (len(c) + 0) for c in header.split("|")[1:-1]) + "|")
-    for label, key in rows:
-        cells = " | ".join(f"{results[n][key]:>18.1f}" for n in names)
-        ratios = " | ".join(f"{ours[key] / results[n][key]:>21.2f}x" for n in names[1:])
-        print(f"| {label:34} | {cells} | {ratios} |")
+    runs = {}
+    for name in names:
+        print(f"measuring {COLUMNS[name]} ...", file=sys.stderr)
+        runs[name] = measure(name, args, gguf)
+        gc.collect()  # the previous column's model goes before the next one loads
+    medians = {n: {k: statistics.median(v) for k, v in r.items()} for n, r in runs.items()}
+    print(f"\nmodel: {gguf.name}, {os.cpu_count()} CPU threads, torch {torch.__version__} "
+          f"({torch.get_num_threads()} threads), {args.input_len} prompt + {args.output_len} "
+          f"new tokens, median of {args.repeats}\n")
+    print(report(args, medians))
+    if args.json:
+        dump = json.dumps({"model": gguf.name, "cpu_threads": os.cpu_count(),
+                           "input_len": args.input_len, "output_len": args.output_len,
+                           "concurrent": N_CONCURRENT, "runs": runs, "median": medians},
+                          indent=2)
+        if args.json == "-":
+            print(dump)
+        else:
+            Path(args.json).write_text(dump + "\n")
 
 
 if __name__ == "__main__":
