@@ -605,6 +605,23 @@ void kv_write(int kind, const float *k, const float *v, const int64_t *slots, in
         }
 }
 
+/* a . b with 8 independent partial sums, so the compiler keeps them in one vector register
+ * instead of waiting on one serial chain of fma latencies */
+static inline float dot(const float *a, const float *b, int d)
+{
+    float acc[8] = {0};
+    int j = 0;
+    for (; j + 8 <= d; j += 8)
+        for (int u = 0; u < 8; u++)
+            acc[u] += a[j + u] * b[j + u];
+    float s = 0.f;
+    for (; j < d; j++)
+        s += a[j] * b[j];
+    for (int u = 0; u < 8; u++)
+        s += acc[u];
+    return s;
+}
+
 /* Decode attention: one query per sequence against its paged context.
  *   q (B, H, d) fp32; out (B, H, d) fp32; tables (B, max_blocks); seq_lens (B,)
  *   K/V caches (num_blocks, block_size, hkv, d or d / 2) with their (num_blocks, block_size,
@@ -639,13 +656,8 @@ void paged_decode(int kind, const float *q, float *out, int64_t B, int64_t H, in
             const int64_t slot = tables[b * max_blocks + pos / block_size] * block_size
                                  + pos % block_size;
             kv_load(kind, kc, ks, ko, slot * hkv + kvh, d, f);
-            for (int64_t i = 0; i < g; i++) {
-                const float *qi = qr + i * d;
-                float s = 0.f;
-                for (int j = 0; j < d; j++)
-                    s += qi[j] * f[j];
-                p[i * n + t] = s * scale;
-            }
+            for (int64_t i = 0; i < g; i++)
+                p[i * n + t] = dot(qr + i * d, f, d) * scale;
         }
         for (int64_t i = 0; i < g; i++) { /* softmax over the context, per query head */
             float *pi = p + i * n, mx = -INFINITY, sum = 0.f;
