@@ -10,6 +10,9 @@ run greedily, ignoring EOS, for exactly `output_len` tokens each:
     decode tok/s  = tokens generated after t_first / (t_end - t_first)
     TTFT          = first_token_time - arrival_time, per request (mean, p50)
     TPOT          = (finished_time - first_token_time) / (output_len - 1), per request (mean)
+
+With speculative decoding on, each row also reports the acceptance rate (accepted / proposed
+draft tokens) and the mean accepted drafts per verifying step, over that row's run.
 """
 from __future__ import annotations
 
@@ -37,8 +40,9 @@ def run_bench(engine, batch_sizes: list[int], input_len: int = 128, output_len: 
     Returns:
         one dict per batch size: batch_size, input_len, output_len, prefill_tokens_per_s,
         decode_tokens_per_s, ttft_mean_s, ttft_p50_s, tpot_mean_s, total_s, peak_rss_mib,
-        peak_gpu_mib (None off CUDA), preemptions. A rate is None when its interval is empty
-        (e.g. decode with output_len 1).
+        peak_gpu_mib (None off CUDA), preemptions; spec_acceptance_rate and
+        spec_mean_accepted_tokens with speculative decoding. A rate is None when its interval
+        is empty (e.g. decode with output_len 1).
     """
     _check_fits(engine, input_len, output_len)
     rng = random.Random(seed)
@@ -67,7 +71,7 @@ def _run_batch(engine, rng: random.Random, vocab: list[int], batch: int, input_l
         torch.cuda.reset_peak_memory_stats(engine.device)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     rids = [f"bench-{tag}-{i}" for i in range(batch)]
-    preempted = engine.stats()["preemptions"]
+    before = engine.stats()
     metrics, tokens = {}, {}  # request id -> RequestMetrics, generated token count
     done = set()
     t_first = generated_at_first = None
@@ -102,8 +106,18 @@ def _run_batch(engine, rng: random.Random, vocab: list[int], batch: int, input_l
         "total_s": t_end - t0,
         "peak_rss_mib": peak_rss_bytes() / 2**20,
         "peak_gpu_mib": _peak_gpu_bytes(engine.device) / 2**20 if cuda else None,
-        "preemptions": engine.stats()["preemptions"] - preempted,
-    }
+        "preemptions": engine.stats()["preemptions"] - before["preemptions"],
+    } | spec_row_stats(before, engine.stats())
+
+
+def spec_row_stats(before: dict, after: dict) -> dict:
+    """Acceptance between two engine.stats() snapshots ({} without speculative decoding)."""
+    if "spec_steps" not in after:
+        return {}
+    steps, drafts, accepted = (after[k] - before[k] for k in (
+        "spec_steps", "spec_draft_tokens", "spec_accepted_tokens"))
+    return {"spec_acceptance_rate": accepted / drafts if drafts else None,
+            "spec_mean_accepted_tokens": accepted / steps if steps else None}
 
 
 def peak_rss_bytes() -> int:
@@ -133,6 +147,8 @@ _COLUMNS = [  # (key, header, format, scale)
     ("ttft_mean_s", "TTFT mean ms", "{:.1f}", _MS), ("ttft_p50_s", "TTFT p50 ms", "{:.1f}", _MS),
     ("tpot_mean_s", "TPOT ms", "{:.1f}", _MS), ("peak_rss_mib", "peak RSS MiB", "{:,.0f}", 1),
     ("peak_gpu_mib", "peak GPU MiB", "{:,.0f}", 1), ("preemptions", "preempt", "{:d}", 1),
+    ("spec_acceptance_rate", "accept %", "{:.1f}", 100),
+    ("spec_mean_accepted_tokens", "accepted/step", "{:.2f}", 1),
 ]
 
 

@@ -25,7 +25,8 @@ HELP = """\
 /reset                forget the conversation (the system prompt stays)
 /system TEXT          set the system prompt (no TEXT: remove it)
 /set NAME VALUE       set a sampling parameter, e.g. /set temperature 0.7 (no NAME: show them)
-/stats                the last reply's time to first token, tokens/s and KV blocks in use
+/stats                the last reply's time to first token, tokens/s, KV blocks in use and
+                      (with --draft) how many draft tokens the model accepted
 /save FILE            write the conversation to FILE as JSON
 /exit                 leave (Ctrl-D too); Ctrl-C interrupts a reply"""
 SETTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
@@ -194,9 +195,13 @@ def _reply_stats(out, peak_blocks: int, stats: dict) -> dict:
     ttft = m.first_token_time - m.arrival_time if m.first_token_time is not None else None
     end = m.finished_time or time.monotonic()
     decode_s = end - m.first_token_time if m.first_token_time is not None else 0
+    c = out.outputs[0]
     return {"prompt_tokens": len(out.prompt_token_ids), "tokens": n, "ttft_s": ttft,
             "tokens_per_s": (n - 1) / decode_s if n > 1 and decode_s > 0 else None,
-            "kv_blocks_used": peak_blocks, "kv_blocks_total": stats["kv_blocks_total"]}
+            "kv_blocks_used": peak_blocks, "kv_blocks_total": stats["kv_blocks_total"],
+            "spec_draft_tokens": c.spec_draft_tokens,
+            "spec_acceptance_rate": c.spec_acceptance_rate,
+            "spec_mean_accepted_tokens": c.spec_mean_accepted_tokens}
 
 
 def _format_stats(s: dict | None) -> str:
@@ -204,9 +209,13 @@ def _format_stats(s: dict | None) -> str:
         return "(no reply yet)"
     ttft = f"{s['ttft_s'] * 1000:.0f} ms" if s["ttft_s"] is not None else "-"
     rate = f"{s['tokens_per_s']:.1f} tokens/s" if s["tokens_per_s"] is not None else "- tokens/s"
-    return (f"time to first token {ttft}, {s['tokens']} tokens at {rate}, "
+    text = (f"time to first token {ttft}, {s['tokens']} tokens at {rate}, "
             f"prompt {s['prompt_tokens']} tokens, "
             f"KV blocks in use {s['kv_blocks_used']} of {s['kv_blocks_total']}")
+    if s.get("spec_draft_tokens"):
+        text += (f", {100 * s['spec_acceptance_rate']:.0f}% of {s['spec_draft_tokens']} draft "
+                 f"tokens accepted ({s['spec_mean_accepted_tokens']:.2f} per step)")
+    return text
 
 
 # ---- the loop ----------------------------------------------------------------------------

@@ -85,12 +85,31 @@ _ENGINE_NAMES = ("kv_cache_memory", "swap_space", "block_size", "max_num_seqs",
                  "kv_dtype", "dtype")
 
 
+_SPEC_FLAGS = [
+    click.option("--draft", metavar="MODEL|self:RECIPE|ngram",
+                 help="Speculative decoding: a draft model with the same vocabulary, the "
+                      "model's own weights quantized with RECIPE (e.g. self:w4g64), or ngram "
+                      "(prompt lookup, no model)."),
+    click.option("--num-speculative-tokens", type=int, metavar="K",
+                 help="Most draft tokens verified per step  [default: 4; needs --draft]"),
+]
+_SPEC_NAMES = ("draft", "num_speculative_tokens")
+
+
+def speculative_flags(f):
+    """Add --draft and --num-speculative-tokens; put above @engine_flags, which passes them on
+    in `engine`."""
+    for flag in reversed(_SPEC_FLAGS):
+        f = flag(f)
+    return f
+
+
 def engine_flags(f):
     """Add the engine flags to a command; it receives them as one dict, `engine`, keyed by
-    `engine_config()` field names."""
+    `engine_config()` field names (with the speculative flags, when the command has them)."""
     @functools.wraps(f)
     def wrapper(**kw):
-        engine = {name: kw.pop(name) for name in _ENGINE_NAMES}
+        engine = {name: kw.pop(name) for name in _ENGINE_NAMES + _SPEC_NAMES if name in kw}
         engine["enable_prefix_caching"] = not kw.pop("no_prefix_caching")
         return f(engine=engine, **kw)
     for flag in reversed(_ENGINE_FLAGS):
@@ -162,6 +181,19 @@ def info(model, as_json, engine):
         "kv_tokens": kv_tokens,  # tokens of KV cache that budget holds, per KV dtype
         "kv_tokens_per_gib": kv_per_gib,
     }
+    from qserve.quant.checkpoint import quantization_config
+
+    quant = quantization_config(path) if path.is_dir() else None
+    if quant is not None:  # a qserve checkpoint: what a --dtype fp16 engine keeps resident
+        from qserve.quant.quantize import resident_bytes
+
+        res = resident_bytes(path, arch)
+        report["weight_bytes"]["resident"] = res["resident_bytes_fp16_engine"]
+        report["resident_vs_fp16"] = {
+            "with_embedding": round(res["resident_ratio"], 4),
+            "without_embedding": round(res["resident_ratio_without_embedding"], 4)}
+        report["recipe"] = quant.get("recipe", {}).get("name")
+        report["recipe_kv_dtype"] = quant.get("kv_dtype")  # what --kv-dtype auto uses
     if as_json:
         click.echo(json.dumps(report))
         return
@@ -197,6 +229,7 @@ def info(model, as_json, engine):
 @click.option("--ignore-eos", is_flag=True, help="Keep generating past end-of-sequence.")
 @click.option("--json", "as_json", is_flag=True,
               help="One JSON object per completion per line, with timings.")
+@speculative_flags
 @engine_flags
 def generate(prompts, model, prompts_file, chat, system, as_json, engine, **sampling):
     """Complete PROMPTs (or --prompts-file, or stdin lines). One prompt streams as it goes;
@@ -220,7 +253,8 @@ def generate(prompts, model, prompts_file, chat, system, as_json, engine, **samp
     for i, out in enumerate(outputs):
         for c in out.outputs:
             if as_json:
-                click.echo(json.dumps(_completion_record(i, out, c), ensure_ascii=False))
+                record = _completion_record(i, out, c, engine.get("draft") is not None)
+                click.echo(json.dumps(record, ensure_ascii=False))
             else:
                 tag = f"{i + 1}" + (f".{c.index + 1}" if params.n > 1 else "")
                 click.echo(f"--- [{tag}] {c.text}")
@@ -273,18 +307,24 @@ def _run(engine, texts: list[str], ids: list[list[int] | None], params, stream: 
     return [finished[rid] for rid in rids]
 
 
-def _completion_record(prompt_index: int, out, c) -> dict:
+def _completion_record(prompt_index: int, out, c, speculative: bool = False) -> dict:
     m = out.metrics
     ttft = m.first_token_time - m.arrival_time if m.first_token_time is not None else None
     decode_s = (m.finished_time - m.first_token_time
                 if m.finished_time is not None and m.first_token_time is not None else 0)
     n = len(c.token_ids)
-    return {
+    record = {
         "prompt_index": prompt_index, "index": c.index, "text": c.text,
         "token_ids": c.token_ids, "prompt_tokens": len(out.prompt_token_ids),
         "completion_tokens": n, "finish_reason": c.finish_reason, "ttft_s": ttft,
         "decode_tokens_per_s": (n - 1) / decode_s if n > 1 and decode_s > 0 else None,
     }
+    if speculative:
+        record |= {"spec_draft_tokens": c.spec_draft_tokens,
+                   "spec_accepted_tokens": c.spec_accepted_tokens,
+                   "spec_acceptance_rate": c.spec_acceptance_rate,
+                   "spec_mean_accepted_tokens": c.spec_mean_accepted_tokens}
+    return record
 
 
 # ---- bench -------------------------------------------------------------------------------
@@ -306,6 +346,7 @@ def _batch_sizes(ctx, param, value: str) -> list[int]:
 @click.option("--output-len", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True, help="Seeds the random prompts.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per batch size per line.")
+@speculative_flags
 @engine_flags
 def bench(model, batch_sizes, input_len, output_len, seed, as_json, engine):
     """Prefill and decode throughput, TTFT, TPOT and peak memory of MODEL on random prompts
@@ -375,6 +416,7 @@ def eval_(model, ref, text_file, context, max_tokens, as_json, engine):
               help="The model id clients send  [default: MODEL, or the default model's alias]")
 @click.option("--max-waiting", type=click.IntRange(min=1), default=1024, show_default=True,
               help="Queued requests beyond this are refused with 503.")
+@speculative_flags
 @engine_flags
 def serve(model, host, port, api_key, served_model_name, max_waiting, engine):
     """An OpenAI-compatible HTTP server for MODEL (Ctrl-C or SIGTERM stops it)."""
@@ -413,6 +455,7 @@ def _chat_sampling_flags(f):
 @click.argument("model", required=False)
 @click.option("--system", help="System prompt.")
 @_chat_sampling_flags
+@speculative_flags
 @engine_flags
 def chat(model, system, engine, **sampling):
     """Talk with MODEL in the terminal; replies stream as they are generated. Piped, each

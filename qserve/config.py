@@ -136,6 +136,49 @@ class SchedulerConfig:
 
 
 @dataclass
+class SpeculativeConfig:
+    """Speculative decoding: a draft proposes up to K tokens, the target verifies them in one pass.
+
+    draft: a model with the target's vocabulary (alias, .gguf, HF directory), `self:RECIPE`
+    (the target's own weights quantized with a recipe) or `ngram` (prompt lookup, no model).
+    """
+
+    draft: str
+    num_speculative_tokens: int = 4  # K, the most tokens proposed per sequence per step
+    # Speculate only while at most this many sequences run: beyond it a decode step is no longer
+    # bound by reading the weights, and verifying K extra tokens per sequence costs real compute.
+    spec_max_batch_size: int = 4
+    # A sequence whose recent acceptance rate (an exponential average) falls below this stops
+    # speculating for 2, 4, 8 ... 32 steps, then tries again.
+    spec_min_acceptance: float = 0.3
+    ngram_max: int = 3  # prompt lookup matches the last ngram_max .. ngram_min tokens
+    ngram_min: int = 1
+
+    def __post_init__(self):
+        if not isinstance(self.draft, str) or not self.draft.strip():
+            raise ConfigError(f"--draft={self.draft!r}; give a model, self:RECIPE or ngram")
+        if self.draft.startswith("self:") and not self.draft[5:]:
+            raise ConfigError("--draft=self: needs a recipe name, e.g. self:w4g64")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ConfigError(f"--num-speculative-tokens={self.num_speculative_tokens} must be "
+                              f"from 1 to 16")
+        if self.spec_max_batch_size < 1:
+            raise ConfigError(f"spec_max_batch_size={self.spec_max_batch_size} must be at least 1")
+        if not 0 <= self.spec_min_acceptance < 1:
+            raise ConfigError(f"spec_min_acceptance={self.spec_min_acceptance} must be in [0, 1)")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ConfigError(f"ngram_min={self.ngram_min} and ngram_max={self.ngram_max} must "
+                              f"satisfy 1 <= ngram_min <= ngram_max")
+
+    @property
+    def kind(self) -> str:
+        """"ngram", "self" or "model"."""
+        if self.draft == "ngram":
+            return "ngram"
+        return "self" if self.draft.startswith("self:") else "model"
+
+
+@dataclass
 class EngineConfig:
     """Everything the engine needs besides the weights."""
 
@@ -145,6 +188,7 @@ class EngineConfig:
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
     def __post_init__(self):
         if self.device not in DEVICES:
@@ -164,14 +208,17 @@ class EngineConfig:
 
 def engine_config(model: str | None = None, **flat) -> EngineConfig:
     """Build an EngineConfig from flat keyword arguments (the CLI flags' and LLM()'s names):
-    each name is a field of CacheConfig, SchedulerConfig or EngineConfig itself.
+    each name is a field of CacheConfig, SchedulerConfig, SpeculativeConfig or EngineConfig
+    itself (the speculative ones only together with `draft`).
 
     Sizes may be given as strings ('2GiB'). Unknown names raise ConfigError.
     """
     cache_fields = CacheConfig.__dataclass_fields__
     sched_fields = SchedulerConfig.__dataclass_fields__
-    engine_fields = set(EngineConfig.__dataclass_fields__) - {"cache", "scheduler", "model"}
-    cache, sched, engine = {}, {}, {}
+    spec_fields = SpeculativeConfig.__dataclass_fields__
+    engine_fields = (set(EngineConfig.__dataclass_fields__)
+                     - {"cache", "scheduler", "speculative", "model"})
+    cache, sched, spec, engine = {}, {}, {}, {}
     for name, value in flat.items():
         if value is None and name not in ("kv_cache_memory", "max_model_len", "max_waiting"):
             continue
@@ -181,9 +228,15 @@ def engine_config(model: str | None = None, **flat) -> EngineConfig:
             cache[name] = value
         elif name in sched_fields:
             sched[name] = value
+        elif name in spec_fields:
+            spec[name] = value
         elif name in engine_fields:
             engine[name] = value
         else:
             raise ConfigError(f"unknown engine option {name!r}")
+    if spec and "draft" not in spec:
+        raise ConfigError(f"{', '.join(sorted(spec))}: speculative decoding needs a draft; "
+                          f"pass --draft MODEL, self:RECIPE or ngram")
     return EngineConfig(model=model, cache=CacheConfig(**cache),
-                        scheduler=SchedulerConfig(**sched), **engine)
+                        scheduler=SchedulerConfig(**sched),
+                        speculative=SpeculativeConfig(**spec) if spec else None, **engine)

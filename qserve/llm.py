@@ -12,8 +12,9 @@ from qserve.sampling_params import SamplingParams
 
 
 class LLM:
-    """`LLM(model, **engine_options)`; options are CacheConfig / SchedulerConfig / EngineConfig
-    field names, e.g. `LLM(kv_cache_memory="512MiB", max_num_seqs=32)`. `model=None` is the
+    """`LLM(model, **engine_options)`; options are CacheConfig / SchedulerConfig /
+    SpeculativeConfig / EngineConfig field names, e.g. `LLM(kv_cache_memory="512MiB",
+    max_num_seqs=32)` or `LLM(draft="ngram", num_speculative_tokens=4)`. `model=None` is the
     default model, pulled on first use."""
 
     def __init__(self, model: str | None = None, *, loaded=None, **options):

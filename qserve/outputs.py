@@ -15,6 +15,20 @@ class CompletionOutput:
     delta_text: str = ""  # text new since the previous RequestOutput for this request
     logprobs: list[dict[int, float]] | None = None  # per generated token: {id: logprob}, top-N + chosen
     stop_reason: str | int | None = None  # the stop string or stop token id that matched
+    # speculative decoding: steps that verified drafts, drafts verified, drafts accepted
+    spec_steps: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        drafts = self.spec_draft_tokens
+        return self.spec_accepted_tokens / drafts if drafts else None
+
+    @property
+    def spec_mean_accepted_tokens(self) -> float | None:
+        """Accepted drafts per verifying step (each such step also adds one target token)."""
+        return self.spec_accepted_tokens / self.spec_steps if self.spec_steps else None
 
 
 @dataclass

@@ -3,12 +3,25 @@ scheme puts into the attention output, layer by layer, against fp32 K/V.
 
     python scripts/kv_grouping.py [--tokens 512]
 
-Q/K/V are captured from a fp32 engine run over the start of the pydoc topics text (the eval
+Q/K/V are captured from one fp32 prefill over the start of the pydoc topics text (the eval
 text). For each scheme, K and V are quantized then dequantized, causal attention is recomputed,
 and the table prints the relative error ||o - o_q|| / ||o|| (mean over layers) with the bytes
 each (token, kv head) costs. "per-channel keys" is KIVI's grouping (one scale/offset per channel
 over the 16 tokens of a block), measured here with the whole block known up front: the most
 favourable case for it, since a paged cache writes a block one token at a time.
+
+"smoothed keys" first applies the exact rewrite q_c * s_c, k_c / s_c (smooth_keys; foldable into
+q_proj / k_proj rows at load time, s a power of two so even packed rows scale exactly) with the
+per-channel s that minimizes the logit error under the cache's unchanged int4 numerics. It
+gains nothing on SmolLM2-135M: each head's query and key energy spectra are nearly
+proportional (the same low-frequency RoPE pairs carry most of both), and for proportional
+spectra s = 1 is already optimal; the most it can cut the logit error's variance,
+(sum Q)(sum K) / (sum sqrt(QK))^2, is 1.02-1.12x per head (1.4x in one head of layer 0).
+Through `qserve eval` (2 windows of 1024) the same rewrite folded into the weights moved int4
+KV from +6.69% PPL to +7.30% (keys only) and +7.07% (values also smoothed, against o_proj's
+columns; KL 0.0627 -> 0.0575): noise, not a gain. Keys carry most of the error
+(attention-output error 0.141 with only K quantized, 0.063 with only V), hence the
+"int8 keys, int4 values" row.
 """
 from __future__ import annotations
 
@@ -60,6 +73,21 @@ def rotated(fake):
     return f
 
 
+def smooth_keys(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact rewrite q_c * s_c, k_c / s_c (q . k unchanged), s equal within each RoPE pair
+    (c, c + d/2) and a power of two, s = (K_c / Q_c)^(1/4) with K, Q the pair's mean key energy
+    and its query heads' mean query energy: the s that minimizes the logit error
+    (sum s^2 Q)(sum K / s^2) when quantization leaves an isotropic error of size ~|k / s|."""
+    T, H, d = q.shape
+    hkv = k.shape[1]
+    pair = lambda e: e[..., : d // 2] + e[..., d // 2:]  # noqa: E731  RoPE-invariant energies
+    Q = pair(q.pow(2).mean(0)).view(hkv, H // hkv, d // 2).mean(1)  # (hkv, d/2)
+    K = pair(k.pow(2).mean(0))
+    s = torch.exp2(torch.round(torch.log2((K / Q) ** 0.25)))
+    s = torch.cat([s, s], -1)  # (hkv, d)
+    return q * s.repeat_interleave(H // hkv, 0), k / s
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """q (T, H, d), k/v (T, hkv, d) -> (T, H, d), causal."""
     out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
@@ -68,26 +96,32 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
 
 
 def capture(num_tokens: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Per layer: q (T, H, d), k, v (T, hkv, d) of one fp32 prefill."""
-    from qserve import LLM, SamplingParams
+    """Per layer: q (T, H, d), k, v (T, hkv, d) of one fp32 prefill, q and k after RoPE (taken
+    at each layer's fused q|k|v projection, whatever attention kernel runs after it)."""
     from qserve.eval import default_text
-    from qserve.models import llama
+    from qserve.loader import load_model
+    from qserve.quant.calibration import build_model, prefill
 
-    llm = LLM(kv_cache_memory="64MiB", max_model_len=num_tokens + 16)
-    ids = llm.tokenizer.encode(default_text(), add_special_tokens=False)[:num_tokens]
+    loaded = load_model(None)
+    ids = loaded.tokenizer.encode(default_text(), add_special_tokens=False)[:num_tokens]
+    model = build_model(loaded.arch, loaded.weights, num_tokens)
+    a, positions = loaded.arch, torch.arange(len(ids))
     seen = []
-    real = llama.paged_attention
 
-    def spy(q, cache, meta, scale, k_new=None, v_new=None):
-        seen.append((q.clone(), k_new.clone(), v_new.clone()))
-        return real(q, cache, meta, scale, k_new=k_new, v_new=v_new)
+    def hook(_, __, out):  # out (T, (H + 2 hkv) d)
+        q, k, v = out.split([a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim,
+                             a.num_kv_heads * a.head_dim], dim=-1)
+        q, k = model.rope(positions, q.reshape(len(ids), a.num_heads, a.head_dim),
+                          k.reshape(len(ids), a.num_kv_heads, a.head_dim))
+        seen.append((q, k, v.reshape(len(ids), a.num_kv_heads, a.head_dim)))
 
-    llama.paged_attention = spy
+    hooks = [layer.self_attn.qkv_proj.register_forward_hook(hook) for layer in model.layers]
     try:
-        llm.generate([ids], SamplingParams(temperature=0, max_tokens=1))
+        prefill(model, ids)
     finally:
-        llama.paged_attention = real
-    return seen[: llm.engine.arch.num_layers]
+        for h in hooks:
+            h.remove()
+    return seen
 
 
 def main() -> None:
@@ -104,6 +138,8 @@ def main() -> None:
         "int4 per-token g64": (2 * (d // 2 + 4), fake_int4, fake_int4),
         "int4 per-token g64, Hadamard": (2 * (d // 2 + 4), rotated(fake_int4),
                                          rotated(fake_int4)),
+        "int8 keys, int4 values, Hadamard": (d + 2 + d // 2 + 4, rotated(fake_int8),
+                                              rotated(fake_int4)),
         "int4 per-token g32": (2 * (d // 2 + 4 * d // 32), lambda x: fake_int4_groups(x, 32),
                                lambda x: fake_int4_groups(x, 32)),
         "int4 per-token g32 sym": (2 * (d // 2 + 2 * d // 32),
@@ -114,16 +150,19 @@ def main() -> None:
     }
     print(f"{args.tokens} tokens, {len(layers)} layers; error of the attention output, "
           f"relative to fp32 K/V (mean / max over layers)")
-    print(f"{'scheme':<30}{'bytes/tok/head':>15}{'K err':>10}{'mean':>10}{'max':>10}")
+    print(f"{'scheme':<44}{'bytes/tok/head':>15}{'K err':>10}{'mean':>10}{'max':>10}")
+    smoothed = "int4 per-token g64, Hadamard, smoothed keys"
+    schemes[smoothed] = schemes["int4 per-token g64, Hadamard"]
     for name, (nbytes, fk, fv) in schemes.items():
         errs, kerrs = [], []
         for q, k, v in layers:
             ref = attention(q, k, v)
-            kq = fk(k)
-            out = attention(q, kq, fv(v))
+            qs, ks = smooth_keys(q, k) if name == smoothed else (q, k)
+            kq = fk(ks)
+            out = attention(qs, kq, fv(v))
             errs.append(((out - ref).norm() / ref.norm()).item())
-            kerrs.append(((kq - k).norm() / k.norm()).item())
-        print(f"{name:<30}{nbytes:>15}{sum(kerrs) / len(kerrs):>10.4f}"
+            kerrs.append(((kq - ks).norm() / ks.norm()).item())
+        print(f"{name:<44}{nbytes:>15}{sum(kerrs) / len(kerrs):>10.4f}"
               f"{sum(errs) / len(errs):>10.4f}{max(errs):>10.4f}")
 
 

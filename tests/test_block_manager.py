@@ -156,3 +156,22 @@ def test_chunked_allocation_matches_whole(chunk):
     assert a.block_table == list(range(6))
     assert len(a.block_hashes) == 5  # five full blocks registered
     bm.check_invariants([a])
+
+
+def test_trim_returns_blocks_of_rejected_speculative_tokens():
+    bm = BlockManager(num_blocks=11, block_size=BS, watermark=0.0)
+    a = make_seq(range(7))
+    compute(bm, a)  # 7 tokens: blocks [0, 1], block 0 committed
+    a.add_spec_tokens([50, 51, 52, 53, 54, 55])  # drafts reach position 12: 4 blocks
+    assert bm.allocate_slots(a, 6)
+    assert a.block_table == [0, 1, 2, 3]
+    a.pop_spec_tokens()
+    a.num_computed_tokens = 8  # one draft accepted
+    a.append_token(60)
+    bm.trim(a)
+    assert a.block_table == [0, 1]
+    # never committed, so nothing can hit them: first in line for reuse, last freed first
+    assert list(bm.free_queue)[:2] == [3, 2]
+    bm.check_invariants([a])
+    bm.trim(a)  # nothing past the computed tokens: a no-op
+    assert a.block_table == [0, 1]

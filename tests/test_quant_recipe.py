@@ -95,3 +95,61 @@ def test_embedding_quantized_on_request():
     assert emb.shape == (49152, 576) and emb.group_size == 128 and "padded" in emb.note
     assert "model.embed_tokens" not in _plans(bits=4)
     assert load_recipe("gguf-native").embedding == "quantize"
+
+
+# ---- what a checkpoint made with a recipe brings to the engine ------------------------------
+@pytest.fixture(scope="module")
+def w4g128(tmp_path_factory, default_model_path):
+    """The default model through the w4g128 recipe: (checkpoint dir, quantize summary)."""
+    from qserve.quant.quantize import quantize
+
+    out = tmp_path_factory.mktemp("ckpt") / "w4g128"
+    return out, quantize(str(default_model_path), out, "w4g128")
+
+
+def _engine(model=None, loaded=None, **flags):
+    from qserve.config import engine_config
+    from qserve.engine.llm_engine import LLMEngine
+
+    return LLMEngine(engine_config(model, max_model_len=64, kv_cache_memory="8MiB",
+                                   swap_space="1MiB", **flags), loaded=loaded)
+
+
+def test_auto_kv_dtype_is_the_recipes(w4g128, loaded_model):
+    """--kv-dtype auto uses the kv_dtype a checkpoint's recipe names; a given one wins."""
+    import dataclasses
+
+    import torch
+
+    path, _ = w4g128
+    assert _engine(str(path)).kv_dtype == torch.float16  # recipes/w4g128.yaml: kv_dtype fp16
+    assert _engine(str(path), kv_dtype="int4").kv_dtype == torch.uint8
+    assert _engine(loaded=loaded_model).kv_dtype == torch.float32  # not a checkpoint: --dtype
+    int8 = dataclasses.replace(loaded_model, quant={"kv_dtype": "int8"})
+    assert _engine(loaded=int8).kv_dtype == torch.int8
+    assert _engine(loaded=int8, kv_dtype="fp32").kv_dtype == torch.float32
+
+
+def test_resident_bytes_from_the_header(w4g128):
+    """qserve info's resident figures (read from the safetensors header) are the quantize
+    summary's; int4 g128 keeps the linears under the issue's 0.30x of fp16."""
+    import json
+
+    from click.testing import CliRunner
+
+    from qserve.cli import main
+    from qserve.loader import load_arch
+    from qserve.quant.quantize import resident_bytes
+
+    path, summary = w4g128
+    res = resident_bytes(path, load_arch(path))
+    for key, value in res.items():
+        assert value == pytest.approx(summary[key], rel=1e-12), key
+    assert res["resident_ratio_without_embedding"] <= 0.30 < res["resident_ratio"]
+    out = CliRunner().invoke(main, ["info", str(path), "--json", "--kv-cache-memory", "8MiB"])
+    assert out.exit_code == 0, out.output
+    info = json.loads(out.output)
+    assert info["weight_bytes"]["resident"] == summary["resident_bytes_fp16_engine"]
+    assert info["resident_vs_fp16"]["without_embedding"] == round(
+        summary["resident_ratio_without_embedding"], 4)
+    assert (info["recipe"], info["recipe_kv_dtype"]) == ("w4g128", "fp16")

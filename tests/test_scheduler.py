@@ -122,3 +122,45 @@ def test_prefix_hit_skips_computed_tokens():
     out = step(sched)
     assert [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 1), ("b", 1)]
     assert b.num_cached_tokens == 8
+
+
+def test_speculative_tokens_run_whole_or_are_dropped():
+    sched, bm = make(max_num_batched_tokens=6)
+    a, b = seq(3, "a"), seq(3, "b")
+    for s in (a, b):
+        sched.add(s)
+    step(sched)  # both prompts; each gets a sampled token (4 tokens, 3 computed)
+    a.add_spec_tokens([1, 2, 3])  # a: 1 + 3 tokens fit the budget of 6
+    b.add_spec_tokens([4, 5, 6])  # b: only 2 tokens of budget left, so its drafts go
+    out = sched.schedule()
+    assert [(s.seq.request_id, s.num_new_tokens, s.num_spec_tokens) for s in out.scheduled] \
+        == [("a", 4, 3), ("b", 1, 0)]
+    assert b.num_tokens == 4 and b.num_spec_tokens == 0
+    assert a.block_table == [0, 2]  # drafts up to position 6: two blocks
+    sampled = sched.postprocess(out)
+    assert sampled == [a, b]
+    assert out.scheduled[0].spec_token_ids == [1, 2, 3]
+    assert (a.num_tokens, a.num_computed_tokens) == (4, 4)  # drafts taken off again
+    a.append_token(1)  # the first draft accepted, then the target's own token
+    a.append_token(9)
+    sched.accept_spec_tokens(a, 1)
+    assert (a.num_tokens, a.num_computed_tokens) == (6, 5)
+    assert a.block_table == [0, 2]
+    bm.check_invariants([a, b])
+
+
+def test_drafts_are_dropped_before_and_by_preemption():
+    sched, bm = make(num_blocks=2)
+    a, b = seq(4, "a"), seq(3, "b")
+    for s in (a, b):
+        sched.add(s)
+    step(sched)  # a: blocks [0], 5 tokens; b: blocks [1], 4 tokens
+    a.add_spec_tokens([1, 2])
+    b.add_spec_tokens([3, 4])
+    out = sched.schedule()
+    # a loses its drafts first, still needs a block, and b is preempted for it
+    assert [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 1)]
+    assert a.num_spec_tokens == 0 and a.block_table == [0, 1]
+    assert b.status is SequenceStatus.WAITING
+    assert (b.num_tokens, b.num_spec_tokens, b.num_computed_tokens) == (4, 0, 0)
+    bm.check_invariants([a])

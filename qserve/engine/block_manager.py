@@ -167,6 +167,17 @@ class BlockManager:
                 self.block_to_hash[block] = h
         seq.num_committed_blocks = max(seq.num_committed_blocks, num_full)
 
+    def trim(self, seq: Sequence) -> None:
+        """Give back the blocks past the sequence's computed tokens: those that only held
+        speculative tokens the target rejected. Never registered in the prefix cache, they go
+        to the front of the free queue (reused first)."""
+        keep = self.blocks_needed(seq.num_computed_tokens)
+        for block in seq.block_table[keep:]:
+            self._release(block)
+            if self.ref_count[block] == 0 and self.block_to_hash[block] is None:
+                self.free_queue.move_to_end(block, last=False)
+        del seq.block_table[keep:]
+
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references; tail blocks go to the free queue first, so they are
         evicted before the (more shareable) head of the prefix."""

@@ -27,8 +27,12 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 KV_STORAGE = {**DTYPES, "int8": torch.int8, "int4": torch.uint8}
 
 
-def kv_torch_dtype(cache: CacheConfig, model_dtype: torch.dtype) -> torch.dtype:
-    return model_dtype if cache.kv_dtype == "auto" else KV_STORAGE[cache.kv_dtype]
+def kv_torch_dtype(cache: CacheConfig, model_dtype: torch.dtype, suggested: str | None = None
+                   ) -> torch.dtype:
+    """Storage dtype of the K/V values: --kv-dtype; for "auto", the checkpoint's `suggested`
+    kv_dtype (a qserve recipe's) when it has one, else the model's dtype."""
+    name = suggested if cache.kv_dtype == "auto" and suggested else cache.kv_dtype
+    return model_dtype if name == "auto" else KV_STORAGE[name]
 
 
 def cache_tensor_specs(arch: ModelArchConfig, block_size: int, dtype: torch.dtype

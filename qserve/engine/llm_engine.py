@@ -5,10 +5,15 @@
     seqs = scheduler.postprocess(out)     advance computed counts; who needs a token
     ... sample, detokenize, stop         then free what finished
 
+With speculative decoding (spec_decode.py) a proposer first appends draft tokens to the
+sequences that may speculate; the runner returns logits at each of their positions, and the
+drafts are verified and accepted or rolled back before the ordinary sampling of the rest.
+
 The server drives `add_request` / `step` / `abort` from its loop; `LLM` drives them to completion.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -16,12 +21,15 @@ import torch
 
 from qserve.config import EngineConfig
 from qserve.engine.block_manager import BlockManager
-from qserve.engine.cache_engine import CacheEngine, DTYPES, kv_torch_dtype, plan_num_blocks
+from qserve.engine.cache_engine import (CacheEngine, DTYPES, bytes_per_block, kv_budget_bytes,
+                                        kv_torch_dtype, plan_num_blocks)
 from qserve.engine.detokenizer import IncrementalDetokenizer
 from qserve.engine.model_runner import ModelRunner
+from qserve.engine.proposer import build_proposer, draft_arch
 from qserve.engine.sampler import Sampler, SamplingRow
 from qserve.engine.scheduler import Scheduler
 from qserve.engine.sequence import Sequence
+from qserve.engine.spec_decode import Speculator
 from qserve.errors import ConfigError, QServeError, QueueFullError
 from qserve.models.llama import LlamaForCausalLM
 from qserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -46,7 +54,8 @@ class _Request:
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded=None):
         self.config = config
-        from qserve.loader import load_arch, load_model
+        from qserve.loader import load_arch, load_model, resolve_model
+        from qserve.quant.checkpoint import quantization_config
 
         # Plan the KV pools from the architecture alone, so a budget too small for one
         # sequence is refused before any weights are read.
@@ -59,9 +68,20 @@ class LLMEngine:
             raise ConfigError(
                 f"--max-model-len {self.max_model_len} exceeds the model's context length "
                 f"{arch.max_position_embeddings}; use at most that")
-        self.kv_dtype = kv_torch_dtype(config.cache, self.dtype)
+        # --kv-dtype auto: a qserve checkpoint's recipe names the KV dtype to use
+        quant = (loaded.quant if loaded is not None
+                 else quantization_config(resolve_model(config.model)))
+        self.kv_dtype = kv_torch_dtype(config.cache, self.dtype, (quant or {}).get("kv_dtype"))
+        spec = config.speculative
+        d_arch = draft_arch(spec, arch) if spec is not None else None
+        cache = config.cache
+        if d_arch is not None:  # a draft model's cache holds as many tokens, from one budget
+            t_block, d_block = (bytes_per_block(a, cache.block_size, self.kv_dtype)
+                                for a in (arch, d_arch))
+            budget = kv_budget_bytes(cache, self.device) * t_block // (t_block + d_block)
+            cache = dataclasses.replace(cache, kv_cache_memory=budget)
         num_blocks, num_host_blocks = plan_num_blocks(
-            arch, config.cache, self.kv_dtype, self.device, self.max_model_len)
+            arch, cache, self.kv_dtype, self.device, self.max_model_len)
         if loaded is None:
             loaded = load_model(config.model)
         self.arch, self.tokenizer = loaded.arch, loaded.tokenizer
@@ -80,6 +100,12 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.cache_engine, self.device)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
         self.sampler = Sampler(self.eos_token_ids)
+        self.speculator = None
+        if spec is not None:
+            proposer = build_proposer(spec, loaded, max_model_len=self.max_model_len,
+                                      dtype=self.dtype, device=self.device, cache=config.cache,
+                                      kv_dtype=self.kv_dtype, num_blocks=num_blocks)
+            self.speculator = Speculator(spec, proposer, self.max_model_len)
         self.requests: dict[str, _Request] = {}
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
@@ -137,32 +163,68 @@ class LLMEngine:
 
     # ---- one step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
-        logits = self.runner.run(out)  # (S, vocab)
+        sampling = [s for s in out.scheduled if s.samples]  # before postprocess moves counts
+        speculating = any(s.num_spec_tokens for s in sampling)
+        # (S, vocab); with drafts, 1 + num_spec_tokens rows per sampling sequence
+        logits = self.runner.run_speculative(out) if speculating else self.runner.run(out)
         seqs = self.scheduler.postprocess(out)
+        # (seq, its new tokens, their logprobs, whether they are verified drafts + one)
+        new_tokens: list[tuple[Sequence, list[int], list, bool]] = []
+        if speculating:
+            seqs, logits = self._verify_drafts(sampling, logits, new_tokens)
         seqs, rows = self._fork_new_samples(seqs)
-        if len(rows) != logits.shape[0]:
-            logits = logits[torch.tensor(rows)]
-        sampled = self.sampler(logits, [
-            SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, s.generator)
-            for s in seqs])
+        if seqs:
+            if len(rows) != logits.shape[0]:
+                logits = logits[torch.tensor(rows)]
+            sampled = self.sampler(logits, [
+                SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, s.generator)
+                for s in seqs])
+            new_tokens += [(seq, [token], [lp], False) for seq, token, lp
+                           in zip(seqs, sampled.token_ids, sampled.logprobs)]
         now = time.monotonic()
         touched: dict[str, _Request] = {}
-        for seq, token, lp in zip(seqs, sampled.token_ids, sampled.logprobs):
+        for seq, tokens, lps, speculated in new_tokens:
             req = self.requests[seq.request_id]
             touched[req.request_id] = req
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
-            self._append(seq, token, lp)
-        self.num_generated_tokens += len(seqs)
+            for token, lp in zip(tokens, lps):
+                self._append(seq, token, lp)
+                self.num_generated_tokens += 1
+                if seq.is_finished:  # a stop inside an accepted run ends it there
+                    break
+            if speculated and not seq.is_finished:
+                self.scheduler.accept_spec_tokens(seq, len(tokens) - 1)
         outputs = []
         for req in touched.values():
             outputs.append(self._output(req, now))
             if req.finished:
                 del self.requests[req.request_id]
         return outputs
+
+    def _verify_drafts(self, sampling: list, logits: torch.Tensor, new_tokens: list
+                       ) -> tuple[list[Sequence], torch.Tensor]:
+        """Verify the drafts of the sampling sequences that carried them, adding their tokens
+        to new_tokens. Returns the other sampling sequences and their logits rows (S', vocab)."""
+        drafts, rows, plain, plain_rows, start = [], [], [], [], 0
+        for s in sampling:
+            if s.num_spec_tokens:
+                drafts.append((s.seq, s.spec_token_ids, s.spec_probs))
+                rows.extend(range(start, start + 1 + s.num_spec_tokens))
+            else:
+                plain.append(s.seq)
+                plain_rows.append(start)
+            start += 1 + s.num_spec_tokens
+        idx = lambda r: torch.tensor(r, dtype=torch.long, device=logits.device)  # noqa: E731
+        verified = self.speculator.verify(logits[idx(rows)], drafts)
+        new_tokens += [(seq, tokens, [None] * len(tokens), True)
+                       for (seq, _, _), tokens in zip(drafts, verified)]
+        return plain, logits[idx(plain_rows)]
 
     def _fork_new_samples(self, seqs: list[Sequence]) -> tuple[list[Sequence], list[int]]:
         """A request with n > 1 runs its prompt once; when the prompt is done, its n - 1
@@ -215,7 +277,9 @@ class LLMEngine:
             completions.append(CompletionOutput(
                 index=seq.index, text=text, token_ids=seq.output_token_ids,
                 finish_reason=seq.finish_reason, delta_text=text[sent:],
-                logprobs=seq.logprobs, stop_reason=seq.stop_reason))
+                logprobs=seq.logprobs, stop_reason=seq.stop_reason,
+                spec_steps=seq.spec_steps, spec_draft_tokens=seq.spec_draft_tokens,
+                spec_accepted_tokens=seq.spec_accepted_tokens))
         finished = req.finished
         if finished:
             req.metrics.finished_time = now
@@ -234,4 +298,4 @@ class LLMEngine:
             "recomputes": s.num_recomputes, "prefix_cache_hit_blocks": bm.prefix_hits,
             "prompt_tokens": self.num_prompt_tokens,
             "generated_tokens": self.num_generated_tokens,
-        }
+        } | (self.speculator.stats() if self.speculator is not None else {})

@@ -13,6 +13,8 @@ from qserve.models.llama import LlamaForCausalLM
 
 
 class ModelRunner:
+    EXPAND_MAX = 17  # run_speculative: longest query still run as one-token rows (K <= 16)
+
     def __init__(self, model: LlamaForCausalLM, cache_engine: CacheEngine, device: torch.device):
         self.model = model
         self.cache_engine = cache_engine
@@ -94,6 +96,34 @@ class ModelRunner:
         hidden, _ = self._forward(out)
         return self.model.compute_logits(hidden)
 
+    @torch.inference_mode()
+    def run_speculative(self, out: SchedulerOutput) -> torch.Tensor:
+        """Like run(), but a sampling sequence carrying k provisional draft tokens gets the
+        logits of its last k + 1 positions: the target's distributions after the token before
+        the drafts and after each draft, which speculative decoding verifies them against.
+
+        When no sequence computes more than EXPAND_MAX tokens, the step runs as a decode step
+        with one query row per token ("batch expansion"): row j of a sequence attends to the
+        context up to its own position, which the cache holds once the layer has written the
+        step's K/V. Every position then takes the same attention path as one-token decoding.
+
+        Returns:
+            (sum over sampling sequences of 1 + k, vocab) fp32 logits, grouped by sequence in
+            order, positions ascending within a group.
+        """
+        ce = self.cache_engine
+        ce.swap_out(out.swap_out)
+        ce.swap_in(out.swap_in)
+        ce.copy(out.copies)
+        input_ids, positions, meta, rows = self.prepare(out)
+        if max(meta.query_lens_list) <= self.EXPAND_MAX:
+            meta = _one_query_per_row(meta)
+        hidden = self.model(input_ids, positions, self.layer_caches, meta)  # (T, hidden)
+        sampling = [s for s in out.scheduled if s.samples]
+        rows = [r - s.num_spec_tokens + j for r, s in zip(rows, sampling)
+                for j in range(s.num_spec_tokens + 1)]
+        return self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
+
     def _forward(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
         """Block copies, then the forward pass: (T, hidden) final hidden states and the rows
         of the sampling sequences' last tokens."""
@@ -103,3 +133,26 @@ class ModelRunner:
         ce.copy(out.copies)
         input_ids, positions, meta, rows = self.prepare(out)
         return self.model(input_ids, positions, self.layer_caches, meta), rows
+
+
+def _one_query_per_row(meta: PagedAttentionMetadata) -> PagedAttentionMetadata:
+    """The same tokens as T one-token queries: a sequence with n new tokens and context L
+    becomes n rows with contexts L - n + 1 .. L over the same block table.
+
+        seq_lens [7]  query_lens [3]   ->   seq_lens [5, 6, 7]  query_lens [1, 1, 1]
+    """
+    n = meta.query_lens_list
+    seq_lens = [L - q + 1 + j for q, L in zip(n, meta.seq_lens_list) for j in range(q)]
+    dev = meta.seq_lens.device
+    repeats = torch.tensor(n, device=dev)
+    return PagedAttentionMetadata(
+        slot_mapping=meta.slot_mapping,
+        query_start_loc=torch.arange(len(seq_lens) + 1, device=dev),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
+        block_tables=meta.block_tables.repeat_interleave(repeats, dim=0),
+        query_lens_list=[1] * len(seq_lens),
+        seq_lens_list=seq_lens,
+        max_seq_len=meta.max_seq_len,
+        decode_only=True,
+        sliding_window=meta.sliding_window,
+    )

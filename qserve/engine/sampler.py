@@ -121,26 +121,51 @@ def _occurrences(row_ids: list[int], seqs: list[list[int]], V: int, device: torc
 
 def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """logits (R, V) of non-greedy rows, a copy that is overwritten -> sampled ids (R,)."""
-    device = logits.device
-    ps = [r.params for r in rows]
-    x = logits.div_(torch.tensor([p.temperature for p in ps], device=device)[:, None])
+    probs = _filtered_probs(logits, [r.params for r in rows])
+    return race(probs, [r.generator for r in rows])
+
+
+def _filtered_probs(logits: torch.Tensor, ps: list[SamplingParams]) -> torch.Tensor:
+    """logits (R, V), overwritten -> softmax(logits / T) cut by top-k, top-p and min-p, (R, V).
+    The min-p cut is not renormalised (the race does not need it)."""
+    x = logits.div_(torch.tensor([p.temperature for p in ps], device=logits.device)[:, None])
     if any(0 < p.top_k < x.shape[1] or p.top_p < 1 for p in ps):
         x = _truncate(x, ps)
     probs = x.softmax(dim=-1)  # (R, V)
     if any(p.min_p > 0 for p in ps):
-        min_p = torch.tensor([p.min_p for p in ps], device=device)[:, None]
+        min_p = torch.tensor([p.min_p for p in ps], device=logits.device)[:, None]
         probs.masked_fill_(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+    return probs
+
+
+def race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """probs (R, V), non-negative, rows need not sum to 1, overwritten -> one id per row (R,),
+    row r drawn with probability probs[r] / sum(probs[r]), from generators[r] when it is set."""
     # Exponential race: with E_t = -log U_t ~ Exponential(1) independent, argmax_t p_t / E_t
     # is t with probability p_t / sum(p), so min-p needs no renormalisation. U is in [0, 1),
     # so E is in (0, inf] and p / E is never 0 / 0.
     u = torch.empty_like(probs)
-    if any(r.generator is None for r in rows):
+    if any(g is None for g in generators):
         u.uniform_()  # one draw for the unseeded rows; seeded rows redraw below
-    for j, r in enumerate(rows):
-        if r.generator is not None:
-            assert r.generator.device == u.device, (r.generator.device, u.device)
-            u[j].uniform_(generator=r.generator)
+    for j, g in enumerate(generators):
+        if g is not None:
+            assert g.device == u.device, (g.device, u.device)
+            u[j].uniform_(generator=g)
     return probs.div_(u.log_().neg_()).argmax(dim=-1)
+
+
+def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution the sampler draws each row's token from, for rows without penalties
+    or a min_tokens mask: one-hot at the argmax for greedy rows, else softmax(logits / T) cut
+    by top-k, top-p and min-p, renormalised. logits (R, V) is not modified -> probs (R, V)."""
+    probs = torch.zeros_like(logits)
+    probs.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    rand = [i for i, p in enumerate(params) if not p.greedy]
+    if rand:
+        idx = torch.tensor(rand, device=logits.device)
+        filtered = _filtered_probs(logits[idx], [params[i] for i in rand])
+        probs[idx] = filtered / filtered.sum(dim=-1, keepdim=True)
+    return probs
 
 
 def _truncate(x: torch.Tensor, ps: list[SamplingParams]) -> torch.Tensor:

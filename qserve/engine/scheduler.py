@@ -6,22 +6,42 @@ to host memory). One rule drives everything: a scheduled sequence computes
 (oldest first); when one cannot get a block, the newest running sequence is preempted, by swap
 or by recompute. Swapped sequences come back before any new request is admitted, and new
 requests are admitted in arrival order only while blocks above the watermark remain.
+
+Speculative tokens (provisional draft tokens at the end of a sequence, see sequence.py) are
+scheduled with the rest or not at all: a sequence whose drafts do not fit the token budget or
+the free blocks loses them before anyone is preempted for it. After the forward pass
+`postprocess` takes them off again and hands them to the engine to verify; `accept_spec_tokens`
+then counts the accepted ones as computed and gives back the blocks the rejected ones used:
+
+    before the step   tokens  [ ... x | d1 d2 d3 ]        computed up to x (exclusive)
+    forward pass              computes x d1 d2 d3          logits at 4 positions
+    postprocess       tokens  [ ... x ]                    computed through x
+    engine appends    tokens  [ ... x d1 t ]               d1 accepted, t sampled by the target
+    accept (1)                computed through d1; blocks past it go back to the pool
 """
 from __future__ import annotations
 
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from qserve.config import SchedulerConfig
 from qserve.engine.block_manager import BlockManager
 from qserve.engine.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # tokens computed this step, starting at seq.num_computed_tokens
+    num_spec_tokens: int = 0  # of which provisional draft tokens (the last ones)
+    # set by postprocess when num_spec_tokens > 0: the draft tokens and their draft probs
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_probs: torch.Tensor | None = None  # (num_spec_tokens, V), None: one-hot drafts
 
     @property
     def samples(self) -> bool:
@@ -103,16 +123,25 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if seq.num_spec_tokens and seq.num_computed_tokens + n < seq.num_tokens:
+                seq.pop_spec_tokens()  # drafts run whole or not at all
+                n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not bm.allocate_slots(seq, n):
+                if seq.num_spec_tokens:  # optional work: drop it before preempting anyone
+                    seq.pop_spec_tokens()
+                    n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim, out)
                 if victim is seq:
                     break
             if seq.status is SequenceStatus.RUNNING:
-                out.scheduled.append(ScheduledSeq(seq, n))
+                out.scheduled.append(ScheduledSeq(seq, n, seq.num_spec_tokens))
                 scheduled_ids.add(seq.seq_id)
                 budget -= n
                 i += 1
+        for seq in self.running[i:]:  # out of budget this step: their drafts would go stale
+            seq.pop_spec_tokens()
 
         # 2. swapped sequences come back before anything new, unless we just preempted
         while self.swapped and not out.num_preempted and budget > 0:
@@ -164,6 +193,7 @@ class Scheduler:
         seq.num_computed_tokens = 0
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        seq.pop_spec_tokens()
         self.running.remove(seq)
         self.num_preemptions += 1
         out.num_preempted += 1
@@ -191,8 +221,19 @@ class Scheduler:
             seq = s.seq
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            seq.num_computed_tokens += s.num_new_tokens
+            if s.num_spec_tokens:  # the engine verifies them, then calls accept_spec_tokens
+                s.spec_token_ids, s.spec_probs = seq.pop_spec_tokens()
+            seq.num_computed_tokens += s.num_new_tokens - s.num_spec_tokens
             self.block_manager.commit_computed_blocks(seq)
             if seq.num_computed_tokens == seq.num_tokens:
                 to_sample.append(seq)
         return to_sample
+
+    def accept_spec_tokens(self, seq: Sequence, num_accepted: int) -> None:
+        """After verification: the first `num_accepted` draft tokens (now ordinary tokens of
+        `seq`, followed by the target's own next token) keep the K/V this step computed for
+        them; the blocks that only rejected drafts used go back to the pool."""
+        assert seq.num_computed_tokens + num_accepted < seq.num_tokens
+        seq.num_computed_tokens += num_accepted
+        self.block_manager.commit_computed_blocks(seq)
+        self.block_manager.trim(seq)

@@ -5,6 +5,10 @@ and `num_computed_tokens` (how many of them have K/V in the cache). Each step th
 picks how many of the missing tokens to compute; a sequence whose computed count reaches its
 token count gets one new token sampled. Chunked prefill, prefix-cache hits and recompute after
 preemption are all just different starting points for that one rule.
+
+Speculative decoding rides on the same rule: a draft's proposals are appended to `token_ids`
+as provisional tokens (the last `num_spec_tokens` of them), so the target computes them in the
+step that verifies them; the scheduler takes them off again after the forward pass.
 """
 from __future__ import annotations
 
@@ -57,6 +61,11 @@ class Sequence:
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         self.first_token_time: float | None = None
         self.first_scheduled_time: float | None = None
+        self.num_spec_tokens = 0  # provisional draft tokens at the end of token_ids
+        self.spec_probs: torch.Tensor | None = None  # (num_spec_tokens, V); None: one-hot
+        self.spec_draft_tokens = 0  # draft tokens verified over the sequence's life
+        self.spec_accepted_tokens = 0  # of which the target accepted
+        self.spec_steps = 0  # steps that verified at least one draft token
 
     @property
     def num_tokens(self) -> int:
@@ -81,9 +90,26 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
 
+    def add_spec_tokens(self, token_ids: list[int]) -> None:
+        """Append draft tokens provisionally (a proposer sets spec_probs when they were
+        sampled rather than chosen deterministically)."""
+        self.token_ids.extend(token_ids)
+        self.num_spec_tokens += len(token_ids)
+
+    def pop_spec_tokens(self) -> tuple[list[int], torch.Tensor | None]:
+        """Take the provisional draft tokens off again: (their ids, their draft probs)."""
+        k = self.num_spec_tokens
+        if not k:
+            return [], None
+        ids, probs = self.token_ids[-k:], self.spec_probs
+        del self.token_ids[-k:]
+        self.num_spec_tokens, self.spec_probs = 0, None
+        return ids, probs
+
     def fork(self, index: int) -> Sequence:
         """A sibling sample sharing everything computed so far (the block manager shares the
         blocks themselves)."""
+        assert not self.num_spec_tokens
         child = Sequence(self.request_id, index, list(self.token_ids), self.num_prompt_tokens,
                          self.params, self.arrival_time)
         child.status = self.status

@@ -207,6 +207,30 @@ def summarize(loaded, plans: list[LayerPlan], tensors: dict[str, torch.Tensor]) 
     }
 
 
+def resident_bytes(path: Path, arch) -> dict:
+    """summarize()'s resident_* figures for a written checkpoint, from its safetensors header
+    alone (no tensor data read): packed tensors as stored, dense ones at 2 bytes a value."""
+    from safetensors import safe_open
+
+    from qserve.quant.checkpoint import WEIGHTS_FILE
+
+    itemsize = {"U8": 1, "I8": 1, "F16": 2, "BF16": 2, "F32": 4}
+    resident = embed = 0
+    with safe_open(str(Path(path) / WEIGHTS_FILE), "pt") as f:
+        for name in f.keys():
+            sl = f.get_slice(name)
+            packed = name.rsplit(".", 1)[1] in ("qweight", "scales", "offsets")
+            n = itemsize[sl.get_dtype()] if packed else 2
+            for dim in sl.get_shape():
+                n *= dim
+            resident += n
+            embed += n if name.startswith(EMBEDDING + ".") else 0
+    fp16_total = 2 * arch.num_params
+    embed_fp16 = 2 * arch.vocab_size * arch.hidden_size
+    return {"resident_bytes_fp16_engine": resident, "resident_ratio": resident / fp16_total,
+            "resident_ratio_without_embedding": (resident - embed) / (fp16_total - embed_fp16)}
+
+
 def quantize(src: str | None, out: str | Path, recipe: str | Path | None = None,
              calib_text: str | Path | None = None, force: bool = False, progress=None) -> dict:
     """Quantize the model `src` with `recipe` into the checkpoint directory `out`.

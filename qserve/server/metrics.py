@@ -28,6 +28,18 @@ _COUNTERS = {
     "prompt_tokens": ("qserve_prompt_tokens", "Prompt tokens of requests added."),
     "generated_tokens": ("qserve_generation_tokens", "Tokens generated."),
 }
+# with speculative decoding only
+_SPEC_GAUGES = {
+    "spec_acceptance_rate": ("qserve_spec_acceptance_rate",
+                             "Draft tokens accepted / draft tokens verified, since start."),
+    "spec_mean_accepted_tokens": ("qserve_spec_mean_accepted_tokens",
+                                  "Draft tokens accepted per verifying sequence-step."),
+}
+_SPEC_COUNTERS = {
+    "spec_steps": ("qserve_spec_verify_steps", "Sequence-steps that verified draft tokens."),
+    "spec_draft_tokens": ("qserve_spec_draft_tokens", "Draft tokens verified."),
+    "spec_accepted_tokens": ("qserve_spec_accepted_tokens", "Draft tokens accepted."),
+}
 
 
 class _EngineCollector:
@@ -40,6 +52,11 @@ class _EngineCollector:
             yield GaugeMetricFamily(name, doc, value=stats.get(key, 0))
         for key, (name, doc) in _COUNTERS.items():
             yield CounterMetricFamily(name, doc, value=stats.get(key, 0))
+        if "spec_steps" in stats:
+            for key, (name, doc) in _SPEC_GAUGES.items():
+                yield GaugeMetricFamily(name, doc, value=stats[key] or 0)
+            for key, (name, doc) in _SPEC_COUNTERS.items():
+                yield CounterMetricFamily(name, doc, value=stats[key])
 
 
 class Metrics:
