@@ -333,6 +333,6 @@ def test_default_model_greedy_output_is_unchanged(loaded_model):
     opts = dict(loaded=loaded_model, kv_cache_memory="64MiB", max_model_len=512)
     ref = [o.outputs[0].token_ids for o in LLM(None, **opts).chat(messages, params)]
     for draft in ("ngram", "self:w8"):
-        outs = LLM(None, draft=draft, **opts).chat(messages, params)
+        outs = LLM(None, draft=draft, spec_max_batch_size=2, **opts).chat(messages, params)
         assert [o.outputs[0].token_ids for o in outs] == ref, draft
         assert outs[0].outputs[0].spec_acceptance_rate > 0.5, draft
