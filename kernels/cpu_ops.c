@@ -24,6 +24,16 @@ typedef _Float16 half;
 #define CHUNK 32 /* inputs per inner step: one int4 chunk is 16 bytes */
 #define MT 4     /* activation rows that share one dequantized weight chunk */
 
+/* CALL(k) with k the constant 1, 2, 3 or MT equal to mt: each row kernel is then specialized
+ * for its row count and keeps its accumulators in registers. */
+#define FOR_EACH_MT(mt, CALL) \
+    switch (mt) {             \
+    case 1: CALL(1); break;   \
+    case 2: CALL(2); break;   \
+    case 3: CALL(3); break;   \
+    default: CALL(MT);        \
+    }
+
 /* ---- dequant-matmul ----------------------------------------------------------------------- */
 
 /* Activations are permuted chunk-wise so that int4 bytes are read straight: within each
@@ -337,22 +347,16 @@ void q4_matmul(const float *x, int64_t M, int64_t K, int64_t ldx,
             const int mt = M - m0 < MT ? (int)(M - m0) : MT;
 #ifdef HAVE_I8_PATH
             if (i8) {
-                switch (mt) {
-                case 1: q4_row_i8(row, sc, of, nchunk, per_group, &a, m0, Kp, 1, res); break;
-                case 2: q4_row_i8(row, sc, of, nchunk, per_group, &a, m0, Kp, 2, res); break;
-                case 3: q4_row_i8(row, sc, of, nchunk, per_group, &a, m0, Kp, 3, res); break;
-                default: q4_row_i8(row, sc, of, nchunk, per_group, &a, m0, Kp, MT, res);
-                }
+                #define CALL(k) q4_row_i8(row, sc, of, nchunk, per_group, &a, m0, Kp, k, res)
+                FOR_EACH_MT(mt, CALL);
+                #undef CALL
             } else
 #endif
             {
                 const float *xm = xp + m0 * Kp;
-                switch (mt) {
-                case 1: q4_row(row, sc, of, nchunk, per_group, xm, Kp, 1, res); break;
-                case 2: q4_row(row, sc, of, nchunk, per_group, xm, Kp, 2, res); break;
-                case 3: q4_row(row, sc, of, nchunk, per_group, xm, Kp, 3, res); break;
-                default: q4_row(row, sc, of, nchunk, per_group, xm, Kp, MT, res);
-                }
+                #define CALL(k) q4_row(row, sc, of, nchunk, per_group, xm, Kp, k, res)
+                FOR_EACH_MT(mt, CALL);
+                #undef CALL
             }
             for (int i = 0; i < mt; i++)
                 y[(m0 + i) * ldy + n] = res[i] + (bias ? bias[n] : 0.f);
@@ -390,22 +394,16 @@ void q8_matmul(const float *x, int64_t M, int64_t K, int64_t ldx,
             const int mt = M - m0 < MT ? (int)(M - m0) : MT;
 #ifdef HAVE_I8_PATH
             if (i8) {
-                switch (mt) {
-                case 1: q8_row_i8(row, sc, nchunk, group_size, &a, m0, Kp, 1, res); break;
-                case 2: q8_row_i8(row, sc, nchunk, group_size, &a, m0, Kp, 2, res); break;
-                case 3: q8_row_i8(row, sc, nchunk, group_size, &a, m0, Kp, 3, res); break;
-                default: q8_row_i8(row, sc, nchunk, group_size, &a, m0, Kp, MT, res);
-                }
+                #define CALL(k) q8_row_i8(row, sc, nchunk, group_size, &a, m0, Kp, k, res)
+                FOR_EACH_MT(mt, CALL);
+                #undef CALL
             } else
 #endif
             {
                 const float *xm = xp + m0 * Kp;
-                switch (mt) {
-                case 1: q8_row(row, sc, Kp, group_size, xm, Kp, 1, res); break;
-                case 2: q8_row(row, sc, Kp, group_size, xm, Kp, 2, res); break;
-                case 3: q8_row(row, sc, Kp, group_size, xm, Kp, 3, res); break;
-                default: q8_row(row, sc, Kp, group_size, xm, Kp, MT, res);
-                }
+                #define CALL(k) q8_row(row, sc, Kp, group_size, xm, Kp, k, res)
+                FOR_EACH_MT(mt, CALL);
+                #undef CALL
             }
             for (int i = 0; i < mt; i++)
                 y[(m0 + i) * ldy + n] = res[i] + (bias ? bias[n] : 0.f);
@@ -705,12 +703,9 @@ void f32_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const float *
             float res[MT];
             const int mt = M - m0 < MT ? (int)(M - m0) : MT;
             const float *xm = x + m0 * ldx;
-            switch (mt) {
-            case 1: f32_row(row, K, xm, ldx, 1, res); break;
-            case 2: f32_row(row, K, xm, ldx, 2, res); break;
-            case 3: f32_row(row, K, xm, ldx, 3, res); break;
-            default: f32_row(row, K, xm, ldx, MT, res);
-            }
+            #define CALL(k) f32_row(row, K, xm, ldx, k, res)
+            FOR_EACH_MT(mt, CALL);
+            #undef CALL
             for (int i = 0; i < mt; i++)
                 y[(m0 + i) * ldy + n] = res[i] + (bias ? bias[n] : 0.f);
         }
