@@ -111,27 +111,25 @@ class ModelRunner:
             (sum over sampling sequences of 1 + k, vocab) fp32 logits, grouped by sequence in
             order, positions ascending within a group.
         """
-        ce = self.cache_engine
-        ce.swap_out(out.swap_out)
-        ce.swap_in(out.swap_in)
-        ce.copy(out.copies)
-        input_ids, positions, meta, rows = self.prepare(out)
-        if max(meta.query_lens_list) <= self.EXPAND_MAX:
-            meta = _one_query_per_row(meta)
-        hidden = self.model(input_ids, positions, self.layer_caches, meta)  # (T, hidden)
+        expand = max(s.num_new_tokens for s in out.scheduled) <= self.EXPAND_MAX
+        hidden, rows = self._forward(out, expand)  # (T, hidden)
         sampling = [s for s in out.scheduled if s.samples]
         rows = [r - s.num_spec_tokens + j for r, s in zip(rows, sampling)
                 for j in range(s.num_spec_tokens + 1)]
         return self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
 
-    def _forward(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
+    def _forward(self, out: SchedulerOutput, one_query_per_row: bool = False
+                 ) -> tuple[torch.Tensor, list[int]]:
         """Block copies, then the forward pass: (T, hidden) final hidden states and the rows
-        of the sampling sequences' last tokens."""
+        of the sampling sequences' last tokens. `one_query_per_row` runs every token as its
+        own one-token query (see run_speculative)."""
         ce = self.cache_engine
         ce.swap_out(out.swap_out)
         ce.swap_in(out.swap_in)
         ce.copy(out.copies)
         input_ids, positions, meta, rows = self.prepare(out)
+        if one_query_per_row:
+            meta = _one_query_per_row(meta)
         return self.model(input_ids, positions, self.layer_caches, meta), rows
 
 

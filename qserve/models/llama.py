@@ -96,6 +96,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (None if arch.tie_word_embeddings else
                         nn.Linear(arch.hidden_size, arch.vocab_size, bias=False))
         self.requires_grad_(False)
+        self._fused: tuple[list, CpuDecoder | None] | None = None  # (caches, their decoder)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 caches: list[dict[str, torch.Tensor]], meta: PagedAttentionMetadata
@@ -113,11 +114,9 @@ class LlamaForCausalLM(nn.Module):
     def _cpu_decoder(self, caches: list[dict[str, torch.Tensor]]) -> CpuDecoder | None:
         """The fused C decode step for these caches, built on first use (None: not available,
         and the layers run one by one)."""
-        cached = self.__dict__.get("_fused")
-        if cached is None or cached[0] is not caches:
-            cached = (caches, CpuDecoder.build(self, caches))
-            self.__dict__["_fused"] = cached
-        return cached[1]
+        if self._fused is None or self._fused[0] is not caches:
+            self._fused = (caches, CpuDecoder.build(self, caches))
+        return self._fused[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(S, hidden) -> (S, vocab) fp32 logits."""
