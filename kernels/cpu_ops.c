@@ -2,7 +2,7 @@
  * attention and KV writes over fp32/fp16/bf16/int8/int4 KV blocks.
  *
  * Plain C99 + OpenMP, written so that gcc/clang vectorize the inner loops for whatever the
- * build machine has (-march=native: AVX-512 here, AVX2 or NEON elsewhere). No torch headers:
+ * build machine has (-march=native: AVX2 on the Zen 3 dev box, AVX-512 or NEON elsewhere). No torch headers:
  * kernels/cpu_ops.py compiles this file once per machine and calls it through ctypes. Every
  * function has a pure-torch reference (qserve/quant/schemes.py, kernels/paged_attention.py,
  * kernels/kv_quant.py) that tests/test_cpu_ops.py compares it against.
@@ -820,4 +820,14 @@ void decode_layers(const int64_t *layers, int64_t num_layers, float *x, int64_t 
             x[j] += o[j];
     }
     free(h); free(qkv); free(q); free(k); free(v); free(att); free(gu); free(act); free(o);
+}
+
+/* Block moves between KV pools (swap, layer-wise offload and staging): row src_idx[i] of src to
+ * row dst_idx[i] of dst, rows of row_bytes bytes. Single-threaded on purpose: it runs in a copy
+ * thread beside the compute threads, and a second OpenMP team there would fight them for cores. */
+void copy_rows(const char *src, char *dst, const int64_t *src_idx, const int64_t *dst_idx,
+               int64_t n, int64_t row_bytes)
+{
+    for (int64_t i = 0; i < n; i++)
+        memcpy(dst + dst_idx[i] * row_bytes, src + src_idx[i] * row_bytes, (size_t)row_bytes);
 }

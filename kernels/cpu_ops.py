@@ -49,6 +49,7 @@ _SIGNATURES = {
     "f32_matmul": [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _int],
     "decode_layers": [_ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _int, _i64, _flt, _ptr, _ptr,
                       _ptr, _int, _ptr, _ptr, _i64, _ptr, _i64, _i64, _flt, _int, _int],
+    "copy_rows": [_ptr, _ptr, _ptr, _ptr, _i64, _i64],
     "paged_decode": [_int, _ptr, _ptr, _i64, _i64, _i64, _int, _ptr, _ptr, _ptr, _ptr, _ptr,
                      _ptr, _ptr, _i64, _ptr, _i64, _flt, _i64, _int],
 }
@@ -196,6 +197,18 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, cache: dict[str, torch.Tensor],
     slots = slot_mapping.contiguous()
     assert slots.dtype == torch.int64 and slots.shape == (T,)
     lib().kv_write(kind, _p(k), _p(v), _p(slots), T, hkv, d, *_kv(cache, "k"), *_kv(cache, "v"))
+
+
+def copy_rows(src: torch.Tensor, dst: torch.Tensor, src_idx: torch.Tensor,
+              dst_idx: torch.Tensor) -> None:
+    """dst[dst_idx] = src[src_idx] for contiguous CPU tensors of the same row shape and dtype,
+    without OpenMP (see copy_rows in cpu_ops.c)."""
+    assert src.dtype == dst.dtype and src.shape[1:] == dst.shape[1:]
+    assert src.is_contiguous() and dst.is_contiguous() and src_idx.shape == dst_idx.shape
+    assert src_idx.dtype == dst_idx.dtype == torch.int64
+    src_idx, dst_idx = src_idx.contiguous(), dst_idx.contiguous()
+    row_bytes = src[0].numel() * src.element_size() if src.shape[0] else 0
+    lib().copy_rows(_p(src), _p(dst), _p(src_idx), _p(dst_idx), src_idx.numel(), row_bytes)
 
 
 def paged_decode(q: torch.Tensor, cache: dict[str, torch.Tensor], block_tables: torch.Tensor,

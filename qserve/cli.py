@@ -79,10 +79,21 @@ _ENGINE_FLAGS = [
     click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default="fp32",
                  show_default=True, help="Activation and dense weight dtype."),
     click.option("--no-prefix-caching", is_flag=True, help="Do not reuse cached prompt blocks."),
+    click.option("--kv-offload", type=click.Choice(["off", "layerwise"]), default="off",
+                 show_default=True,
+                 help="layerwise: start prompts with device blocks for a few layers, keeping "
+                      "their K/V in host memory until they decode (lower time to first token "
+                      "when the KV pool is full)."),
+    click.option("--kv-offload-lookahead", type=int, default=4, show_default=True,
+                 metavar="LAYERS", help="Layers of a layer-wise prefill in flight at once."),
+    click.option("--kv-offload-reserve", type=float, default=0.1, show_default=True,
+                 metavar="FRACTION",
+                 help="Share of the KV pool kept for layer-wise prefills: higher favours time "
+                      "to first token, lower favours decode batch size."),
 ]
 _ENGINE_NAMES = ("kv_cache_memory", "swap_space", "block_size", "max_num_seqs",
                  "max_num_batched_tokens", "max_model_len", "preemption_mode", "device",
-                 "kv_dtype", "dtype")
+                 "kv_dtype", "dtype", "kv_offload", "kv_offload_lookahead", "kv_offload_reserve")
 
 
 _SPEC_FLAGS = [

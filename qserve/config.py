@@ -12,6 +12,7 @@ from qserve.errors import ConfigError
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 KV_DTYPES = ("auto", "fp32", "fp16", "bf16", "int8", "int4")
 PREEMPTION_MODES = ("recompute", "swap")
+KV_OFFLOAD_MODES = ("off", "layerwise")
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -95,6 +96,15 @@ class CacheConfig:
     # Blocks the scheduler keeps free when admitting new requests, so running ones can grow.
     watermark: float = 0.01
     enable_prefix_caching: bool = True
+    # Layer-wise KV admission and offload (engine/layerwise.py): "off" or "layerwise".
+    kv_offload: str = "off"
+    # Layers whose staged K/V may be in flight at once during a layer-wise prefill (the one
+    # being computed, the next ones being fetched, the previous ones being written to host).
+    kv_offload_lookahead: int = 4
+    # The policy knob: the fraction of the device pool that new full admissions and bringing
+    # offloaded sequences back for decode must leave free, so layer-wise prefills can always
+    # stage. Higher: lower time-to-first-token under load; lower: larger decode batches.
+    kv_offload_reserve: float = 0.1
 
     def __post_init__(self):
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
@@ -109,6 +119,14 @@ class CacheConfig:
             raise ConfigError(f"--swap-space={self.swap_space} must not be negative")
         if not 0 <= self.watermark < 1:
             raise ConfigError(f"watermark={self.watermark} must be in [0, 1)")
+        if self.kv_offload not in KV_OFFLOAD_MODES:
+            raise ConfigError(f"--kv-offload={self.kv_offload!r}; choose off or layerwise")
+        if self.kv_offload_lookahead < 1:
+            raise ConfigError(
+                f"--kv-offload-lookahead={self.kv_offload_lookahead} must be at least 1")
+        if not 0 <= self.kv_offload_reserve < 1:
+            raise ConfigError(
+                f"--kv-offload-reserve={self.kv_offload_reserve} must be in [0, 1)")
 
 
 @dataclass

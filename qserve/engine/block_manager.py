@@ -11,6 +11,16 @@ least-recently-freed first, which is the eviction order. Forked siblings share e
 including the partially filled last one; the first write into a shared block copies it
 (copy-on-write). The manager only moves block ids around: the copies it asks for are returned
 to the caller, which has the cache engine carry them out before the next forward pass.
+
+A sequence's logical blocks are its device blocks followed by its host blocks:
+
+    block_table [7, 2]   host_block_table [40, 41, 42]     logical blocks 0-1 on the device,
+                                                           2-4 in host memory
+
+A swapped-out sequence has only host blocks. A layer-wise prefill (engine/layerwise.py) keeps
+its prefix-cache hits on the device and writes the rest straight to host blocks; while it
+computes, it borrows "staging" blocks, whole device blocks whose per-layer slices hold any
+layer's K/V for the length of one step.
 """
 from __future__ import annotations
 
@@ -40,6 +50,7 @@ class BlockManager:
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.free_host: list[int] = list(range(num_host_blocks - 1, -1, -1))  # pop() -> lowest id
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) device copies, copy-on-write
+        self.staging: list[int] = []  # device blocks lent to this step's layer-wise prefills
         self.prefix_hits = 0  # blocks served from the prefix cache
 
     # ---- accounting ----------------------------------------------------------------------
@@ -121,10 +132,10 @@ class BlockManager:
 
     def _writes_shared_block(self, seq: Sequence) -> bool:
         """Will the next write land in a partially filled block that another sequence holds?"""
-        if seq.num_computed_tokens % self.block_size == 0 or not seq.block_table:
+        i = seq.num_computed_tokens // self.block_size
+        if seq.num_computed_tokens % self.block_size == 0 or i >= len(seq.block_table):
             return False
-        last = seq.block_table[seq.num_computed_tokens // self.block_size]
-        return self.ref_count[last] > 1
+        return self.ref_count[seq.block_table[i]] > 1
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, watermark: bool = False) -> bool:
         """Make the block table cover `num_new_tokens` more tokens, all or nothing.
@@ -155,6 +166,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
+        num_full = min(num_full, len(seq.block_table))  # host blocks are not shareable
         for i in range(seq.num_committed_blocks, num_full):
             if i == len(seq.block_hashes):
                 parent = seq.block_hashes[i - 1] if i else None
@@ -200,31 +212,37 @@ class BlockManager:
         return len(seq.block_table) <= self.num_free_host_blocks
 
     def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Move a sequence's blocks to host memory.
+        """Move a sequence's device blocks to host memory, in front of any it has there.
 
         Returns:
             (device block, host block) pairs to copy before the device blocks are reused.
         """
-        assert self.can_swap_out(seq) and not seq.host_block_table
+        assert self.can_swap_out(seq)
         mapping = []
         for block in seq.block_table:
             host = self.free_host.pop()
             mapping.append((block, host))
-            seq.host_block_table.append(host)
         for block in reversed(seq.block_table):
             self._release(block)
+        seq.host_block_table[:0] = [host for _, host in mapping]
         seq.block_table = []
         seq.num_committed_blocks = 0
         return mapping
 
-    def can_swap_in(self, seq: Sequence, num_new_tokens: int = 0) -> bool:
-        need = max(len(seq.host_block_table),
-                   self.blocks_needed(seq.num_computed_tokens + num_new_tokens))
-        return self.num_free_blocks - need >= self.watermark_blocks
+    def can_swap_in(self, seq: Sequence, num_new_tokens: int = 0, watermark: bool = True
+                    ) -> bool:
+        have = len(seq.block_table)
+        need = max(have + len(seq.host_block_table),
+                   self.blocks_needed(seq.num_computed_tokens + num_new_tokens)) - have
+        return self.num_free_blocks - need >= (self.watermark_blocks if watermark else 0)
 
     def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Bring a swapped sequence back. Returns (host block, device block) pairs to copy."""
-        assert not seq.block_table and len(seq.host_block_table) <= self.num_free_blocks
+        """Bring a sequence's host blocks back to the device, after the device blocks it has.
+
+        Returns:
+            (host block, device block) pairs to copy.
+        """
+        assert len(seq.host_block_table) <= self.num_free_blocks
         mapping = []
         for host in seq.host_block_table:
             block = self._take_free_block()
@@ -234,6 +252,36 @@ class BlockManager:
         seq.host_block_table = []
         return mapping
 
+    # ---- layer-wise prefill ----------------------------------------------------------------
+    def host_blocks_for(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Host blocks a layer-wise prefill needs beyond the ones it holds to compute
+        `num_new_tokens` more tokens."""
+        total = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
+        return max(0, total - len(seq.block_table) - len(seq.host_block_table))
+
+    def allocate_host_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Grow the host tail to cover `num_new_tokens` more tokens, all or nothing."""
+        need = self.host_blocks_for(seq, num_new_tokens)
+        if need > self.num_free_host_blocks:
+            return False
+        seq.host_block_table.extend(self.free_host.pop() for _ in range(need))
+        return True
+
+    def take_staging(self, num_blocks: int) -> bool:
+        """Lend `num_blocks` more free device blocks to this step's staging, all or nothing."""
+        if num_blocks > self.num_free_blocks:
+            return False
+        self.staging.extend(self._take_free_block() for _ in range(num_blocks))
+        return True
+
+    def release_staging(self) -> None:
+        """Give the staging blocks back once the step's copies out of them are done; they held
+        nothing worth caching, so they are reused first."""
+        for block in self.staging:
+            self._release(block)
+            self.free_queue.move_to_end(block, last=False)
+        self.staging = []
+
     def take_pending_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []
         return copies
@@ -241,6 +289,8 @@ class BlockManager:
     def check_invariants(self, live: list[Sequence]) -> None:
         """Reference counts equal the number of live block-table entries (test helper)."""
         counts = [0] * self.num_blocks
+        for block in self.staging:
+            counts[block] += 1
         host = 0
         for seq in live:
             for block in seq.block_table:

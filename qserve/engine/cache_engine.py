@@ -13,13 +13,21 @@ per-(token, head) scales and offsets beside them, so swap / copy move values and
 The KV "dtype" passed around is the storage dtype of the values: torch.int8 means int8 KV,
 torch.uint8 means packed int4 KV (kernels/kv_quant.py).
 On a CPU machine both pools are CPU tensors, but they stay separate pools with separate budgets.
+
+Block moves run off the compute path, in order, one layer at a time (CopyQueue): on CUDA on a
+side stream, on the CPU in a copy thread. The forward pass waits for layer i's moves just
+before layer i, so moving layer 5 overlaps computing layer 4.
 """
 from __future__ import annotations
+
+import queue
+import threading
 
 import torch
 
 from qserve.config import CacheConfig, ModelArchConfig
 from qserve.errors import ConfigError
+from qserve.kernels import cpu_ops
 from qserve.kernels.kv_quant import SCALE_DTYPE, kv_parts
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -60,6 +68,89 @@ def bytes_per_block(arch: ModelArchConfig, block_size: int, dtype: torch.dtype) 
     return total * arch.num_layers
 
 
+# one block move: (src rows, dst rows, src row ids, dst row ids), dst[dst ids] = src[src ids]
+RowCopy = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+class CopyQueue:
+    """Runs jobs of block moves in submission order, beside the compute: on a side stream on
+    CUDA, in one worker thread on the CPU (the C row copy, no OpenMP). `submit` returns a
+    ticket; `wait(ticket)` returns once that job and every earlier one is done (on CUDA: makes
+    the compute stream wait for them)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.submitted = 0
+        if device.type == "cuda":
+            self._stream = torch.cuda.Stream(device)
+            self._events: dict[int, torch.cuda.Event] = {}
+        else:
+            self._done = 0
+            self._error: BaseException | None = None
+            self._cv = threading.Condition()
+            self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+            self._thread: threading.Thread | None = None
+
+    def submit(self, job: list[RowCopy]) -> int:
+        self.submitted += 1
+        ticket = self.submitted
+        if self.device.type == "cuda":
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._stream):
+                for src, dst, si, di in job:
+                    rows = src[si.to(src.device)]
+                    # device -> host: a blocking copy, which waits for the side stream only
+                    rows = rows.to(dst.device, non_blocking=dst.device.type == "cuda")
+                    dst[di.to(dst.device)] = rows
+                event = torch.cuda.Event()
+                event.record(self._stream)
+            self._events[ticket] = event
+        elif cpu_ops.lib() is None:  # no copy thread without the C copy: do it now
+            _run_on_cpu(job)
+            self._done = ticket
+        else:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name="qserve-kv-copy",
+                                                daemon=True)
+                self._thread.start()
+            self._jobs.put((ticket, job))
+        return ticket
+
+    def wait(self, ticket: int) -> None:
+        if self.device.type == "cuda":
+            for t in [t for t in self._events if t <= ticket]:
+                torch.cuda.current_stream(self.device).wait_event(self._events.pop(t))
+            return
+        with self._cv:
+            while self._done < ticket and self._error is None:
+                self._cv.wait()
+            if self._error is not None:
+                raise self._error
+
+    def wait_all(self) -> None:
+        self.wait(self.submitted)
+
+    def _work(self) -> None:
+        while True:
+            ticket, job = self._jobs.get()
+            error = None
+            try:
+                _run_on_cpu(job)
+            except BaseException as e:  # handed to the waiting thread, which raises it
+                error = e
+            with self._cv:
+                self._done, self._error = ticket, self._error or error
+                self._cv.notify_all()
+
+
+def _run_on_cpu(job: list[RowCopy]) -> None:
+    for src, dst, si, di in job:
+        if cpu_ops.lib() is not None:
+            cpu_ops.copy_rows(src, dst, si, di)
+        else:
+            dst[di] = src[si]
+
+
 class CacheEngine:
     def __init__(self, arch: ModelArchConfig, cache: CacheConfig, num_blocks: int,
                  num_host_blocks: int, device: torch.device, dtype: torch.dtype):
@@ -77,39 +168,59 @@ class CacheEngine:
         self.host_cache = {name: torch.empty((L, num_host_blocks, *shape), dtype=dt,
                                              pin_memory=pin)
                            for name, (shape, dt) in specs.items()}
+        self.num_layers = L
+        # the device pool seen as L * num_blocks per-layer slices: slice l * num_blocks + b is
+        # layer l of block b; layer-wise staging puts any layer's K/V in any slice it borrowed
+        self.flat_cache = {name: t.view(L * num_blocks, *t.shape[2:])
+                           for name, t in self.device_cache.items()}
+        self.block_bytes = {name: t[0, 0].numel() * t.element_size()
+                            for name, t in self.device_cache.items()}  # one layer of one block
+        self.copier = CopyQueue(device)
         self.bytes_swapped_out = 0
         self.bytes_swapped_in = 0
+        self.bytes_offloaded = 0  # layer-wise prefill K/V written to host blocks
+        self.bytes_fetched = 0  # and read back from them into staging
 
     def layer(self, i: int) -> dict[str, torch.Tensor]:
         """Layer i's view of every cache tensor, each (num_blocks, ...)."""
         return {name: t[i] for name, t in self.device_cache.items()}
 
-    @staticmethod
-    def _move(src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor],
-              pairs: list[tuple[int, int]]) -> int:
-        if not pairs:
-            return 0
-        moved = 0
-        for name, s in src.items():
-            d = dst[name]
-            src_ids = torch.tensor([a for a, _ in pairs], device=s.device)
-            dst_ids = torch.tensor([b for _, b in pairs], device=d.device)
-            block = s[:, src_ids].to(d.device, non_blocking=True)  # (L, n, ...)
-            d[:, dst_ids] = block
-            moved += block.numel() * block.element_size()
-        return moved
+    def start_moves(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
+                    copies: list[tuple[int, int]]) -> list[int] | None:
+        """Submit a step's block moves, one job per layer, in the order swap out (device ->
+        host), swap in (host -> device), copy-on-write (device -> device).
 
-    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
-        """(device block, host block) pairs."""
-        self.bytes_swapped_out += self._move(self.device_cache, self.host_cache, pairs)
+        Returns:
+            the ticket of each layer's job, or None when there is nothing to move.
+        """
+        if not (swap_out or swap_in or copies):
+            return None
+        plan = [(self.device_cache, self.host_cache, swap_out),
+                (self.host_cache, self.device_cache, swap_in),
+                (self.device_cache, self.device_cache, copies)]
+        plan = [(src, dst, _ids(pairs, 0), _ids(pairs, 1)) for src, dst, pairs in plan if pairs]
+        per_layer = sum(self.block_bytes.values())
+        self.bytes_swapped_out += len(swap_out) * per_layer * self.num_layers
+        self.bytes_swapped_in += len(swap_in) * per_layer * self.num_layers
+        return [self.copier.submit([(src[name][i], dst[name][i], si, di)
+                                    for src, dst, si, di in plan for name in src])
+                for i in range(self.num_layers)]
 
-    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
-        """(host block, device block) pairs."""
-        self.bytes_swapped_in += self._move(self.host_cache, self.device_cache, pairs)
+    def fetch_layer(self, layer: int, host_ids: torch.Tensor, slices: torch.Tensor) -> int:
+        """Submit: host blocks' layer `layer` -> device slices (flat ids). Returns a ticket."""
+        self.bytes_fetched += host_ids.numel() * sum(self.block_bytes.values())
+        return self.copier.submit([(self.host_cache[name][layer], self.flat_cache[name],
+                                    host_ids, slices) for name in self.host_cache])
 
-    def copy(self, pairs: list[tuple[int, int]]) -> None:
-        """(src, dst) device blocks, for copy-on-write."""
-        self._move(self.device_cache, self.device_cache, pairs)
+    def offload_layer(self, layer: int, slices: torch.Tensor, host_ids: torch.Tensor) -> int:
+        """Submit: device slices (flat ids) -> host blocks' layer `layer`. Returns a ticket."""
+        self.bytes_offloaded += host_ids.numel() * sum(self.block_bytes.values())
+        return self.copier.submit([(self.flat_cache[name], self.host_cache[name][layer],
+                                    slices, host_ids) for name in self.host_cache])
+
+
+def _ids(pairs: list[tuple[int, int]], which: int) -> torch.Tensor:
+    return torch.tensor([p[which] for p in pairs], dtype=torch.int64)
 
 
 def plan_num_blocks(arch: ModelArchConfig, cache: CacheConfig, dtype: torch.dtype,

@@ -24,6 +24,7 @@ from qserve.engine.block_manager import BlockManager
 from qserve.engine.cache_engine import (CacheEngine, DTYPES, bytes_per_block, kv_budget_bytes,
                                         kv_torch_dtype, plan_num_blocks)
 from qserve.engine.detokenizer import IncrementalDetokenizer
+from qserve.engine.layerwise import StagingPlan
 from qserve.engine.model_runner import ModelRunner
 from qserve.engine.proposer import build_proposer, draft_arch
 from qserve.engine.sampler import Sampler, SamplingRow
@@ -93,11 +94,14 @@ class LLMEngine:
         self.model = model.eval()
         self.cache_engine = CacheEngine(self.arch, config.cache, num_blocks, num_host_blocks,
                                         self.device, self.kv_dtype)
+        watermark, staging = config.cache.watermark, None
+        if config.cache.kv_offload == "layerwise":
+            staging = StagingPlan(self.arch.num_layers, config.cache.kv_offload_lookahead)
+            watermark = max(watermark, config.cache.kv_offload_reserve)
         self.block_manager = BlockManager(num_blocks, config.cache.block_size, num_host_blocks,
-                                          config.cache.watermark,
-                                          config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(sched, self.block_manager, self.max_model_len)
-        self.runner = ModelRunner(self.model, self.cache_engine, self.device)
+                                          watermark, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(sched, self.block_manager, self.max_model_len, staging)
+        self.runner = ModelRunner(self.model, self.cache_engine, self.device, staging)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
         self.sampler = Sampler(self.eos_token_ids)
         self.speculator = None
@@ -289,13 +293,16 @@ class LLMEngine:
 
     # ---- introspection -----------------------------------------------------------------
     def stats(self) -> dict:
-        s, bm = self.scheduler, self.block_manager
+        s, bm, ce = self.scheduler, self.block_manager, self.cache_engine
         return {
             "running": len(s.running), "waiting": len(s.waiting), "swapped": len(s.swapped),
             "kv_blocks_total": bm.num_blocks, "kv_blocks_used": bm.num_used_blocks,
             "kv_blocks_free": bm.num_free_blocks, "host_blocks_free": bm.num_free_host_blocks,
             "preemptions": s.num_preemptions, "swap_outs": s.num_swap_outs,
             "recomputes": s.num_recomputes, "prefix_cache_hit_blocks": bm.prefix_hits,
+            "layerwise_admits": s.num_layerwise_admits,
+            "kv_bytes_swapped_out": ce.bytes_swapped_out, "kv_bytes_swapped_in": ce.bytes_swapped_in,
+            "kv_bytes_offloaded": ce.bytes_offloaded, "kv_bytes_fetched": ce.bytes_fetched,
             "prompt_tokens": self.num_prompt_tokens,
             "generated_tokens": self.num_generated_tokens,
         } | (self.speculator.stats() if self.speculator is not None else {})

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from qserve.engine.cache_engine import CacheEngine
+from qserve.engine.layerwise import StagingPlan, StepLayers
 from qserve.engine.scheduler import SchedulerOutput
 from qserve.kernels.paged_attention import PagedAttentionMetadata
 from qserve.models.llama import LlamaForCausalLM
@@ -15,8 +16,10 @@ from qserve.models.llama import LlamaForCausalLM
 class ModelRunner:
     EXPAND_MAX = 17  # run_speculative: longest query still run as one-token rows (K <= 16)
 
-    def __init__(self, model: LlamaForCausalLM, cache_engine: CacheEngine, device: torch.device):
+    def __init__(self, model: LlamaForCausalLM, cache_engine: CacheEngine, device: torch.device,
+                 staging: StagingPlan | None = None):
         self.model = model
+        self.staging = staging
         self.cache_engine = cache_engine
         self.device = device
         self.block_size = cache_engine.block_size
@@ -43,7 +46,9 @@ class ModelRunner:
         for s in out.scheduled:
             seq, n = s.seq, s.num_new_tokens
             c = seq.num_computed_tokens
-            table = seq.block_table
+            # a layer-wise prefill's tail gets per-layer staging slices (StepLayers); its host
+            # block ids only hold the places until then
+            table = seq.block_table + seq.host_block_table if s.layerwise else seq.block_table
             input_ids.extend(seq.token_ids[c:c + n])
             pos = range(c, c + n)
             positions.extend(pos)
@@ -111,7 +116,8 @@ class ModelRunner:
             (sum over sampling sequences of 1 + k, vocab) fp32 logits, grouped by sequence in
             order, positions ascending within a group.
         """
-        expand = max(s.num_new_tokens for s in out.scheduled) <= self.EXPAND_MAX
+        expand = (max(s.num_new_tokens for s in out.scheduled) <= self.EXPAND_MAX
+                  and not out.staging)
         hidden, rows = self._forward(out, expand)  # (T, hidden)
         sampling = [s for s in out.scheduled if s.samples]
         rows = [r - s.num_spec_tokens + j for r, s in zip(rows, sampling)
@@ -124,13 +130,21 @@ class ModelRunner:
         of the sampling sequences' last tokens. `one_query_per_row` runs every token as its
         own one-token query (see run_speculative)."""
         ce = self.cache_engine
-        ce.swap_out(out.swap_out)
-        ce.swap_in(out.swap_in)
-        ce.copy(out.copies)
+        moves = ce.start_moves(out.swap_out, out.swap_in, out.copies)  # run beside prepare()
         input_ids, positions, meta, rows = self.prepare(out)
         if one_query_per_row:
             meta = _one_query_per_row(meta)
-        return self.model(input_ids, positions, self.layer_caches, meta), rows
+        layers = None
+        if out.staging or moves and not (meta.decode_only and self.device.type == "cpu"):
+            layers = StepLayers(ce, self.layer_caches, meta, moves, out, positions, self.staging)
+        elif moves:  # the fused CPU decode step runs every layer in one call
+            ce.copier.wait_all()
+        try:
+            hidden = self.model(input_ids, positions, self.layer_caches, meta, layers)
+        finally:
+            if layers is not None:  # no staging block is given back under a pending copy
+                layers.close()
+        return hidden, rows
 
 
 def _one_query_per_row(meta: PagedAttentionMetadata) -> PagedAttentionMetadata:

@@ -18,6 +18,14 @@ then counts the accepted ones as computed and gives back the blocks the rejected
     postprocess       tokens  [ ... x ]                    computed through x
     engine appends    tokens  [ ... x d1 t ]               d1 accepted, t sampled by the target
     accept (1)                computed through d1; blocks past it go back to the pool
+
+With --kv-offload layerwise, a request that cannot get device blocks for its whole prompt can
+still start: it computes its prompt layer by layer through a few borrowed staging blocks and
+keeps its K/V in host memory (engine/layerwise.py), so its first token does not wait for
+device memory. Its decode does: once its prompt is computed it comes back to the device like a
+swapped sequence, and until there is room it waits in `swapped`. New requests may start this way
+while others wait in `swapped`; full admissions and comebacks leave `kv_offload_reserve` of the
+pool free (the block manager's watermark) so that layer-wise prefills can keep staging.
 """
 from __future__ import annotations
 
@@ -28,6 +36,7 @@ from typing import TYPE_CHECKING
 
 from qserve.config import SchedulerConfig
 from qserve.engine.block_manager import BlockManager
+from qserve.engine.layerwise import StagingPlan
 from qserve.engine.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
@@ -42,6 +51,7 @@ class ScheduledSeq:
     # set by postprocess when num_spec_tokens > 0: the draft tokens and their draft probs
     spec_token_ids: list[int] = field(default_factory=list)
     spec_probs: torch.Tensor | None = None  # (num_spec_tokens, V), None: one-hot drafts
+    layerwise: bool = False  # computes through staging blocks; its K/V tail is in host memory
 
     @property
     def samples(self) -> bool:
@@ -55,6 +65,7 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host) block pairs
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device) block pairs
     copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device blocks
+    staging: list[int] = field(default_factory=list)  # device blocks lent to layer-wise prefills
     num_preempted: int = 0
 
     @property
@@ -67,16 +78,21 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
+                 staging: StagingPlan | None = None):
+        """`staging`: how many blocks a layer-wise prefill borrows; None: no layer-wise offload."""
         self.config = config
         self.block_manager = block_manager
         self.max_model_len = max_model_len
+        self.staging_plan = staging
+        self._staged_blocks = 0  # host-tail blocks this step stages, summed over sequences
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
         self.num_preemptions = 0
         self.num_swap_outs = 0
         self.num_recomputes = 0
+        self.num_layerwise_admits = 0  # requests that started their prompt layer by layer
 
     # ---- queues --------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -118,10 +134,21 @@ class Scheduler:
         bm = self.block_manager
         scheduled_ids: set[int] = set()
 
+        self._staged_blocks = 0
+
         # 1. running sequences, oldest first; preempt the newest when blocks run out
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.host_block_table:  # a layer-wise prefill
+                n = self._continue_layerwise(seq, budget, out)
+                if n is None:  # parked in `swapped` until its K/V can come back
+                    continue
+                if n:
+                    budget -= n
+                    scheduled_ids.add(seq.seq_id)
+                i += 1
+                continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if seq.num_spec_tokens and seq.num_computed_tokens + n < seq.num_tokens:
                 seq.pop_spec_tokens()  # drafts run whole or not at all
@@ -147,7 +174,8 @@ class Scheduler:
         while self.swapped and not out.num_preempted and budget > 0:
             seq = self.swapped[0]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if len(self.running) >= self.config.max_num_seqs or not bm.can_swap_in(seq, n):
+            if (len(self.running) >= self.config.max_num_seqs
+                    or not bm.can_swap_in(seq, n, watermark=bool(self.running))):
                 break
             self.swapped.popleft()
             out.swap_in.extend(bm.swap_in(seq))
@@ -158,9 +186,11 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
 
-        # 3. new (or recompute-preempted) sequences, in arrival order
-        while self.waiting and not self.swapped and not out.num_preempted and budget > 0:
-            if len(self.running) >= self.config.max_num_seqs:
+        # 3. new (or recompute-preempted) sequences, in arrival order; while others wait in
+        # `swapped`, only layer-wise, which takes no device blocks beyond this step
+        while self.waiting and not out.num_preempted and budget > 0:
+            if (len(self.running) >= self.config.max_num_seqs
+                    or self.swapped and self.staging_plan is None):
                 break
             seq = self.waiting[0]
             if not seq.block_table:
@@ -174,19 +204,68 @@ class Scheduler:
                     self._undo_prefix(seq)
                     break
                 n = remaining  # a lone prompt larger than the budget still has to run
-            if not bm.allocate_slots(seq, n, watermark=True):
-                self._undo_prefix(seq)
-                break
+            layerwise = False
+            if self.swapped or not bm.allocate_slots(seq, n, watermark=bool(self.running)):
+                # n > 1 samples fork off the prompt's device blocks, so they start in full
+                layerwise = (self.staging_plan is not None and not seq.num_forks
+                             and self._stage(seq, n))
+                if not layerwise:
+                    self._undo_prefix(seq)
+                    break
+                self.num_layerwise_admits += 1
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
             self.running.append(seq)
-            out.scheduled.append(ScheduledSeq(seq, n))
+            out.scheduled.append(ScheduledSeq(seq, n, layerwise=layerwise))
             budget -= n
 
         out.copies = bm.take_pending_copies()
+        out.staging = list(bm.staging)
         return out
+
+    def _continue_layerwise(self, seq: Sequence, budget: int, out: SchedulerOutput
+                            ) -> int | None:
+        """Schedule a running sequence whose K/V tail is in host memory: back to the device
+        whole when there is room; else its next prompt chunk layer by layer.
+
+        Returns:
+            the tokens scheduled (0: none this step), or None when it moved to `swapped` to
+            wait for room to decode.
+        """
+        bm = self.block_manager
+        seq.pop_spec_tokens()  # no drafts before its K/V is back
+        remaining = seq.num_tokens - seq.num_computed_tokens
+        n = min(remaining, budget)
+        # back whole only if no one waits in `swapped` before it (they come back in order)
+        if not self.swapped and bm.can_swap_in(seq, n, watermark=len(self.running) > 1):
+            out.swap_in.extend(bm.swap_in(seq))
+            ok = bm.allocate_slots(seq, n)
+            assert ok
+            out.scheduled.append(ScheduledSeq(seq, n))
+            return n
+        if remaining == 1 and seq.num_output_tokens:  # a decode step: it needs its K/V back
+            self.running.remove(seq)
+            seq.status = SequenceStatus.SWAPPED
+            self.swapped.append(seq)
+            return None
+        if n < remaining and not self.config.enable_chunked_prefill or not self._stage(seq, n):
+            return 0
+        out.scheduled.append(ScheduledSeq(seq, n, layerwise=True))
+        return n
+
+    def _stage(self, seq: Sequence, n: int) -> bool:
+        """Host blocks for `n` more tokens of a layer-wise prefill, and the staging blocks to
+        compute them through, all or nothing (host blocks already taken are kept)."""
+        bm = self.block_manager
+        if not bm.allocate_host_slots(seq, n):
+            return False
+        staged = self._staged_blocks + len(seq.host_block_table)
+        if not bm.take_staging(self.staging_plan.blocks_for(staged) - len(bm.staging)):
+            return False
+        self._staged_blocks = staged
+        return True
 
     def _undo_prefix(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
@@ -216,6 +295,7 @@ class Scheduler:
         Returns:
             the sequences that are now level with their tokens and need a sampled token.
         """
+        self.block_manager.release_staging()  # the runner waited for the copies out of them
         to_sample = []
         for s in out.scheduled:
             seq = s.seq

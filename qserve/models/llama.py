@@ -6,6 +6,8 @@ Hugging Face's order of operations, so fp32 outputs match it to rounding.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -18,6 +20,9 @@ from qserve.kernels.paged_attention import PagedAttentionMetadata
 from qserve.models.rope import RotaryEmbedding
 from qserve.quant.linear import QuantEmbedding, QuantLinear, packed_weight
 from qserve.quant.schemes import cat_quantized
+
+if TYPE_CHECKING:
+    from qserve.engine.layerwise import StepLayers
 
 
 class RMSNorm(nn.Module):
@@ -99,16 +104,23 @@ class LlamaForCausalLM(nn.Module):
         self._fused: tuple[list, CpuDecoder | None] | None = None  # (caches, their decoder)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                caches: list[dict[str, torch.Tensor]], meta: PagedAttentionMetadata
-                ) -> torch.Tensor:
-        """input_ids, positions: (T,) -> final hidden states (T, hidden)."""
+                caches: list[dict[str, torch.Tensor]], meta: PagedAttentionMetadata,
+                layers: StepLayers | None = None) -> torch.Tensor:
+        """input_ids, positions: (T,) -> final hidden states (T, hidden).
+
+        `layers`, when the step moves KV blocks or stages layer-wise prefills
+        (engine/layerwise.py), gives each layer its cache and metadata and waits for its copies.
+        """
         x = self.embed_tokens(input_ids)
-        if meta.decode_only and self.device.type == "cpu":
+        if layers is None and meta.decode_only and self.device.type == "cpu":
             fused = self._cpu_decoder(caches)
             if fused is not None:
                 return self.norm(fused(x, positions, meta))
-        for layer, cache in zip(self.layers, caches):
-            x = layer(x, positions, cache, meta)
+        for i, layer in enumerate(self.layers):
+            cache, m = (caches[i], meta) if layers is None else layers.before(i)
+            x = layer(x, positions, cache, m)
+            if layers is not None:
+                layers.after(i)
         return self.norm(x)
 
     def _cpu_decoder(self, caches: list[dict[str, torch.Tensor]]) -> CpuDecoder | None:

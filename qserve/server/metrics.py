@@ -25,6 +25,14 @@ _GAUGES = {
 }
 _COUNTERS = {
     "preemptions": ("qserve_preemptions", "Sequences preempted (swap or recompute)."),
+    "layerwise_admits": ("qserve_layerwise_admits",
+                         "Requests that started their prompt layer by layer (--kv-offload)."),
+    "kv_bytes_swapped_out": ("qserve_kv_swapped_out_bytes", "KV bytes swapped out to host."),
+    "kv_bytes_swapped_in": ("qserve_kv_swapped_in_bytes", "KV bytes swapped in from host."),
+    "kv_bytes_offloaded": ("qserve_kv_offloaded_bytes",
+                           "KV bytes layer-wise prefills wrote to host blocks."),
+    "kv_bytes_fetched": ("qserve_kv_fetched_bytes",
+                         "KV bytes layer-wise prefills read back from host blocks."),
     "prompt_tokens": ("qserve_prompt_tokens", "Prompt tokens of requests added."),
     "generated_tokens": ("qserve_generation_tokens", "Tokens generated."),
 }
