@@ -106,8 +106,10 @@ class CopyQueue:
                 event.record(self._stream)
             self._events[ticket] = event
         elif cpu_ops.lib() is None:  # no copy thread without the C copy: do it now
+            self.wait(ticket - 1)
             _run_on_cpu(job)
-            self._done = ticket
+            with self._cv:
+                self._done = ticket
         else:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._work, name="qserve-kv-copy",
@@ -173,8 +175,9 @@ class CacheEngine:
         # layer l of block b; layer-wise staging puts any layer's K/V in any slice it borrowed
         self.flat_cache = {name: t.view(L * num_blocks, *t.shape[2:])
                            for name, t in self.device_cache.items()}
-        self.block_bytes = {name: t[0, 0].numel() * t.element_size()
-                            for name, t in self.device_cache.items()}  # one layer of one block
+        # one layer of one block, values and scales
+        self.layer_block_bytes = sum(t[0, 0].numel() * t.element_size()
+                                     for t in self.device_cache.values())
         self.copier = CopyQueue(device)
         self.bytes_swapped_out = 0
         self.bytes_swapped_in = 0
@@ -199,22 +202,22 @@ class CacheEngine:
                 (self.host_cache, self.device_cache, swap_in),
                 (self.device_cache, self.device_cache, copies)]
         plan = [(src, dst, _ids(pairs, 0), _ids(pairs, 1)) for src, dst, pairs in plan if pairs]
-        per_layer = sum(self.block_bytes.values())
-        self.bytes_swapped_out += len(swap_out) * per_layer * self.num_layers
-        self.bytes_swapped_in += len(swap_in) * per_layer * self.num_layers
+        per_block = self.layer_block_bytes * self.num_layers
+        self.bytes_swapped_out += len(swap_out) * per_block
+        self.bytes_swapped_in += len(swap_in) * per_block
         return [self.copier.submit([(src[name][i], dst[name][i], si, di)
                                     for src, dst, si, di in plan for name in src])
                 for i in range(self.num_layers)]
 
     def fetch_layer(self, layer: int, host_ids: torch.Tensor, slices: torch.Tensor) -> int:
         """Submit: host blocks' layer `layer` -> device slices (flat ids). Returns a ticket."""
-        self.bytes_fetched += host_ids.numel() * sum(self.block_bytes.values())
+        self.bytes_fetched += host_ids.numel() * self.layer_block_bytes
         return self.copier.submit([(self.host_cache[name][layer], self.flat_cache[name],
                                     host_ids, slices) for name in self.host_cache])
 
     def offload_layer(self, layer: int, slices: torch.Tensor, host_ids: torch.Tensor) -> int:
         """Submit: device slices (flat ids) -> host blocks' layer `layer`. Returns a ticket."""
-        self.bytes_offloaded += host_ids.numel() * sum(self.block_bytes.values())
+        self.bytes_offloaded += host_ids.numel() * self.layer_block_bytes
         return self.copier.submit([(self.flat_cache[name], self.host_cache[name][layer],
                                     slices, host_ids) for name in self.host_cache])
 

@@ -111,6 +111,9 @@ class LLMEngine:
                                       kv_dtype=self.kv_dtype, num_blocks=num_blocks)
             self.speculator = Speculator(spec, proposer, self.max_model_len)
         self.requests: dict[str, _Request] = {}
+        # False: token ids only; text and stop strings are the caller's (OutputProcessor), so
+        # a step never waits on detokenizing. Set before the first request.
+        self.detokenize = True
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
 
@@ -153,7 +156,9 @@ class LLMEngine:
         if seq.params.seed is not None:
             seq.generator = torch.Generator(device="cpu")
             seq.generator.manual_seed(hash((seq.params.seed, seq.index)) & (2**63 - 1))
-        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.params)
+        if self.detokenize:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids,
+                                                     seq.params)
 
     def abort(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)
@@ -161,6 +166,17 @@ class LLMEngine:
             return
         for seq in req.seqs:
             self.scheduler.finish(seq, "abort")
+
+    def finish_sample(self, request_id: str, index: int) -> None:
+        """End one sample that the caller found finished (a stop string, in token-only mode)."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return
+        for seq in req.seqs:
+            if seq.index == index:
+                self.scheduler.finish(seq, "stop")
+        if req.finished:
+            del self.requests[request_id]
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -259,7 +275,7 @@ class LLMEngine:
             reason = "stop"
         elif token in p.stop_token_ids:
             reason, stop = "stop", token
-        else:
+        elif seq.detokenizer is not None:
             _, stop = seq.detokenizer.add_tokens([token])
             if stop is not None:
                 reason = "stop"
@@ -267,7 +283,7 @@ class LLMEngine:
                                or seq.num_tokens >= self.max_model_len):
             reason = "length"
         if reason is not None:
-            if stop is None or isinstance(stop, int):
+            if seq.detokenizer is not None and (stop is None or isinstance(stop, int)):
                 seq.detokenizer.flush()  # release text held back for a stop string
             seq.stop_reason = stop
             self.scheduler.finish(seq, reason)
@@ -275,7 +291,7 @@ class LLMEngine:
     def _output(self, req: _Request, now: float) -> RequestOutput:
         completions = []
         for seq in req.seqs:
-            text = seq.detokenizer.text  # everything streamed so far
+            text = seq.detokenizer.text if seq.detokenizer is not None else ""
             sent = req.sent_text.get(seq.index, 0)
             req.sent_text[seq.index] = len(text)
             completions.append(CompletionOutput(

@@ -132,8 +132,6 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         bm = self.block_manager
-        scheduled_ids: set[int] = set()
-
         self._staged_blocks = 0
 
         # 1. running sequences, oldest first; preempt the newest when blocks run out
@@ -144,9 +142,7 @@ class Scheduler:
                 n = self._continue_layerwise(seq, budget, out)
                 if n is None:  # parked in `swapped` until its K/V can come back
                     continue
-                if n:
-                    budget -= n
-                    scheduled_ids.add(seq.seq_id)
+                budget -= n
                 i += 1
                 continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
@@ -164,7 +160,6 @@ class Scheduler:
                     break
             if seq.status is SequenceStatus.RUNNING:
                 out.scheduled.append(ScheduledSeq(seq, n, seq.num_spec_tokens))
-                scheduled_ids.add(seq.seq_id)
                 budget -= n
                 i += 1
         for seq in self.running[i:]:  # out of budget this step: their drafts would go stale
@@ -250,7 +245,7 @@ class Scheduler:
             seq.status = SequenceStatus.SWAPPED
             self.swapped.append(seq)
             return None
-        if n < remaining and not self.config.enable_chunked_prefill or not self._stage(seq, n):
+        if (n < remaining and not self.config.enable_chunked_prefill) or not self._stage(seq, n):
             return 0
         out.scheduled.append(ScheduledSeq(seq, n, layerwise=True))
         return n

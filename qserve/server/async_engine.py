@@ -1,15 +1,18 @@
 """AsyncEngine: one thread steps the LLMEngine; HTTP handlers await their requests' outputs.
 
 The engine is not thread-safe, so every call into it happens on the engine thread. Handlers
-only enqueue commands; the thread applies them between steps and hands each step's outputs
-back to the event loop in one call:
+only enqueue commands; the thread applies them between steps. The engine runs token-only: an
+output thread turns each step's token ids into text (OutputProcessor) and hands the outputs to
+the event loop in one call:
 
     handler ── add / abort ──> commands ──(between steps)──> engine.step()
-       ^                                                          │
-       └──── asyncio.Queue per HTTP request <── call_soon_threadsafe(outputs)
+       ^                          ^ finish (stop string)             │ token ids
+       │                          └──────────── output thread <──────┘
+       └──── asyncio.Queue per HTTP request <── call_soon_threadsafe(outputs with text)
 
-Prompts are tokenized by the handlers (in a thread pool) before they are added, and the
-handlers turn outputs into JSON, so a step never waits on either.
+Prompts are tokenized by the handlers (in a thread pool) before they are added, outputs are
+detokenized on the output thread, and the handlers turn them into JSON, so a step never waits
+on any of it.
 """
 from __future__ import annotations
 
@@ -17,9 +20,11 @@ import asyncio
 import collections
 import itertools
 import logging
+import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 
+from qserve.engine.output_processor import OutputProcessor
 from qserve.errors import QServeError
 from qserve.outputs import RequestOutput
 from qserve.sampling_params import SamplingParams
@@ -36,11 +41,17 @@ class AsyncEngine:
 
     Args:
         engine: an LLMEngine; after `start()` only the engine thread touches it.
-        on_finished: called on the engine thread with every finished RequestOutput (metrics).
+        on_finished: called on the output thread with every finished RequestOutput (metrics).
     """
 
     def __init__(self, engine, on_finished: Callable[[RequestOutput], None] | None = None):
         self.engine = engine
+        engine.detokenize = False  # the output thread does it
+        self.processor = OutputProcessor(engine.tokenizer)  # only the output thread touches it
+        # engine thread -> output thread, in order: ("add", rid, ids, params), ("drop", rid),
+        # ("outputs", [RequestOutput]), None to stop
+        self._to_output: queue.SimpleQueue = queue.SimpleQueue()
+        self._output_thread: threading.Thread | None = None
         self.tokenizer = engine.tokenizer  # handlers' tokenizing happens off the engine thread
         self.max_model_len: int = engine.max_model_len
         self.stats: dict = engine.stats()  # a snapshot, replaced after every step
@@ -55,7 +66,10 @@ class AsyncEngine:
     # ---- lifecycle ---------------------------------------------------------------------
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="qserve-engine", daemon=True)
+        self._output_thread = threading.Thread(target=self._run_output, name="qserve-output",
+                                               daemon=True)
         self._thread.start()
+        self._output_thread.start()
 
     @property
     def alive(self) -> bool:
@@ -67,7 +81,10 @@ class AsyncEngine:
         self._wake.set()
         if self._thread is not None:
             self._thread.join()
-        for rid in list(self._queues):  # the thread is gone: the engine is ours now
+        if self._output_thread is not None:
+            self._to_output.put(None)  # after everything the engine thread sent
+            self._output_thread.join()
+        for rid in list(self._queues):  # the threads are gone: the engine is ours now
             self.engine.abort(rid)
             self._deliver_error(rid, EngineStopped("the server is shutting down"))
 
@@ -109,10 +126,11 @@ class AsyncEngine:
                 log.exception("engine step failed; aborting the running requests")
                 for rid in list(self._queues):
                     self.engine.abort(rid)
+                    self._to_output.put(("drop", rid))
                     self._deliver_error(rid, e)
                 continue
             self.stats = self.engine.stats()
-            self._deliver(outputs)
+            self._to_output.put(("outputs", outputs))
 
     def _apply_commands(self) -> None:
         applied = False
@@ -122,6 +140,10 @@ class AsyncEngine:
             if cmd[0] == "abort":
                 self.engine.abort(cmd[1])
                 self._queues.pop(cmd[1], None)
+                self._to_output.put(("drop", cmd[1]))
+                continue
+            if cmd[0] == "finish":  # the output thread saw a stop string
+                self.engine.finish_sample(cmd[1], cmd[2])
                 continue
             _, rid, ids, params, loop, queue, accepted = cmd
             try:
@@ -132,11 +154,38 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(_settle, accepted, e)
                 continue
             self._queues[rid] = (loop, queue)
+            self._to_output.put(("add", rid, ids, params))
             loop.call_soon_threadsafe(_settle, accepted, None)
         if applied:
             self.stats = self.engine.stats()
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
+    # ---- the output thread -------------------------------------------------------------
+    def _run_output(self) -> None:
+        while (item := self._to_output.get()) is not None:
+            kind = item[0]
+            if kind == "add":
+                self.processor.add(*item[1:])
+            elif kind == "drop":
+                self.processor.drop(item[1])
+            else:
+                try:
+                    self._deliver(item[1])
+                except Exception:  # a bug: keep the server up; the requests' streams end
+                    log.exception("processing engine outputs failed")
+                    for out in item[1]:
+                        self.abort(out.request_id)
+                        self._deliver_error(out.request_id, EngineStopped("internal error"))
+
+    def _deliver(self, raw: list[RequestOutput]) -> None:
+        outputs = []
+        for out in raw:
+            text_out, stopped = self.processor.process(out)
+            if stopped:
+                for index in stopped:
+                    self._commands.append(("finish", out.request_id, index))
+                self._wake.set()
+            if text_out is not None:
+                outputs.append(text_out)
         batches: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outputs:
             target = self._queues.get(out.request_id)

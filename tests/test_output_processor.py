@@ -1,0 +1,72 @@
+"""OutputProcessor: the engine in token-only mode plus the processor gives exactly what the
+engine gives when it detokenizes inline: text, deltas, token ids, logprobs, finish and stop
+reasons, for stop strings, stop tokens, EOS, length and n > 1."""
+import pytest
+
+from qserve import LLM, SamplingParams
+from qserve.engine.output_processor import OutputProcessor
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three primary colors:"]
+
+
+@pytest.fixture(scope="module")
+def llm(loaded_model):
+    return LLM(loaded=loaded_model, kv_cache_memory="64MiB", max_model_len=512)
+
+
+def run(engine, prompts, params, processor=None):
+    """Step to completion. Returns {request id: [outputs]} and, with a processor, the number of
+    outputs the engine produced for requests the processor had already finished."""
+    for i, p in enumerate(prompts):
+        ids = engine.tokenizer.encode(p)
+        engine.add_request(f"r{i}", None, params, prompt_token_ids=ids)
+        if processor is not None:
+            processor.add(f"r{i}", ids, params)
+    seen: dict[str, list] = {}
+    late = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if processor is not None:
+                out, stopped = processor.process(out)
+                if out is None:
+                    late += 1
+                    continue
+                for index in stopped:
+                    engine.finish_sample(out.request_id, index)
+            seen.setdefault(out.request_id, []).append(out)
+    return seen, late
+
+
+def summary(outs):
+    return [[(c.index, c.text, c.delta_text, c.token_ids, c.finish_reason, c.stop_reason,
+              c.logprobs) for c in o.outputs] + [o.finished] for o in outs]
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0, max_tokens=40, stop=[" the", "\n"]),
+    SamplingParams(temperature=0, max_tokens=40, stop=["e"], include_stop_str_in_output=True,
+                   logprobs=2),
+    SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=24, stop=[" a"]),
+    SamplingParams(temperature=0, max_tokens=300),  # EOS or length
+    SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+], ids=["stop", "include-stop-logprobs", "n2-sampled", "eos", "length"])
+def test_token_only_engine_plus_processor_equals_inline(llm, params):
+    engine = llm.engine
+    inline, _ = run(engine, PROMPTS, params)
+    engine.detokenize = False
+    try:
+        processed, _ = run(engine, PROMPTS, params, OutputProcessor(engine.tokenizer))
+    finally:
+        engine.detokenize = True
+    assert set(inline) == set(processed)
+    for rid in inline:
+        want, got = summary(inline[rid]), summary(processed[rid])
+        # a stop string is seen one output later at most: the processor's last output may be
+        # the engine's next one, so compare the streams joined and the final outputs
+        assert "".join(d for o in want for c in o[:-1] for d in [c[2]]) == \
+               "".join(d for o in got for c in o[:-1] for d in [c[2]])
+        assert want[-1] == got[-1]
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
