@@ -65,6 +65,18 @@ def test_repl_in_a_terminal(tmp_path):
     assert child.exitstatus == 0
 
 
+def test_ctrl_d_at_the_prompt_exits_0():
+    child = pexpect.spawn(CHAT[0], CHAT[1:] + ["--max-model-len", "256"], env=ENV,
+                          encoding="utf-8", timeout=120, dimensions=(24, 200))
+    try:
+        child.expect(PROMPT)
+        child.sendcontrol("d")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0
+
+
 def test_piped_answers_each_line_and_drops_old_turns(tmp_path):
     """A 128-token context cannot hold four turns: the oldest go, the system prompt stays."""
     questions = ["Tell me about the history of Rome, its emperors, its wars and its fall.",

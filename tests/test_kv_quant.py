@@ -202,9 +202,12 @@ def test_copy_and_swap_move_values_and_scales(name):
     for t in ce.device_cache.values():
         t.copy_(torch.randint(0, 100, t.shape).to(t.dtype))
     before = {n: t.clone() for n, t in ce.device_cache.items()}
-    ce.copy([(1, 4)])
-    ce.swap_out([(2, 0), (3, 2)])
-    ce.swap_in([(0, 5), (2, 0)])
+    # one step's moves, run per layer on the copy queue: swap out, swap in, copy-on-write
+    tickets = ce.start_moves(swap_out=[(2, 0), (3, 2)], swap_in=[(0, 5), (2, 0)],
+                             copies=[(1, 4)])
+    assert len(tickets) == arch.num_layers
+    ce.copier.wait_all()
+    assert ce.bytes_swapped_out == ce.bytes_swapped_in == 2 * ce.layer_block_bytes * 2
     for n, t in ce.device_cache.items():
         b = before[n]
         assert torch.equal(t[:, 4], b[:, 1]) and torch.equal(t[:, 5], b[:, 2])
