@@ -307,48 +307,46 @@ def test_greedy_outputs_equal_with_layerwise_offload(loaded_model, tokenizer, re
     e2e.assert_no_leaks(llm)
 
 
+def same_as_reference(references, llm, prompts, params, prepare=None):
+    """Greedy outputs of `llm` equal the roomy reference engine's, and nothing leaked.
+    Returns the outputs and `llm`'s stats."""
+    want = references("auto").generate(prompts, params)
+    if prepare is not None:
+        prepare(llm)
+    got = llm.generate(prompts, params)
+    assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want]
+    _e2e().assert_no_leaks(llm)
+    return got, llm.engine.stats()
+
+
 @pytest.mark.slow
 def test_layerwise_with_prefix_sharing(loaded_model, tokenizer, references):
-    e2e = _e2e()
     system = tokenizer.encode("You are a terse assistant who answers in one line. " * 3)
     questions = [" Name a fruit.", " Name a color.", " Name a city in Spain.", " Count to five.",
                  " What is 2 + 2?", " Name a large animal."]
     prompts = [system + tokenizer.encode(q) for q in questions]
-    want = references("auto").generate(prompts, greedy(32))
     llm = pressured(loaded_model, blocks=10, max_model_len=160)
-    llm.generate(prompts[:1], greedy(1))  # the system prompt's blocks are now cached
-    got = llm.generate(prompts, greedy(32))
-    assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want]
-    stats = llm.engine.stats()
+    # first the system prompt's blocks get cached
+    got, stats = same_as_reference(references, llm, prompts, greedy(32),
+                                   prepare=lambda llm: llm.generate(prompts[:1], greedy(1)))
     assert stats["layerwise_admits"] > 0 and stats["prefix_cache_hit_blocks"] > 0
     assert any(o.num_cached_tokens for o in got[1:])
-    e2e.assert_no_leaks(llm)
 
 
 @pytest.mark.slow
 def test_layerwise_with_speculative_decoding(loaded_model, tokenizer, references):
-    e2e = _e2e()
-    prompts = e2e.mixed_prompts(tokenizer)[:8]
-    want = references("auto").generate(prompts, greedy(32))
     llm = pressured(loaded_model, draft="ngram", num_speculative_tokens=3,
                     spec_max_batch_size=8)
-    got = llm.generate(prompts, greedy(32))
-    assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want]
-    stats = llm.engine.stats()
+    _, stats = same_as_reference(references, llm, _e2e().mixed_prompts(tokenizer)[:8],
+                                 greedy(32))
     assert stats["layerwise_admits"] > 0 and stats["spec_draft_tokens"] > 0
-    e2e.assert_no_leaks(llm)
 
 
 @pytest.mark.slow
 def test_host_pool_exhaustion_is_back_pressure(loaded_model, tokenizer, references):
     from qserve.engine.cache_engine import bytes_per_block
 
-    e2e = _e2e()
-    prompts = e2e.mixed_prompts(tokenizer)[:8]
-    want = references("auto").generate(prompts, greedy(16))
     per_block = bytes_per_block(loaded_model.arch, 16, torch.float32)
     llm = pressured(loaded_model, swap_space=6 * per_block)  # 6 host blocks for 8 prompts
-    got = llm.generate(prompts, greedy(16))
-    assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want]
     assert llm.engine.block_manager.num_host_blocks == 6
-    e2e.assert_no_leaks(llm)
+    same_as_reference(references, llm, _e2e().mixed_prompts(tokenizer)[:8], greedy(16))
