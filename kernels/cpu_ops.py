@@ -211,6 +211,18 @@ def copy_rows(src: torch.Tensor, dst: torch.Tensor, src_idx: torch.Tensor,
     lib().copy_rows(_p(src), _p(dst), _p(src_idx), _p(dst_idx), src_idx.numel(), row_bytes)
 
 
+def f32_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x (M, K) @ w (N, K)^T in fp32 with the row kernel (f32_matmul in cpu_ops.c): it streams
+    w once for every MT rows of x, at DRAM speed, which suits a few rows. Reference: F.linear."""
+    M, K = x.shape
+    N = w.shape[0]
+    assert x.dtype == w.dtype == torch.float32 and w.shape[1] == K and w.is_contiguous()
+    assert x.stride(1) == 1
+    y = torch.empty(M, N, dtype=torch.float32)
+    lib().f32_matmul(_p(x), M, K, x.stride(0), _p(w), N, None, _p(y), N, _threads())
+    return y
+
+
 def paged_decode(q: torch.Tensor, cache: dict[str, torch.Tensor], block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float, sliding_window: int | None
                  ) -> torch.Tensor:

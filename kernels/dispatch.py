@@ -58,6 +58,23 @@ def packed_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     return F.linear(x, qt.dequantize().to(x.dtype), bias)
 
 
+def output_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """hidden (S, hidden) @ weight (vocab, hidden)^T -> (S, vocab) fp32: the output projection,
+    the largest matmul of a decode step.
+
+    For fp32 on the CPU, up to FUSED_MAX_ROWS rows run on the C row kernel, which reads the
+    table once at DRAM speed. The BLAS in this torch build reads it at about half that, and
+    F.linear's layout is 2-3x slower still for 4-64 rows; so more rows go to the BLAS with the
+    table as the left operand.
+    """
+    if hidden.dtype == weight.dtype == torch.float32 and _cpu_fast(hidden):
+        x = hidden.contiguous()
+        if x.shape[0] <= cpu_ops.FUSED_MAX_ROWS:
+            return cpu_ops.f32_matmul(x, weight)
+        return torch.mm(weight, x.t()).t()
+    return F.linear(hidden, weight).float()
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: dict[str, torch.Tensor],
               meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend.

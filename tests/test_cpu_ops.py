@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.nn import functional as F
 
 from qserve.config import CacheConfig, ModelArchConfig
 from qserve.engine.cache_engine import KV_STORAGE, CacheEngine, cache_tensor_specs
@@ -38,6 +39,21 @@ def test_dequant_matmul_matches_reference(scheme, N, K, M):
     # the largest |w| |x| sum is K * eps with room (K <= 1536, eps 6e-8)
     scale = (qt.dequantize().abs() @ x.abs().T).T.max()
     assert (out.double() - ref).abs().max() <= 1e-5 * scale
+
+
+@pytest.mark.parametrize("N,K", [(7, 100), (769, 576), (5, 33), (4099, 64)])
+@pytest.mark.parametrize("M", [1, 3, 32, 33])
+def test_output_logits_match_f_linear(N, K, M):
+    from qserve.kernels.dispatch import output_logits
+
+    g = torch.Generator().manual_seed(N * K + M)
+    x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
+    want = F.linear(x.double(), w.double()).float()
+    # fp32 dot products of K terms of size ~1: a different summation order than the BLAS moves
+    # the result by a few ulps of sqrt(K)
+    torch.testing.assert_close(output_logits(x, w), want, atol=1e-4 * K ** 0.5, rtol=1e-5)
+    with cpu_ops.disabled():
+        torch.testing.assert_close(output_logits(x, w), want, atol=1e-4 * K ** 0.5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("scheme", [s for s in SCHEMES if s.bits == 4 or s.group_size], ids=str)

@@ -15,7 +15,7 @@ from torch.nn import functional as F
 from qserve.config import ModelArchConfig
 from qserve.errors import ModelLoadError
 from qserve.kernels.cpu_ops import CpuDecoder
-from qserve.kernels.dispatch import attention
+from qserve.kernels.dispatch import attention, output_logits
 from qserve.kernels.paged_attention import PagedAttentionMetadata
 from qserve.models.rope import RotaryEmbedding
 from qserve.quant.linear import QuantEmbedding, QuantLinear, packed_weight
@@ -137,7 +137,7 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is None and isinstance(self.embed_tokens, QuantEmbedding):
             return self.embed_tokens.logits(hidden)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return output_logits(hidden, weight)
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Take Hugging Face-named tensors; fuse q/k/v and gate/up as they go in. The module
