@@ -44,6 +44,9 @@ def assert_user_error(result, *needles: str) -> str:
     (["--kv-cache-memory", "lots"], "'lots'"),
     (["--block-size", "3"], "--block-size=3"),
     (["--n", "0"], "n=0"),
+    (["--kv-offload", "always"], "'always'"),
+    (["--kv-offload-lookahead", "0"], "--kv-offload-lookahead=0"),
+    (["--kv-offload-reserve", "1.5"], "--kv-offload-reserve=1.5"),
 ])
 def test_generate_rejects_bad_flag(args, needle):
     assert_user_error(invoke("generate", "hello", *args), needle)
