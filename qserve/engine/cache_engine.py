@@ -140,6 +140,7 @@ class CopyQueue:
                 _run_on_cpu(job)
             except BaseException as e:  # handed to the waiting thread, which raises it
                 error = e
+            del job  # the thread outlives its engine: keep no reference to the pools
             with self._cv:
                 self._done, self._error = ticket, self._error or error
                 self._cv.notify_all()
