@@ -71,7 +71,7 @@ def output_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         x = hidden.contiguous()
         if x.shape[0] <= cpu_ops.FUSED_MAX_ROWS:
             return cpu_ops.f32_matmul(x, weight)
-        return torch.mm(weight, x.t()).t()
+        return torch.mm(weight, x.t()).t().contiguous()
     return F.linear(hidden, weight).float()
 
 

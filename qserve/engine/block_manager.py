@@ -185,10 +185,15 @@ class BlockManager:
         to the front of the free queue (reused first)."""
         keep = self.blocks_needed(seq.num_computed_tokens)
         for block in seq.block_table[keep:]:
-            self._release(block)
-            if self.ref_count[block] == 0 and self.block_to_hash[block] is None:
-                self.free_queue.move_to_end(block, last=False)
+            self._release_uncached(block)
         del seq.block_table[keep:]
+
+    def _release_uncached(self, block: int) -> None:
+        """Release a block; if that frees one holding nothing the prefix cache knows, it goes to
+        the front of the free queue (reused first)."""
+        self._release(block)
+        if self.ref_count[block] == 0 and self.block_to_hash[block] is None:
+            self.free_queue.move_to_end(block, last=False)
 
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references; tail blocks go to the free queue first, so they are
@@ -278,8 +283,7 @@ class BlockManager:
         """Give the staging blocks back once the step's copies out of them are done; they held
         nothing worth caching, so they are reused first."""
         for block in self.staging:
-            self._release(block)
-            self.free_queue.move_to_end(block, last=False)
+            self._release_uncached(block)
         self.staging = []
 
     def take_pending_copies(self) -> list[tuple[int, int]]:

@@ -73,8 +73,8 @@ class StepLayers:
         G = sum(len(seq.host_block_table) for _, seq in tails)
         slices = torch.tensor([l * N + b for b in out.staging for l in range(L)])
         assert slices.numel() >= k * G, "the scheduler borrowed too few staging blocks"
-        self.groups = slices[:k * G].view(k, G)  # (k, G) flat slice ids
-        by_layer = self.groups[torch.arange(L) % k]  # (L, G)
+        self.group_slices = slices[:k * G].view(k, G)  # (k, G) flat slice ids
+        by_layer = self.group_slices[torch.arange(L) % k]  # (L, G)
         # device blocks of every row in every layer's slices; tails are placeholders so far
         tables = meta.block_tables.cpu().unsqueeze(0) + (torch.arange(L) * N).view(L, 1, 1)
         fetch_host, fetch_at, off_host, off_at = [], [], [], []
@@ -90,13 +90,12 @@ class StepLayers:
             off_host += tail[first:]
             off_at += range(start + first, start + len(tail))
             start += len(tail)
-        self.tables = tables  # (L, B, max_blocks)
         rows = torch.repeat_interleave(torch.arange(len(meta.query_lens_list)),
                                        torch.tensor(meta.query_lens_list))
         pos = positions.cpu()
         self.slots = tables[:, rows, pos // bs] * bs + pos % bs  # (L, T)
         dev = meta.block_tables.device
-        self.tables, self.slots = self.tables.to(dev), self.slots.to(dev)
+        self.tables, self.slots = tables.to(dev), self.slots.to(dev)  # (L, B, max_blocks), (L, T)
         self.fetch_host, self.fetch_at = torch.tensor(fetch_host, dtype=torch.int64), fetch_at
         self.off_host, self.off_at = torch.tensor(off_host, dtype=torch.int64), off_at
         self.k = k
@@ -106,7 +105,7 @@ class StepLayers:
     def _fetch(self, layer: int) -> None:
         if self.fetch_at and layer < self.ce.num_layers:
             self.fetched[layer] = self.ce.fetch_layer(
-                layer, self.fetch_host, self.groups[layer % self.k, self.fetch_at])
+                layer, self.fetch_host, self.group_slices[layer % self.k, self.fetch_at])
 
     def before(self, i: int) -> tuple[dict[str, torch.Tensor], PagedAttentionMetadata]:
         copier = self.ce.copier
@@ -124,7 +123,7 @@ class StepLayers:
         if not self.staged:
             return
         if self.off_at:
-            self.ce.offload_layer(i, self.groups[i % self.k, self.off_at], self.off_host)
+            self.ce.offload_layer(i, self.group_slices[i % self.k, self.off_at], self.off_host)
         self._fetch(i + self.k)
 
     def close(self) -> None:

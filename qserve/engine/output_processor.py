@@ -36,7 +36,6 @@ class _Request:
 class OutputProcessor:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self.eos_token_ids = set(tokenizer.eos_token_ids)
         self.requests: dict[str, _Request] = {}
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -64,7 +63,7 @@ class OutputProcessor:
                     self.tokenizer, req.prompt_token_ids, req.params))
             delta = ""
             if sample.finish_reason is None:
-                delta = self._feed(sample, c, req.params)
+                delta = self._feed(sample, c)
                 if sample.finish_reason == "stop" and isinstance(sample.stop_reason, str):
                     stopped.append(c.index)
             n = sample.num_tokens
@@ -82,21 +81,24 @@ class OutputProcessor:
         return dataclasses.replace(out, outputs=completions, finished=finished,
                                    metrics=metrics), stopped
 
-    def _feed(self, sample: _Sample, c: CompletionOutput, params: SamplingParams) -> str:
-        """Detokenize a sample's new tokens as LLMEngine._append does inline: EOS and stop
-        token ids end it without text; a stop string ends it where it matched."""
+    def _feed(self, sample: _Sample, c: CompletionOutput) -> str:
+        """Detokenize a sample's new tokens as LLMEngine._append does inline; a stop string
+        ends the sample where it matched."""
+        new = c.token_ids[sample.num_tokens:]
+        if c.finish_reason == "stop":
+            # token-only, the engine stops a sample only on EOS or a stop token id: its last
+            # token, which has no text
+            new = new[:-1]
         delta = []
-        for token in c.token_ids[sample.num_tokens:]:
+        for token in new:
             sample.num_tokens += 1
-            if (token in self.eos_token_ids and not params.ignore_eos
-                    or token in params.stop_token_ids):
-                break  # the engine finished the sample on this token
             text, stop = sample.detokenizer.add_tokens([token])
             delta.append(text)
             if stop is not None:
                 sample.finish_reason, sample.stop_reason = "stop", stop
                 return "".join(delta)
         if c.finish_reason is not None:
+            sample.num_tokens = len(c.token_ids)
             delta.append(sample.detokenizer.flush())  # release text held back for a stop string
             sample.finish_reason, sample.stop_reason = c.finish_reason, c.stop_reason
         return "".join(delta)
