@@ -620,14 +620,183 @@ static inline float dot(const float *a, const float *b, int d)
     return s;
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define HAVE_ATT_SIMD 1
+
+/* e^x for x <= 0 (softmax after subtracting the max): x = n ln2 + r with |r| <= ln2 / 2,
+ * e^r by its degree-6 Taylor polynomial (truncation < 2e-7 relative), times 2^n built in the
+ * exponent field. Below -87 it returns ~1e-38 instead of 0. */
+static inline __m256 exp_ps(__m256 x)
+{
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x); /* ln2, split in two */
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.f / 720);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                         _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* The 8 dot products of q[d] with rows k[0..8) (each d long, contiguous), d % 8 == 0:
+ * one accumulator per row, then a transposing horizontal-add tree. */
+static inline __m256 dots8(const float *q, const float *k, int d)
+{
+    __m256 a[8];
+    for (int r = 0; r < 8; r++)
+        a[r] = _mm256_setzero_ps();
+    for (int j = 0; j < d; j += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + j);
+        for (int r = 0; r < 8; r++)
+            a[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + r * d + j), a[r]);
+    }
+    const __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    /* s0's low lane holds rows 0-3 over elements 0-3 of each 8, its high lane over 4-7 */
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20),
+                         _mm256_permute2f128_ps(s0, s1, 0x31));
+}
+#endif
+
+/* One (slot, head) vector of a K or V cache as fp32, vectorized where the layout allows. */
+static inline void kv_load_fast(int kind, const void *vals, const half *scale,
+                                const half *offset, int64_t idx, int d, float *f)
+{
+#ifdef HAVE_ATT_SIMD
+    if (d % 16 == 0) {
+        switch (kind) {
+        case KV_FP32:
+            memcpy(f, (const float *)vals + idx * d, sizeof(float) * d);
+            return;
+        case KV_FP16: {
+            const half *p = (const half *)vals + idx * d;
+            for (int j = 0; j < d; j += 8)
+                _mm256_storeu_ps(f + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + j))));
+            return;
+        }
+        case KV_BF16: {
+            const uint16_t *p = (const uint16_t *)vals + idx * d;
+            for (int j = 0; j < d; j += 8) {
+                const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + j)));
+                _mm256_storeu_ps(f + j, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+            }
+            return;
+        }
+        case KV_INT8: {
+            const int8_t *p = (const int8_t *)vals + idx * d;
+            const __m256 s = _mm256_set1_ps((float)scale[idx]);
+            for (int j = 0; j < d; j += 8)
+                _mm256_storeu_ps(f + j, _mm256_mul_ps(i8_to_ps(_mm_loadl_epi64((const __m128i *)(p + j))), s));
+            return;
+        }
+        default: { /* int4: byte j holds element 2j low, 2j + 1 high */
+            const uint8_t *p = (const uint8_t *)vals + idx * (d / 2);
+            const __m256 s = _mm256_set1_ps((float)scale[idx]), o = _mm256_set1_ps((float)offset[idx]);
+            const __m128i mask = _mm_set1_epi8(15);
+            for (int j = 0; j < d; j += 16) {
+                const __m128i b = _mm_loadl_epi64((const __m128i *)(p + j / 2));
+                const __m128i e = _mm_unpacklo_epi8(_mm_and_si128(b, mask),
+                                                    _mm_and_si128(_mm_srli_epi16(b, 4), mask));
+                _mm256_storeu_ps(f + j, _mm256_fmadd_ps(u8_to_ps(e), s, o));
+                _mm256_storeu_ps(f + j + 8, _mm256_fmadd_ps(u8_to_ps(_mm_srli_si128(e, 8)), s, o));
+            }
+            return;
+        }
+        }
+    }
+#endif
+    kv_load(kind, vals, scale, offset, idx, d, f);
+}
+
+/* s[t] = scale * q . k[t] for n rows k (n, d) */
+static void att_scores(const float *q, const float *k, int64_t n, int d, float scale, float *s)
+{
+    int64_t t = 0;
+#ifdef HAVE_ATT_SIMD
+    if (d % 8 == 0)
+        for (; t + 8 <= n; t += 8)
+            _mm256_storeu_ps(s + t, _mm256_mul_ps(dots8(q, k + t * d, d), _mm256_set1_ps(scale)));
+#endif
+    for (; t < n; t++)
+        s[t] = dot(q, k + t * d, d) * scale;
+}
+
+/* s[t] <- exp(s[t] - max s) in place; returns the max, and the sum of the new s in *sum */
+static float att_softmax_part(float *s, int64_t n, float *sum)
+{
+    float mx = -INFINITY;
+    for (int64_t t = 0; t < n; t++)
+        mx = s[t] > mx ? s[t] : mx;
+    float total = 0.f;
+    int64_t t = 0;
+#ifdef HAVE_ATT_SIMD
+    __m256 acc = _mm256_setzero_ps();
+    for (; t + 8 <= n; t += 8) {
+        const __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(s + t), _mm256_set1_ps(mx)));
+        _mm256_storeu_ps(s + t, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    total = hsum(acc);
+#endif
+    for (; t < n; t++) {
+        s[t] = expf(s[t] - mx);
+        total += s[t];
+    }
+    *sum = total;
+    return mx;
+}
+
+/* acc[d] = sum_t p[t] v[t] for n rows v (n, d) */
+static void att_weighted_sum(const float *p, const float *v, int64_t n, int d, float *acc)
+{
+    int j0 = 0;
+#ifdef HAVE_ATT_SIMD
+    for (; j0 + 32 <= d; j0 += 32) { /* 32 columns at a time in 4 registers */
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t t = 0; t < n; t++) {
+            const __m256 w = _mm256_broadcast_ss(p + t);
+            const float *r = v + t * d + j0;
+            a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r), a0);
+            a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 8), a1);
+            a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 16), a2);
+            a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 24), a3);
+        }
+        _mm256_storeu_ps(acc + j0, a0);
+        _mm256_storeu_ps(acc + j0 + 8, a1);
+        _mm256_storeu_ps(acc + j0 + 16, a2);
+        _mm256_storeu_ps(acc + j0 + 24, a3);
+    }
+#endif
+    for (int j = j0; j < d; j++)
+        acc[j] = 0.f;
+    for (int64_t t = 0; t < n; t++)
+        for (int j = j0; j < d; j++)
+            acc[j] += p[t] * v[t * d + j];
+}
+
+/* Context positions per decode-attention task. Fixed, so how a sequence's context is cut (and
+ * so its result, bit for bit) never depends on what else is in the batch. */
+#define ATT_PART 128
+
 /* Decode attention: one query per sequence against its paged context.
  *   q (B, H, d) fp32; out (B, H, d) fp32; tables (B, max_blocks); seq_lens (B,)
  *   K/V caches (num_blocks, block_size, hkv, d or d / 2) with their (num_blocks, block_size,
  *   hkv) fp16 scales / offsets for int8 / int4.
- * Each task is one (sequence, kv head): the g = H / hkv query heads of the group share every
- * K/V read. Quantized KV holds y = H x, and H is symmetric orthonormal, so q . x = (H q) . y
- * and sum p x = H (sum p y): rotate the queries once and the output once, never the context.
- * Two passes over the context: scores (kept, fp32), then softmax-weighted values. */
+ * FlashDecoding-style: each task is ATT_PART positions of one sequence's context, so one long
+ * sequence still keeps every thread busy. A task reads those positions' K and V rows for all
+ * kv heads (contiguous within a block), converts them to fp32 once for the g = H / hkv query
+ * heads that share each kv head, and keeps per query head the max score m, the sum l of
+ * exp(score - m) and the exp-weighted sum of values; a second pass merges a sequence's parts
+ * in order. Quantized KV holds y = H x, and H is symmetric orthonormal, so
+ * q . x = (H q) . y and sum p x = H (sum p y): rotate the queries and the output, never the
+ * context. */
 void paged_decode(int kind, const float *q, float *out, int64_t B, int64_t H, int64_t hkv, int d,
                   const void *kc, const half *ks, const half *ko,
                   const void *vc, const half *vs, const half *vo,
@@ -636,60 +805,95 @@ void paged_decode(int kind, const float *q, float *out, int64_t B, int64_t H, in
 {
     const int64_t g = H / hkv;
     const int rotated = kind == KV_INT8 || kind == KV_INT4;
-#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
-    for (int64_t task = 0; task < B * hkv; task++) {
-        const int64_t b = task / hkv, kvh = task % hkv, L = seq_lens[b];
-        const int64_t start = window > 0 && L > window ? L - window : 0, n = L - start;
-        float *qr = malloc(sizeof(float) * (size_t)(g * d));
-        float *acc = calloc((size_t)(g * d), sizeof(float));
-        float *p = malloc(sizeof(float) * (size_t)(g * (n > 0 ? n : 1)));
-        float f[1024];
-        for (int64_t i = 0; i < g; i++) {
-            memcpy(qr + i * d, q + (b * H + kvh * g + i) * d, sizeof(float) * d);
-            if (rotated)
-                hadamard(qr + i * d, d);
-        }
-        for (int64_t t = 0; t < n; t++) {
-            const int64_t pos = start + t;
-            const int64_t slot = tables[b * max_blocks + pos / block_size] * block_size
-                                 + pos % block_size;
-            kv_load(kind, kc, ks, ko, slot * hkv + kvh, d, f);
-            for (int64_t i = 0; i < g; i++)
-                p[i * n + t] = dot(qr + i * d, f, d) * scale;
-        }
-        for (int64_t i = 0; i < g; i++) { /* softmax over the context, per query head */
-            float *pi = p + i * n, mx = -INFINITY, sum = 0.f;
-            for (int64_t t = 0; t < n; t++)
-                mx = fmaxf(mx, pi[t]);
-            for (int64_t t = 0; t < n; t++) {
-                pi[t] = expf(pi[t] - mx);
-                sum += pi[t];
-            }
-            const float inv = 1.f / sum;
-            for (int64_t t = 0; t < n; t++)
-                pi[t] *= inv;
-        }
-        for (int64_t t = 0; t < n; t++) {
-            const int64_t pos = start + t;
-            const int64_t slot = tables[b * max_blocks + pos / block_size] * block_size
-                                 + pos % block_size;
-            kv_load(kind, vc, vs, vo, slot * hkv + kvh, d, f);
-            for (int64_t i = 0; i < g; i++) {
-                const float w = p[i * n + t];
-                float *ai = acc + i * d;
-                for (int j = 0; j < d; j++)
-                    ai[j] += w * f[j];
-            }
-        }
-        for (int64_t i = 0; i < g; i++) {
-            if (rotated)
-                hadamard(acc + i * d, d);
-            memcpy(out + (b * H + kvh * g + i) * d, acc + i * d, sizeof(float) * d);
-        }
-        free(qr);
-        free(acc);
-        free(p);
+    int64_t *first = malloc(sizeof(int64_t) * (size_t)(B + 1)); /* first part of sequence b */
+    first[0] = 0;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t L = seq_lens[b], start = window > 0 && L > window ? L - window : 0;
+        first[b + 1] = first[b] + (L > start ? (L - start + ATT_PART - 1) / ATT_PART : 1);
     }
+    const int64_t ntasks = first[B];
+    /* per (part, query head): m, l and the weighted sum of values */
+    float *pacc = malloc(sizeof(float) * (size_t)(ntasks * H * d));
+    float *pm = malloc(sizeof(float) * (size_t)(ntasks * H));
+    float *pl = malloc(sizeof(float) * (size_t)(ntasks * H));
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *kf = malloc(sizeof(float) * (size_t)(ATT_PART * hkv * d)); /* (hkv, n, d) */
+        float *vf = malloc(sizeof(float) * (size_t)(ATT_PART * hkv * d));
+        float *qr = malloc(sizeof(float) * (size_t)d);
+        float *s = malloc(sizeof(float) * ATT_PART);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < ntasks; task++) {
+            int64_t lo = 0, hi = B; /* the sequence b with first[b] <= task < first[b + 1] */
+            while (hi - lo > 1) {
+                const int64_t mid = (lo + hi) / 2;
+                if (first[mid] <= task)
+                    lo = mid;
+                else
+                    hi = mid;
+            }
+            const int64_t b = lo, L = seq_lens[b];
+            const int64_t start = window > 0 && L > window ? L - window : 0;
+            const int64_t t0 = start + (task - first[b]) * ATT_PART;
+            const int64_t n = L - t0 < ATT_PART ? L - t0 : ATT_PART;
+            const int64_t *table = tables + b * max_blocks;
+            for (int64_t t = 0; t < n; t++) {
+                const int64_t pos = t0 + t;
+                const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
+                for (int64_t h = 0; h < hkv; h++) {
+                    kv_load_fast(kind, kc, ks, ko, slot * hkv + h, d, kf + (h * n + t) * d);
+                    kv_load_fast(kind, vc, vs, vo, slot * hkv + h, d, vf + (h * n + t) * d);
+                }
+            }
+            for (int64_t qh = 0; qh < H; qh++) {
+                const int64_t r = task * H + qh, h = qh / g;
+                if (n <= 0) { /* an empty context attends to nothing */
+                    pm[r] = -INFINITY;
+                    pl[r] = 0.f;
+                    memset(pacc + r * d, 0, sizeof(float) * d);
+                    continue;
+                }
+                memcpy(qr, q + (b * H + qh) * d, sizeof(float) * d);
+                if (rotated)
+                    hadamard(qr, d);
+                att_scores(qr, kf + h * n * d, n, d, scale, s);
+                pm[r] = att_softmax_part(s, n, pl + r);
+                att_weighted_sum(s, vf + h * n * d, n, d, pacc + r * d);
+            }
+        }
+        /* (implicit barrier) merge each sequence's parts, in order */
+#pragma omp for schedule(static)
+        for (int64_t bq = 0; bq < B * H; bq++) {
+            const int64_t b = bq / H, qh = bq % H;
+            float mx = -INFINITY, l = 0.f;
+            for (int64_t p = first[b]; p < first[b + 1]; p++)
+                mx = fmaxf(mx, pm[p * H + qh]);
+            float *o = out + bq * d;
+            memset(o, 0, sizeof(float) * d);
+            for (int64_t p = first[b]; p < first[b + 1]; p++) {
+                const int64_t r = p * H + qh;
+                if (pl[r] == 0.f)
+                    continue;
+                const float w = expf(pm[r] - mx);
+                l += w * pl[r];
+                for (int j = 0; j < d; j++)
+                    o[j] += w * pacc[r * d + j];
+            }
+            const float inv = l > 0.f ? 1.f / l : 0.f;
+            for (int j = 0; j < d; j++)
+                o[j] *= inv;
+            if (rotated)
+                hadamard(o, d);
+        }
+        free(kf);
+        free(vf);
+        free(qr);
+        free(s);
+    }
+    free(first);
+    free(pacc);
+    free(pm);
+    free(pl);
 }
 
 /* Dense fp32: y = x W^T (+ bias), W (N, K) row-major. */

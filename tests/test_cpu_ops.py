@@ -125,12 +125,15 @@ def _decode_meta(seq_lens, tables, bs, window=None):
 @pytest.mark.parametrize("name", KV)
 @pytest.mark.parametrize("group", [1, 3, 4, 8])
 @pytest.mark.parametrize("bs", [8, 16])
-@pytest.mark.parametrize("window", [None, 5])
-def test_paged_decode_matches_reference(name, group, bs, window):
-    """Sequences of lengths that end inside, at and across block edges, on shuffled blocks.
-    Blocks that no table owns hold NaN: the kernel must not read them."""
-    hkv, d = 2, 64
-    seq_lens = [1, bs - 1, bs, bs + 1, 3 * bs + 5]
+@pytest.mark.parametrize("window", [None, 5, 140])
+@pytest.mark.parametrize("d", [64, 80, 36])
+def test_paged_decode_matches_reference(name, group, bs, window, d):
+    """Sequences of lengths that end inside, at and across block edges and across the kernel's
+    128-position parts (merged FlashDecoding-style), on shuffled blocks; head dims whose
+    vector loops have tails (80: not a multiple of 32, 36: not of 8). Blocks that no table owns
+    hold NaN: the kernel must not read them."""
+    hkv = 2
+    seq_lens = [1, bs - 1, bs, bs + 1, 3 * bs + 5, 128, 129, 300]
     nb = sum(-(-s // bs) for s in seq_lens) + 3
     g = torch.Generator().manual_seed(5)
     perm = torch.randperm(nb, generator=g).tolist()
