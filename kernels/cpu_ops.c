@@ -22,7 +22,8 @@
 typedef _Float16 half;
 
 #define CHUNK 32 /* inputs per inner step: one int4 chunk is 16 bytes */
-#define MT 4     /* activation rows that share one dequantized weight chunk */
+#define MT 4     /* activation rows that share one dequantized weight chunk (fp32 activations) */
+#define MTI 8    /* the same with int8 activations, whose per-row state is one register */
 
 /* CALL(k) with k the constant 1, 2, 3 or MT equal to mt: each row kernel is then specialized
  * for its row count and keeps its accumulators in registers. */
@@ -32,6 +33,17 @@ typedef _Float16 half;
     case 2: CALL(2); break;   \
     case 3: CALL(3); break;   \
     default: CALL(MT);        \
+    }
+#define FOR_EACH_MTI(mt, CALL) \
+    switch (mt) {              \
+    case 1: CALL(1); break;    \
+    case 2: CALL(2); break;    \
+    case 3: CALL(3); break;    \
+    case 4: CALL(4); break;    \
+    case 5: CALL(5); break;    \
+    case 6: CALL(6); break;    \
+    case 7: CALL(7); break;    \
+    default: CALL(MTI);        \
     }
 
 /* ---- dequant-matmul ----------------------------------------------------------------------- */
@@ -82,8 +94,9 @@ q4_row(const uint8_t *row, const half *sc, const half *of, int64_t nchunk, int64
     for (int i = 0; i < mt; i++)
         a0[i] = a1[i] = _mm256_setzero_ps();
     const __m128i mask = _mm_set1_epi8(15);
-    for (int64_t c = 0; c < nchunk; c++) {
-        const int64_t g = c / per_group;
+    /* g = c / per_group, counted rather than divided (an idiv per chunk is slow) */
+    for (int64_t c = 0, g = 0, gc = 0; c < nchunk;
+         c++, gc = gc + 1 == per_group ? 0 : gc + 1, g += gc == 0) {
         const float s = (float)sc[g], o = of ? (float)of[g] : -8.f * s;
         const __m256 vs = _mm256_set1_ps(s), vo = _mm256_set1_ps(o);
         const __m128i b = _mm_loadu_si128((const __m128i *)(row + c * (CHUNK / 2)));
@@ -172,7 +185,7 @@ f32_row(const float *row, int64_t K, const float *xp, int64_t Kc, const int mt, 
  * and adds pairs into int16 without overflow (2 * 15 * 127, 2 * 127 * 127 < 32767). */
 typedef struct {
     int8_t *q;     /* (M, Kp), chunk-permuted like the fp32 path when int4 */
-    int64_t Mp;    /* M rounded up to MT */
+    int64_t Mp;    /* M rounded up to MTI */
     float *d;      /* (Kp / 32, Mp) chunk scales, transposed: one chunk's rows are adjacent */
     float *dsum;   /* (Kp / 32, Mp) d * sum(q_x) of the chunk */
 } qacts;
@@ -180,7 +193,7 @@ typedef struct {
 static qacts quantize_activations(const float *x, int64_t M, int64_t K, int64_t ldx, int64_t Kp,
                                   int permute)
 {
-    const int64_t nchunk = Kp / CHUNK, Mp = (M + MT - 1) / MT * MT;
+    const int64_t nchunk = Kp / CHUNK, Mp = (M + MTI - 1) / MTI * MTI;
     qacts a = {aligned_alloc(64, (size_t)((M * Kp + 63) / 64 * 64)), Mp,
                calloc((size_t)(nchunk * Mp), sizeof(float)),
                calloc((size_t)(nchunk * Mp), sizeof(float))};
@@ -219,28 +232,29 @@ static inline __attribute__((always_inline)) void
 q4_row_i8(const uint8_t *row, const half *sc, const half *of, int64_t nchunk, int64_t per_group,
           const qacts *a, int64_t m0, int64_t Kp, const int mt, float *res)
 {
-    __m256 acc[MT];
+    __m256 acc[MTI];
     for (int i = 0; i < mt; i++)
         acc[i] = _mm256_setzero_ps();
-    __m128 off = _mm_setzero_ps();
+    __m256 off = _mm256_setzero_ps();
     const __m256i mask = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
-    float sd[MT];
-    for (int64_t c = 0; c < nchunk; c++) {
-        const int64_t g = c / per_group;
+    float sd[MTI];
+    /* g = c / per_group, counted rather than divided (an idiv per chunk is slow) */
+    for (int64_t c = 0, g = 0, gc = 0; c < nchunk;
+         c++, gc = gc + 1 == per_group ? 0 : gc + 1, g += gc == 0) {
         const float s = (float)sc[g], o = of ? (float)of[g] : -8.f * s;
         const __m128i b = _mm_loadu_si128((const __m128i *)(row + c * (CHUNK / 2)));
         /* bytes 0..15: low nibbles (even inputs), 16..31: high nibbles (odd inputs) */
         const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), mask);
-        _mm_storeu_ps(sd, _mm_mul_ps(_mm_set1_ps(s), _mm_loadu_ps(a->d + c * a->Mp + m0)));
-        off = _mm_fmadd_ps(_mm_set1_ps(o), _mm_loadu_ps(a->dsum + c * a->Mp + m0), off);
+        _mm256_storeu_ps(sd, _mm256_mul_ps(_mm256_set1_ps(s), _mm256_loadu_ps(a->d + c * a->Mp + m0)));
+        off = _mm256_fmadd_ps(_mm256_set1_ps(o), _mm256_loadu_ps(a->dsum + c * a->Mp + m0), off);
         for (int i = 0; i < mt; i++) {
             const __m256i xv = _mm256_loadu_si256((const __m256i *)(a->q + (m0 + i) * Kp + c * CHUNK));
             const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones);
             acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(sd + i), acc[i]);
         }
     }
-    float offs[MT];
-    _mm_storeu_ps(offs, off);
+    float offs[MTI];
+    _mm256_storeu_ps(offs, off);
     for (int i = 0; i < mt; i++)
         res[i] = hsum(acc[i]) + offs[i];
 }
@@ -249,16 +263,20 @@ static inline __attribute__((always_inline)) void
 q8_row_i8(const int8_t *row, const half *sc, int64_t nchunk, int64_t group_size,
           const qacts *a, int64_t m0, int64_t Kp, const int mt, float *res)
 {
-    __m256 acc[MT];
+    __m256 acc[MTI];
     for (int i = 0; i < mt; i++)
         acc[i] = _mm256_setzero_ps();
     const __m256i ones = _mm256_set1_epi16(1);
-    float sd[MT];
-    for (int64_t c = 0; c < nchunk; c++) {
-        const float s = (float)sc[c * CHUNK / group_size];
+    float sd[MTI];
+    /* the group of chunk c, counted: group sizes are multiples of CHUNK, or one group spans
+     * the row (then g stays 0) */
+    const int64_t per_group = group_size % CHUNK == 0 ? group_size / CHUNK : nchunk;
+    for (int64_t c = 0, g = 0, gc = 0; c < nchunk;
+         c++, gc = gc + 1 == per_group ? 0 : gc + 1, g += gc == 0) {
+        const float s = (float)sc[g];
         const __m256i w = _mm256_loadu_si256((const __m256i *)(row + c * CHUNK));
         const __m256i aw = _mm256_sign_epi8(w, w); /* |w|, and x takes w's sign */
-        _mm_storeu_ps(sd, _mm_mul_ps(_mm_set1_ps(s), _mm_loadu_ps(a->d + c * a->Mp + m0)));
+        _mm256_storeu_ps(sd, _mm256_mul_ps(_mm256_set1_ps(s), _mm256_loadu_ps(a->d + c * a->Mp + m0)));
         for (int i = 0; i < mt; i++) {
             const __m256i xv = _mm256_loadu_si256((const __m256i *)(a->q + (m0 + i) * Kp + c * CHUNK));
             const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, w)), ones);
@@ -342,13 +360,14 @@ void q4_matmul(const float *x, int64_t M, int64_t K, int64_t ldx,
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *row = qw + n * (Kp / 2);
         const half *sc = scales + n * G, *of = offsets ? offsets + n * G : NULL;
-        for (int64_t m0 = 0; m0 < M; m0 += MT) {
-            float res[MT];
-            const int mt = M - m0 < MT ? (int)(M - m0) : MT;
+        const int64_t tile = i8 ? MTI : MT;
+        for (int64_t m0 = 0; m0 < M; m0 += tile) {
+            float res[MTI];
+            const int mt = M - m0 < tile ? (int)(M - m0) : (int)tile;
 #ifdef HAVE_I8_PATH
             if (i8) {
                 #define CALL(k) q4_row_i8(row, sc, of, nchunk, per_group, &a, m0, Kp, k, res)
-                FOR_EACH_MT(mt, CALL);
+                FOR_EACH_MTI(mt, CALL);
                 #undef CALL
             } else
 #endif
@@ -389,13 +408,14 @@ void q8_matmul(const float *x, int64_t M, int64_t K, int64_t ldx,
     for (int64_t n = 0; n < N; n++) {
         const int8_t *row = qw + n * Kp;
         const half *sc = scales + n * G;
-        for (int64_t m0 = 0; m0 < M; m0 += MT) {
-            float res[MT];
-            const int mt = M - m0 < MT ? (int)(M - m0) : MT;
+        const int64_t tile = i8 ? MTI : MT;
+        for (int64_t m0 = 0; m0 < M; m0 += tile) {
+            float res[MTI];
+            const int mt = M - m0 < tile ? (int)(M - m0) : (int)tile;
 #ifdef HAVE_I8_PATH
             if (i8) {
                 #define CALL(k) q8_row_i8(row, sc, nchunk, group_size, &a, m0, Kp, k, res)
-                FOR_EACH_MT(mt, CALL);
+                FOR_EACH_MTI(mt, CALL);
                 #undef CALL
             } else
 #endif
