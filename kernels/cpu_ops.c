@@ -176,6 +176,33 @@ f32_row(const float *row, int64_t K, const float *xp, int64_t Kc, const int mt, 
     }
 }
 
+/* NR consecutive weight rows (row stride K) against one activation row: per weight row the
+ * same two accumulators, in the same order, as f32_row, so every result is bit-identical to
+ * it (batch-invariant whatever the tiling). The NR weight rows stay in L1 while the activation
+ * rows stream past them, so each activation load from L2 feeds NR rows. */
+#define NR 4
+static inline __attribute__((always_inline)) void
+f32_rows(const float *w, int64_t K, const float *x, float *res)
+{
+    __m256 a0[NR], a1[NR];
+    for (int r = 0; r < NR; r++)
+        a0[r] = a1[r] = _mm256_setzero_ps();
+    const int64_t full = K / 16 * 16;
+    for (int64_t k0 = 0; k0 < full; k0 += 16) {
+        const __m256 x0 = _mm256_loadu_ps(x + k0), x1 = _mm256_loadu_ps(x + k0 + 8);
+        for (int r = 0; r < NR; r++) {
+            a0[r] = _mm256_fmadd_ps(_mm256_loadu_ps(w + r * K + k0), x0, a0[r]);
+            a1[r] = _mm256_fmadd_ps(_mm256_loadu_ps(w + r * K + k0 + 8), x1, a1[r]);
+        }
+    }
+    for (int r = 0; r < NR; r++) {
+        float t = hsum(_mm256_add_ps(a0[r], a1[r]));
+        for (int64_t k = full; k < K; k++)
+            t += w[r * K + k] * x[k];
+        res[r] = t;
+    }
+}
+
 /* ---- int8-activation path (what llama.cpp does on CPUs) ----
  * Each 32-input chunk of each activation row is quantized to int8 with its own scale
  * d = max|x| / 127 (q_x = round(x / d)), so a chunk's dot product with int4 codes is one integer
@@ -289,7 +316,8 @@ q8_row_i8(const int8_t *row, const half *sc, int64_t nchunk, int64_t group_size,
 
 #define HAVE_I8_PATH 1
 #else
-/* Portable versions of the same loops, for compilers/CPUs without AVX-512. */
+/* Portable versions of the same loops, for compilers/CPUs without AVX2. */
+#define NR 4
 static inline void q4_row(const uint8_t *row, const half *sc, const half *of, int64_t nchunk,
                           int64_t per_group, const float *xp, int64_t Kc, const int mt,
                           float *res)
@@ -336,6 +364,12 @@ static inline void f32_row(const float *row, int64_t K, const float *xp, int64_t
             t += row[k] * xp[i * Kc + k];
         res[i] = t;
     }
+}
+
+static inline void f32_rows(const float *w, int64_t K, const float *x, float *res)
+{
+    for (int r = 0; r < NR; r++)
+        f32_row(w + r * K, K, x, K, 1, res + r);
 }
 #endif
 
@@ -920,18 +954,32 @@ void paged_decode(int kind, const float *q, float *out, int64_t B, int64_t H, in
 void f32_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const float *w, int64_t N,
                 const float *bias, float *y, int64_t ldy, int nthreads)
 {
+    /* NR weight rows at a time against each activation row (f32_rows); the last N % NR rows
+     * row by row */
 #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const float *row = w + n * K;
-        for (int64_t m0 = 0; m0 < M; m0 += MT) {
-            float res[MT];
-            const int mt = M - m0 < MT ? (int)(M - m0) : MT;
-            const float *xm = x + m0 * ldx;
-            #define CALL(k) f32_row(row, K, xm, ldx, k, res)
-            FOR_EACH_MT(mt, CALL);
-            #undef CALL
-            for (int i = 0; i < mt; i++)
-                y[(m0 + i) * ldy + n] = res[i] + (bias ? bias[n] : 0.f);
+    for (int64_t nb = 0; nb < (N + NR - 1) / NR; nb++) {
+        const int64_t n = nb * NR;
+        if (n + NR <= N) {
+            for (int64_t m = 0; m < M; m++) {
+                float res[NR];
+                f32_rows(w + n * K, K, x + m * ldx, res);
+                for (int r = 0; r < NR; r++)
+                    y[m * ldy + n + r] = res[r] + (bias ? bias[n + r] : 0.f);
+            }
+            continue;
+        }
+        for (int64_t nr = n; nr < N; nr++) {
+            const float *row = w + nr * K;
+            for (int64_t m0 = 0; m0 < M; m0 += MT) {
+                float res[MT];
+                const int mt = M - m0 < MT ? (int)(M - m0) : MT;
+                const float *xm = x + m0 * ldx;
+                #define CALL(k) f32_row(row, K, xm, ldx, k, res)
+                FOR_EACH_MT(mt, CALL);
+                #undef CALL
+                for (int i = 0; i < mt; i++)
+                    y[(m0 + i) * ldy + nr] = res[i] + (bias ? bias[nr] : 0.f);
+            }
         }
     }
 }

@@ -268,3 +268,25 @@ def test_int8_activations_keep_quality_on_the_default_model(default_model_path, 
     kl = float((f32.exp() * (f32 - i8)).sum(-1).mean())
     assert ppl_i8 / ppl_f32 - 1 < 0.005, (ppl_f32, ppl_i8)
     assert kl < 0.01, kl
+
+
+@pytest.mark.parametrize("kind", ["f32", "q4", "q8"])
+def test_matmul_rows_do_not_depend_on_the_batch(kind):
+    """Each output row of the decode matmuls is bit-identical whether its activation row comes
+    alone or among 32, the most the fused decode path takes (tiles of weight rows and of
+    activation rows change, the arithmetic per output does not): what keeps greedy outputs
+    batch-invariant."""
+    g = torch.Generator().manual_seed(11)
+    N, K, M = 203, 576, cpu_ops.FUSED_MAX_ROWS
+    x = torch.randn(M, K, generator=g)
+    if kind == "f32":
+        w = torch.randn(N, K, generator=g)
+        run = lambda a: cpu_ops.f32_matmul(a, w)  # noqa: E731
+    else:
+        scheme = WeightScheme(4, 32, False) if kind == "q4" else WeightScheme(8, 32, True)
+        qt = quantize(torch.randn(N, K, generator=g), scheme)
+        run = lambda a: cpu_ops.dequant_matmul(  # noqa: E731
+            a, qt.qweight, qt.scales, qt.offsets, K, None, int8_activations=True)
+    full = run(x)
+    for i in (0, 5, 8, 30, 31):
+        assert torch.equal(run(x[i:i + 1].clone()), full[i:i + 1]), i
