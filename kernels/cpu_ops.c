@@ -218,28 +218,45 @@ typedef struct {
 } qacts;
 
 static qacts quantize_activations(const float *x, int64_t M, int64_t K, int64_t ldx, int64_t Kp,
-                                  int permute)
+                                  int permute, int nthreads)
 {
     const int64_t nchunk = Kp / CHUNK, Mp = (M + MTI - 1) / MTI * MTI;
     qacts a = {aligned_alloc(64, (size_t)((M * Kp + 63) / 64 * 64)), Mp,
                calloc((size_t)(nchunk * Mp), sizeof(float)),
                calloc((size_t)(nchunk * Mp), sizeof(float))};
     float *xp = pack_activations(x, M, K, ldx, Kp, permute);
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (M >= 4)
     for (int64_t m = 0; m < M; m++)
         for (int64_t c = 0; c < nchunk; c++) {
+            /* q = round-to-nearest-even(x * 127 / amax): _mm256_cvtps_epi32 rounds as
+             * nearbyintf does in the default rounding mode */
             const float *v = xp + m * Kp + c * CHUNK;
-            float amax = 0.f;
-            for (int j = 0; j < CHUNK; j++)
-                amax = fmaxf(amax, fabsf(v[j]));
-            const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
-            int sum = 0;
-            for (int j = 0; j < CHUNK; j++) {
-                const int q = (int)nearbyintf(v[j] * id);
-                a.q[m * Kp + c * CHUNK + j] = (int8_t)q;
-                sum += q;
+            __m256 x8[4], mx = _mm256_setzero_ps();
+            for (int u = 0; u < 4; u++) {
+                x8[u] = _mm256_loadu_ps(v + 8 * u);
+                mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, x8[u]));
             }
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+            const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+            __m256i q[4], sum = _mm256_setzero_si256();
+            for (int u = 0; u < 4; u++) {
+                q[u] = _mm256_cvtps_epi32(_mm256_mul_ps(x8[u], _mm256_set1_ps(id)));
+                sum = _mm256_add_epi32(sum, q[u]);
+            }
+            /* 32 int32 in [-127, 127] -> 32 int8 in order (the packs interleave 128-bit lanes) */
+            const __m256i q16 = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]),
+                                                   _mm256_packs_epi32(q[2], q[3]));
+            _mm256_storeu_si256((__m256i *)(a.q + m * Kp + c * CHUNK),
+                                _mm256_permutevar8x32_epi32(q16, order));
+            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
             a.d[c * Mp + m] = d;
-            a.dsum[c * Mp + m] = d * (float)sum;
+            a.dsum[c * Mp + m] = d * (float)_mm_cvtsi128_si32(s4);
         }
     free(xp);
     return a;
@@ -252,9 +269,16 @@ static void free_activations(qacts a)
     free(a.dsum);
 }
 
+/* Lane i of v in all 8 lanes (i a constant once inlined). */
+static inline __m256 lane(__m256 v, int i)
+{
+    return _mm256_permutevar8x32_ps(v, _mm256_set1_epi32(i));
+}
+
 /* One weight row against activation rows m0 .. m0 + mt: per chunk, the row's 32 codes are
  * widened once; each activation row then costs one integer multiply-add, one convert and one
- * fma with its s * d (computed for the MT rows at once, as is the offset term). */
+ * fma with its s * d (computed for the MTI rows at once, as is the offset term, and kept in
+ * a register: a store and reloads would stall on store-to-load forwarding every chunk). */
 static inline __attribute__((always_inline)) void
 q4_row_i8(const uint8_t *row, const half *sc, const half *of, int64_t nchunk, int64_t per_group,
           const qacts *a, int64_t m0, int64_t Kp, const int mt, float *res)
@@ -264,7 +288,6 @@ q4_row_i8(const uint8_t *row, const half *sc, const half *of, int64_t nchunk, in
         acc[i] = _mm256_setzero_ps();
     __m256 off = _mm256_setzero_ps();
     const __m256i mask = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
-    float sd[MTI];
     /* g = c / per_group, counted rather than divided (an idiv per chunk is slow) */
     for (int64_t c = 0, g = 0, gc = 0; c < nchunk;
          c++, gc = gc + 1 == per_group ? 0 : gc + 1, g += gc == 0) {
@@ -272,12 +295,12 @@ q4_row_i8(const uint8_t *row, const half *sc, const half *of, int64_t nchunk, in
         const __m128i b = _mm_loadu_si128((const __m128i *)(row + c * (CHUNK / 2)));
         /* bytes 0..15: low nibbles (even inputs), 16..31: high nibbles (odd inputs) */
         const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), mask);
-        _mm256_storeu_ps(sd, _mm256_mul_ps(_mm256_set1_ps(s), _mm256_loadu_ps(a->d + c * a->Mp + m0)));
+        const __m256 sd = _mm256_mul_ps(_mm256_set1_ps(s), _mm256_loadu_ps(a->d + c * a->Mp + m0));
         off = _mm256_fmadd_ps(_mm256_set1_ps(o), _mm256_loadu_ps(a->dsum + c * a->Mp + m0), off);
         for (int i = 0; i < mt; i++) {
             const __m256i xv = _mm256_loadu_si256((const __m256i *)(a->q + (m0 + i) * Kp + c * CHUNK));
             const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones);
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(sd + i), acc[i]);
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), lane(sd, i), acc[i]);
         }
     }
     float offs[MTI];
@@ -294,7 +317,6 @@ q8_row_i8(const int8_t *row, const half *sc, int64_t nchunk, int64_t group_size,
     for (int i = 0; i < mt; i++)
         acc[i] = _mm256_setzero_ps();
     const __m256i ones = _mm256_set1_epi16(1);
-    float sd[MTI];
     /* the group of chunk c, counted: group sizes are multiples of CHUNK, or one group spans
      * the row (then g stays 0) */
     const int64_t per_group = group_size % CHUNK == 0 ? group_size / CHUNK : nchunk;
@@ -303,11 +325,11 @@ q8_row_i8(const int8_t *row, const half *sc, int64_t nchunk, int64_t group_size,
         const float s = (float)sc[g];
         const __m256i w = _mm256_loadu_si256((const __m256i *)(row + c * CHUNK));
         const __m256i aw = _mm256_sign_epi8(w, w); /* |w|, and x takes w's sign */
-        _mm256_storeu_ps(sd, _mm256_mul_ps(_mm256_set1_ps(s), _mm256_loadu_ps(a->d + c * a->Mp + m0)));
+        const __m256 sd = _mm256_mul_ps(_mm256_set1_ps(s), _mm256_loadu_ps(a->d + c * a->Mp + m0));
         for (int i = 0; i < mt; i++) {
             const __m256i xv = _mm256_loadu_si256((const __m256i *)(a->q + (m0 + i) * Kp + c * CHUNK));
             const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, w)), ones);
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(sd + i), acc[i]);
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), lane(sd, i), acc[i]);
         }
     }
     for (int i = 0; i < mt; i++)
@@ -385,7 +407,7 @@ void q4_matmul(const float *x, int64_t M, int64_t K, int64_t ldx,
 #ifdef HAVE_I8_PATH
     qacts a = {0};
     if (i8)
-        a = quantize_activations(x, M, K, ldx, Kp, 1);
+        a = quantize_activations(x, M, K, ldx, Kp, 1, nthreads);
 #else
     i8 = 0;
 #endif
@@ -433,7 +455,7 @@ void q8_matmul(const float *x, int64_t M, int64_t K, int64_t ldx,
     qacts a = {0};
     i8 = i8 && Kp % CHUNK == 0 && group_size % CHUNK == 0;
     if (i8)
-        a = quantize_activations(x, M, K, ldx, Kp, 0);
+        a = quantize_activations(x, M, K, ldx, Kp, 0, nthreads);
 #else
     i8 = 0;
 #endif
@@ -677,12 +699,13 @@ static inline float dot(const float *a, const float *b, int d)
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define HAVE_ATT_SIMD 1
 
-/* e^x for x <= 0 (softmax after subtracting the max): x = n ln2 + r with |r| <= ln2 / 2,
- * e^r by its degree-6 Taylor polynomial (truncation < 2e-7 relative), times 2^n built in the
- * exponent field. Below -87 it returns ~1e-38 instead of 0. */
+/* e^x: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial (truncation
+ * < 2e-7 relative), times 2^n built in the exponent field. x is clamped to [-87, 88]: below,
+ * it returns ~1e-38 instead of 0; above, ~1.7e38 instead of inf (silu's g / (1 + e^-g) is then
+ * ~0 either way). */
 static inline __m256 exp_ps(__m256 x)
 {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
     const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x); /* ln2, split in two */
@@ -1040,6 +1063,28 @@ static void rope(float *x, int64_t heads, int d, const float *cos, const float *
     }
 }
 
+/* act[t, j] = silu(g) * u for gu[t] = (g[0..inter), u[0..inter)). */
+static void silu_mul(const float *gu, int64_t T, int64_t inter, float *act, int nthreads)
+{
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (T * inter >= 8192)
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = gu + t * 2 * inter, *u = g + inter;
+        float *out = act + t * inter;
+        int64_t j = 0;
+#ifdef HAVE_ATT_SIMD
+        const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
+        for (; j + 8 <= inter; j += 8) {
+            const __m256 gv = _mm256_loadu_ps(g + j);
+            const __m256 e = exp_ps(_mm256_xor_ps(gv, sign)); /* e^-g */
+            _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)),
+                                                    _mm256_loadu_ps(u + j)));
+        }
+#endif
+        for (; j < inter; j++)
+            out[j] = g[j] / (1.f + expf(-g[j])) * u[j];
+    }
+}
+
 void decode_layers(const int64_t *layers, int64_t num_layers, float *x, int64_t T,
                    int64_t hidden, int64_t H, int64_t hkv, int d, int64_t inter, float eps,
                    const int64_t *positions, const float *cos_table, const float *sin_table,
@@ -1082,11 +1127,7 @@ void decode_layers(const int64_t *layers, int64_t num_layers, float *x, int64_t 
             x[j] += o[j];
         rmsnorm(x, (const float *)L[1], T, hidden, eps, h);
         linear(lin + 2 * LIN_SLOTS, h, T, gu, i8, nthreads);
-        for (int64_t t = 0; t < T; t++)
-            for (int64_t j = 0; j < inter; j++) {
-                const float g = gu[t * 2 * inter + j], u = gu[t * 2 * inter + inter + j];
-                act[t * inter + j] = g / (1.f + expf(-g)) * u;
-            }
+        silu_mul(gu, T, inter, act, nthreads);
         linear(lin + 3 * LIN_SLOTS, act, T, o, i8, nthreads);
         for (int64_t j = 0; j < T * hidden; j++)
             x[j] += o[j];
