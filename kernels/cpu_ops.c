@@ -152,50 +152,28 @@ q8_row(const int8_t *row, const half *sc, int64_t Kp, int64_t group_size,
     }
 }
 
-/* Dense fp32 weights (the fp32 model's linears in the fused decode step). */
-static inline __attribute__((always_inline)) void
-f32_row(const float *row, int64_t K, const float *xp, int64_t Kc, const int mt, float *res)
-{
-    __m256 a0[MT], a1[MT];
-    for (int i = 0; i < mt; i++)
-        a0[i] = a1[i] = _mm256_setzero_ps();
-    const int64_t full = K / 16 * 16;
-    for (int64_t k0 = 0; k0 < full; k0 += 16) {
-        const __m256 w0 = _mm256_loadu_ps(row + k0), w1 = _mm256_loadu_ps(row + k0 + 8);
-        for (int i = 0; i < mt; i++) {
-            const float *xc = xp + i * Kc + k0;
-            a0[i] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xc), a0[i]);
-            a1[i] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xc + 8), a1[i]);
-        }
-    }
-    for (int i = 0; i < mt; i++) {
-        float t = hsum(_mm256_add_ps(a0[i], a1[i]));
-        for (int64_t k = full; k < K; k++)
-            t += row[k] * xp[i * Kc + k];
-        res[i] = t;
-    }
-}
 
-/* NR consecutive weight rows (row stride K) against one activation row: per weight row the
- * same two accumulators, in the same order, as f32_row, so every result is bit-identical to
- * it (batch-invariant whatever the tiling). The NR weight rows stay in L1 while the activation
- * rows stream past them, so each activation load from L2 feeds NR rows. */
+/* Dense fp32 weights (the fp32 model's linears in the fused decode step): nr (<= NR, a
+ * constant once inlined) consecutive weight rows, row stride K, against one activation row,
+ * two accumulators per weight row. Every output's arithmetic is the same whatever nr and
+ * whatever the batch, so results are batch-invariant. The weight rows stay in L1 while the
+ * activation rows stream past them, so each activation load from L2 feeds nr rows. */
 #define NR 4
 static inline __attribute__((always_inline)) void
-f32_rows(const float *w, int64_t K, const float *x, float *res)
+f32_rows(const float *w, int64_t K, const float *x, const int nr, float *res)
 {
     __m256 a0[NR], a1[NR];
-    for (int r = 0; r < NR; r++)
+    for (int r = 0; r < nr; r++)
         a0[r] = a1[r] = _mm256_setzero_ps();
     const int64_t full = K / 16 * 16;
     for (int64_t k0 = 0; k0 < full; k0 += 16) {
         const __m256 x0 = _mm256_loadu_ps(x + k0), x1 = _mm256_loadu_ps(x + k0 + 8);
-        for (int r = 0; r < NR; r++) {
+        for (int r = 0; r < nr; r++) {
             a0[r] = _mm256_fmadd_ps(_mm256_loadu_ps(w + r * K + k0), x0, a0[r]);
             a1[r] = _mm256_fmadd_ps(_mm256_loadu_ps(w + r * K + k0 + 8), x1, a1[r]);
         }
     }
-    for (int r = 0; r < NR; r++) {
+    for (int r = 0; r < nr; r++) {
         float t = hsum(_mm256_add_ps(a0[r], a1[r]));
         for (int64_t k = full; k < K; k++)
             t += w[r * K + k] * x[k];
@@ -388,9 +366,10 @@ static inline void f32_row(const float *row, int64_t K, const float *xp, int64_t
     }
 }
 
-static inline void f32_rows(const float *w, int64_t K, const float *x, float *res)
+static inline void f32_rows(const float *w, int64_t K, const float *x, const int nr,
+                            float *res)
 {
-    for (int r = 0; r < NR; r++)
+    for (int r = 0; r < nr; r++)
         f32_row(w + r * K, K, x, K, 1, res + r);
 }
 #endif
@@ -977,32 +956,20 @@ void paged_decode(int kind, const float *q, float *out, int64_t B, int64_t H, in
 void f32_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const float *w, int64_t N,
                 const float *bias, float *y, int64_t ldy, int nthreads)
 {
-    /* NR weight rows at a time against each activation row (f32_rows); the last N % NR rows
-     * row by row */
 #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t nb = 0; nb < (N + NR - 1) / NR; nb++) {
+    for (int64_t nb = 0; nb < (N + NR - 1) / NR; nb++) { /* NR weight rows, the last N % NR */
         const int64_t n = nb * NR;
-        if (n + NR <= N) {
-            for (int64_t m = 0; m < M; m++) {
-                float res[NR];
-                f32_rows(w + n * K, K, x + m * ldx, res);
-                for (int r = 0; r < NR; r++)
-                    y[m * ldy + n + r] = res[r] + (bias ? bias[n + r] : 0.f);
+        const int nr = N - n < NR ? (int)(N - n) : NR;
+        for (int64_t m = 0; m < M; m++) {
+            float res[NR];
+            switch (nr) {
+            case 1: f32_rows(w + n * K, K, x + m * ldx, 1, res); break;
+            case 2: f32_rows(w + n * K, K, x + m * ldx, 2, res); break;
+            case 3: f32_rows(w + n * K, K, x + m * ldx, 3, res); break;
+            default: f32_rows(w + n * K, K, x + m * ldx, NR, res);
             }
-            continue;
-        }
-        for (int64_t nr = n; nr < N; nr++) {
-            const float *row = w + nr * K;
-            for (int64_t m0 = 0; m0 < M; m0 += MT) {
-                float res[MT];
-                const int mt = M - m0 < MT ? (int)(M - m0) : MT;
-                const float *xm = x + m0 * ldx;
-                #define CALL(k) f32_row(row, K, xm, ldx, k, res)
-                FOR_EACH_MT(mt, CALL);
-                #undef CALL
-                for (int i = 0; i < mt; i++)
-                    y[(m0 + i) * ldy + nr] = res[i] + (bias ? bias[nr] : 0.f);
-            }
+            for (int r = 0; r < nr; r++)
+                y[m * ldy + n + r] = res[r] + (bias ? bias[n + r] : 0.f);
         }
     }
 }
