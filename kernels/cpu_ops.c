@@ -24,6 +24,7 @@ typedef _Float16 half;
 #define CHUNK 32 /* inputs per inner step: one int4 chunk is 16 bytes */
 #define MT 4     /* activation rows that share one dequantized weight chunk (fp32 activations) */
 #define MTI 8    /* the same with int8 activations, whose per-row state is one register */
+#define NR 4     /* fp32 weight rows that share each activation load (f32_rows) */
 
 /* CALL(k) with k the constant 1, 2, 3 or MT equal to mt: each row kernel is then specialized
  * for its row count and keeps its accumulators in registers. */
@@ -152,13 +153,11 @@ q8_row(const int8_t *row, const half *sc, int64_t Kp, int64_t group_size,
     }
 }
 
-
 /* Dense fp32 weights (the fp32 model's linears in the fused decode step): nr (<= NR, a
  * constant once inlined) consecutive weight rows, row stride K, against one activation row,
  * two accumulators per weight row. Every output's arithmetic is the same whatever nr and
  * whatever the batch, so results are batch-invariant. The weight rows stay in L1 while the
  * activation rows stream past them, so each activation load from L2 feeds nr rows. */
-#define NR 4
 static inline __attribute__((always_inline)) void
 f32_rows(const float *w, int64_t K, const float *x, const int nr, float *res)
 {
@@ -317,7 +316,6 @@ q8_row_i8(const int8_t *row, const half *sc, int64_t nchunk, int64_t group_size,
 #define HAVE_I8_PATH 1
 #else
 /* Portable versions of the same loops, for compilers/CPUs without AVX2. */
-#define NR 4
 static inline void q4_row(const uint8_t *row, const half *sc, const half *of, int64_t nchunk,
                           int64_t per_group, const float *xp, int64_t Kc, const int mt,
                           float *res)
@@ -872,12 +870,19 @@ void paged_decode(int kind, const float *q, float *out, int64_t B, int64_t H, in
     float *pacc = malloc(sizeof(float) * (size_t)(ntasks * H * d));
     float *pm = malloc(sizeof(float) * (size_t)(ntasks * H));
     float *pl = malloc(sizeof(float) * (size_t)(ntasks * H));
+    float *qrot = rotated ? malloc(sizeof(float) * (size_t)(B * H * d)) : NULL; /* H q */
 #pragma omp parallel num_threads(nthreads)
     {
         float *kf = malloc(sizeof(float) * (size_t)(ATT_PART * hkv * d)); /* (hkv, n, d) */
         float *vf = malloc(sizeof(float) * (size_t)(ATT_PART * hkv * d));
-        float *qr = malloc(sizeof(float) * (size_t)d);
         float *s = malloc(sizeof(float) * ATT_PART);
+        if (rotated) { /* each query rotated once, not once per part */
+#pragma omp for schedule(static)
+            for (int64_t bq = 0; bq < B * H; bq++) {
+                memcpy(qrot + bq * d, q + bq * d, sizeof(float) * d);
+                hadamard(qrot + bq * d, d);
+            }
+        }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < ntasks; task++) {
             int64_t lo = 0, hi = B; /* the sequence b with first[b] <= task < first[b + 1] */
@@ -909,10 +914,8 @@ void paged_decode(int kind, const float *q, float *out, int64_t B, int64_t H, in
                     memset(pacc + r * d, 0, sizeof(float) * d);
                     continue;
                 }
-                memcpy(qr, q + (b * H + qh) * d, sizeof(float) * d);
-                if (rotated)
-                    hadamard(qr, d);
-                att_scores(qr, kf + h * n * d, n, d, scale, s);
+                att_scores((rotated ? qrot : q) + (b * H + qh) * d, kf + h * n * d, n, d, scale,
+                           s);
                 pm[r] = att_softmax_part(s, n, pl + r);
                 att_weighted_sum(s, vf + h * n * d, n, d, pacc + r * d);
             }
@@ -943,9 +946,9 @@ void paged_decode(int kind, const float *q, float *out, int64_t B, int64_t H, in
         }
         free(kf);
         free(vf);
-        free(qr);
         free(s);
     }
+    free(qrot);
     free(first);
     free(pacc);
     free(pm);
