@@ -1,5 +1,6 @@
 /* CPU fast path: fused dequant-matmul over packed int4/int8 weights, and decode-time paged
- * attention and KV writes over fp32/fp16/bf16/int8/int4 KV blocks.
+ * attention and KV writes over fp32/fp16/bf16/int8/int4 KV blocks (int4 KV: keys in 5-bit and
+ * values in 3-bit packed codes, kernels/kv_quant.py).
  *
  * Plain C99 + OpenMP, written so that gcc/clang vectorize the inner loops for whatever the
  * build machine has (-march=native: AVX2 on the Zen 3 dev box, AVX-512 or NEON elsewhere). No torch headers:
@@ -504,6 +505,40 @@ void q8_dequant(const int8_t *qw, const half *scales, int64_t N, int64_t K, int6
 /* ---- KV cache ----------------------------------------------------------------------------- */
 
 enum { KV_FP32 = 0, KV_FP16 = 1, KV_BF16 = 2, KV_INT8 = 3, KV_INT4 = 4 };
+/* Code widths of int4 KV (kernels/kv_quant.py K_BITS, V_BITS): 4 bits a value on average. */
+enum { KV_K_BITS = 5, KV_V_BITS = 3 };
+
+/* Packed KV codes (kernels/kv_quant.py pack): a `bits`-wide code is split into planes of
+ * widths 4, 2, 1 (those set in bits, low bits first), stored one plane after another; in a
+ * plane of width w, element e sits in byte e * w / 8 at bit e * w % 8. d % 8 == 0, so a vector
+ * takes d * bits / 8 bytes. */
+static inline unsigned packed_code(const uint8_t *p, int d, int bits, int e)
+{
+    unsigned q = 0;
+    int start = 0, shift = 0;
+    for (int w = 4; w >= 1; w /= 2)
+        if (bits & w) {
+            q |= ((unsigned)(p[start + e * w / 8] >> (e * w % 8)) & ((1u << w) - 1)) << shift;
+            start += d * w / 8;
+            shift += w;
+        }
+    return q;
+}
+
+static void pack_codes(const uint8_t *q, int d, int bits, uint8_t *p)
+{
+    int start = 0, shift = 0;
+    for (int w = 4; w >= 1; w /= 2)
+        if (bits & w) {
+            memset(p + start, 0, (size_t)(d * w / 8));
+            for (int e = 0; e < d; e++) {
+                const unsigned field = (q[e] >> shift) & ((1u << w) - 1);
+                p[start + e * w / 8] |= (uint8_t)(field << (e * w % 8));
+            }
+            start += d * w / 8;
+            shift += w;
+        }
+}
 
 static inline float bf16_to_f32(uint16_t h)
 {
@@ -545,9 +580,9 @@ static void hadamard(float *x, int d)
 }
 
 /* Read one (slot, head) vector of a K or V cache into f[d] fp32 (still Hadamard-rotated for
- * int8/int4: attention works in the rotated basis). */
-static inline void kv_load(int kind, const void *vals, const half *scale, const half *offset,
-                           int64_t idx, int d, float *f)
+ * int8/int4: attention works in the rotated basis); `bits` is the code width for int4 KV. */
+static inline void kv_load(int kind, int bits, const void *vals, const half *scale,
+                           const half *offset, int64_t idx, int d, float *f)
 {
     switch (kind) {
     case KV_FP32:
@@ -572,21 +607,19 @@ static inline void kv_load(int kind, const void *vals, const half *scale, const 
             f[j] = (float)p[j] * s;
         break;
     }
-    default: { /* KV_INT4: two values a byte, element 2j low */
-        const uint8_t *p = (const uint8_t *)vals + idx * (d / 2);
+    default: { /* KV_INT4: packed codes */
+        const uint8_t *p = (const uint8_t *)vals + idx * (d * bits / 8);
         const float s = (float)scale[idx], o = (float)offset[idx];
-        for (int j = 0; j < d / 2; j++) {
-            f[2 * j] = (float)(p[j] & 15) * s + o;
-            f[2 * j + 1] = (float)(p[j] >> 4) * s + o;
-        }
+        for (int j = 0; j < d; j++)
+            f[j] = (float)packed_code(p, d, bits, j) * s + o;
     }
     }
 }
 
 /* Quantize and store one vector x[d] (fp32) at index idx = slot * hkv + head, as
- * kernels/kv_quant.py quantize() does, bit for bit. x is clobbered. */
-static void kv_store(int kind, void *vals, half *scale, half *offset, int64_t idx, int d,
-                     float *x)
+ * kernels/kv_quant.py quantize() does, bit for bit; `bits` as for kv_load. x is clobbered. */
+static void kv_store(int kind, int bits, void *vals, half *scale, half *offset, int64_t idx,
+                     int d, float *x)
 {
     const float tiny = 6.103515625e-05f; /* 2^-14 */
     switch (kind) {
@@ -625,18 +658,35 @@ static void kv_store(int kind, void *vals, half *scale, half *offset, int64_t id
             lo = fminf(lo, x[j]);
             hi = fmaxf(hi, x[j]);
         }
-        const half oh = (half)lo;
-        const float o = (float)oh;
-        const half sh = (half)fmaxf((hi - o) / 15.f, tiny);
-        const float s = (float)sh;
-        uint8_t *p = (uint8_t *)vals + idx * (d / 2);
-        for (int j = 0; j < d / 2; j++) {
-            const float a = fminf(fmaxf(nearbyintf((x[2 * j] - o) / s), 0.f), 15.f);
-            const float b = fminf(fmaxf(nearbyintf((x[2 * j + 1] - o) / s), 0.f), 15.f);
-            p[j] = (uint8_t)a | (uint8_t)((uint8_t)b << 4);
+        /* each range cut of kv_quant.CLIP_DIVISORS, keeping the least squared error (fp64:
+         * every residual is exact there, so the choice is the reference's) */
+        static const float divisors[] = {0.f, 40.f, 20.f, 14.f, 10.f, 8.f, 7.f};
+        const float levels = (float)((1 << bits) - 1);
+        uint8_t q[1024], best[1024];
+        double best_err = INFINITY;
+        half best_s = 0, best_o = 0;
+        for (int c = 0; c < (int)(sizeof divisors / sizeof divisors[0]); c++) {
+            const float cut = divisors[c] > 0.f ? (hi - lo) / divisors[c] : 0.f;
+            const half oh = (half)(lo + cut);
+            const float o = (float)oh;
+            const half sh = (half)fmaxf((hi - cut - o) / levels, tiny);
+            const float s = (float)sh;
+            double err = 0.0;
+            for (int j = 0; j < d; j++) {
+                q[j] = (uint8_t)fminf(fmaxf(nearbyintf((x[j] - o) / s), 0.f), levels);
+                const double r = (double)q[j] * s + o - x[j];
+                err += r * r;
+            }
+            if (err < best_err) {
+                best_err = err;
+                memcpy(best, q, (size_t)d);
+                best_s = sh;
+                best_o = oh;
+            }
         }
-        scale[idx] = sh;
-        offset[idx] = oh;
+        pack_codes(best, d, bits, (uint8_t *)vals + idx * (d * bits / 8));
+        scale[idx] = best_s;
+        offset[idx] = best_o;
     }
     }
 }
@@ -650,9 +700,9 @@ void kv_write(int kind, const float *k, const float *v, const int64_t *slots, in
         for (int64_t h = 0; h < hkv; h++) {
             const int64_t src = (t * hkv + h) * d, idx = slots[t] * hkv + h;
             memcpy(buf, k + src, sizeof(float) * d);
-            kv_store(kind, kc, ks, ko, idx, d, buf);
+            kv_store(kind, KV_K_BITS, kc, ks, ko, idx, d, buf);
             memcpy(buf, v + src, sizeof(float) * d);
-            kv_store(kind, vc, vs, vo, idx, d, buf);
+            kv_store(kind, KV_V_BITS, vc, vs, vo, idx, d, buf);
         }
 }
 
@@ -719,8 +769,34 @@ static inline __m256 dots8(const float *q, const float *k, int d)
 }
 #endif
 
+#ifdef HAVE_ATT_SIMD
+/* f[0..d) = code * s + o for a packed vector p (kv_load's int4 case), 8 codes at a time: each
+ * plane's w bytes for those 8 codes are broadcast to 8 lanes and lane i shifts by i * w. Called
+ * with constant bits, so the plane loop unrolls. */
+static inline void load_packed(const uint8_t *p, int d, int bits, __m256 s, __m256 o, float *f)
+{
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int e = 0; e < d; e += 8) {
+        __m256i q = _mm256_setzero_si256();
+        int start = 0, shift = 0;
+        for (int w = 4; w >= 1; w /= 2)
+            if (bits & w) {
+                uint32_t word = 0;
+                memcpy(&word, p + start + e * w / 8, (size_t)w);
+                __m256i field = _mm256_srlv_epi32(_mm256_set1_epi32((int)word),
+                                                  _mm256_mullo_epi32(lane, _mm256_set1_epi32(w)));
+                field = _mm256_and_si256(field, _mm256_set1_epi32((1 << w) - 1));
+                q = _mm256_or_si256(q, _mm256_sllv_epi32(field, _mm256_set1_epi32(shift)));
+                start += d * w / 8;
+                shift += w;
+            }
+        _mm256_storeu_ps(f + e, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), s, o));
+    }
+}
+#endif
+
 /* One (slot, head) vector of a K or V cache as fp32, vectorized where the layout allows. */
-static inline void kv_load_fast(int kind, const void *vals, const half *scale,
+static inline void kv_load_fast(int kind, int bits, const void *vals, const half *scale,
                                 const half *offset, int64_t idx, int d, float *f)
 {
 #ifdef HAVE_ATT_SIMD
@@ -750,23 +826,21 @@ static inline void kv_load_fast(int kind, const void *vals, const half *scale,
                 _mm256_storeu_ps(f + j, _mm256_mul_ps(i8_to_ps(_mm_loadl_epi64((const __m128i *)(p + j))), s));
             return;
         }
-        default: { /* int4: byte j holds element 2j low, 2j + 1 high */
-            const uint8_t *p = (const uint8_t *)vals + idx * (d / 2);
+        default: { /* int4: packed codes */
+            const uint8_t *p = (const uint8_t *)vals + idx * (d * bits / 8);
             const __m256 s = _mm256_set1_ps((float)scale[idx]), o = _mm256_set1_ps((float)offset[idx]);
-            const __m128i mask = _mm_set1_epi8(15);
-            for (int j = 0; j < d; j += 16) {
-                const __m128i b = _mm_loadl_epi64((const __m128i *)(p + j / 2));
-                const __m128i e = _mm_unpacklo_epi8(_mm_and_si128(b, mask),
-                                                    _mm_and_si128(_mm_srli_epi16(b, 4), mask));
-                _mm256_storeu_ps(f + j, _mm256_fmadd_ps(u8_to_ps(e), s, o));
-                _mm256_storeu_ps(f + j + 8, _mm256_fmadd_ps(u8_to_ps(_mm_srli_si128(e, 8)), s, o));
-            }
+            if (bits == KV_K_BITS)
+                load_packed(p, d, KV_K_BITS, s, o, f);
+            else if (bits == KV_V_BITS)
+                load_packed(p, d, KV_V_BITS, s, o, f);
+            else
+                break;
             return;
         }
         }
     }
 #endif
-    kv_load(kind, vals, scale, offset, idx, d, f);
+    kv_load(kind, bits, vals, scale, offset, idx, d, f);
 }
 
 /* s[t] = scale * q . k[t] for n rows k (n, d) */
@@ -841,8 +915,8 @@ static void att_weighted_sum(const float *p, const float *v, int64_t n, int d, f
 
 /* Decode attention: one query per sequence against its paged context.
  *   q (B, H, d) fp32; out (B, H, d) fp32; tables (B, max_blocks); seq_lens (B,)
- *   K/V caches (num_blocks, block_size, hkv, d or d / 2) with their (num_blocks, block_size,
- *   hkv) fp16 scales / offsets for int8 / int4.
+ *   K/V caches (num_blocks, block_size, hkv, d, or packed bytes for int4) with their
+ *   (num_blocks, block_size, hkv) fp16 scales / offsets for int8 / int4.
  * FlashDecoding-style: each task is ATT_PART positions of one sequence's context, so one long
  * sequence still keeps every thread busy. A task reads those positions' K and V rows for all
  * kv heads (contiguous within a block), converts them to fp32 once for the g = H / hkv query
@@ -902,8 +976,10 @@ void paged_decode(int kind, const float *q, float *out, int64_t B, int64_t H, in
                 const int64_t pos = t0 + t;
                 const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
                 for (int64_t h = 0; h < hkv; h++) {
-                    kv_load_fast(kind, kc, ks, ko, slot * hkv + h, d, kf + (h * n + t) * d);
-                    kv_load_fast(kind, vc, vs, vo, slot * hkv + h, d, vf + (h * n + t) * d);
+                    kv_load_fast(kind, KV_K_BITS, kc, ks, ko, slot * hkv + h, d,
+                                 kf + (h * n + t) * d);
+                    kv_load_fast(kind, KV_V_BITS, vc, vs, vo, slot * hkv + h, d,
+                                 vf + (h * n + t) * d);
                 }
             }
             for (int64_t qh = 0; qh < H; qh++) {

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from qserve.kernels.kv_quant import K_BITS
+
 log = logging.getLogger("qserve.kernels")
 
 SOURCE = Path(__file__).with_name("cpu_ops.c")
@@ -182,7 +184,7 @@ def supports_cache(cache: dict[str, torch.Tensor]) -> bool:
     """Whether these kernels can read and write this layer's cache (CPU, contiguous, known
     dtype, head_dim that fits the kernels' stack buffer)."""
     k = cache["k"]
-    d = k.shape[-1] * (2 if k.dtype == torch.uint8 else 1)
+    d = k.shape[-1] * 8 // K_BITS if k.dtype == torch.uint8 else k.shape[-1]
     return (k.device.type == "cpu" and k.dtype in KV_KINDS and d <= MAX_HEAD_DIM
             and all(t.is_contiguous() for t in cache.values()))
 

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from qserve.kernels.kv_quant import K_BITS, V_BITS, packed_bytes
 from qserve.kernels.paged_attention import PagedAttentionMetadata
 from qserve.kernels.triton_dequant_gemm import dot_dtype
 
@@ -47,25 +48,37 @@ def hadamard_args(d: int) -> tuple[float, int]:
 
 
 @triton.jit
+def packed_field(base, offs_d, mask, D, stride_d, BELOW: tl.constexpr, W: tl.constexpr):
+    """Bits BELOW .. BELOW + W of packed codes (kv_quant.pack): the plane of width W starts
+    after the D * BELOW / 8 bytes of the lower planes, and element e sits in its byte
+    e * W // 8 at bit e * W % 8 (neighbouring elements re-read a byte, from cache)."""
+    b = tl.load(base + ((D * BELOW) // 8 + (offs_d * W) // 8) * stride_d, mask=mask, other=0)
+    return ((b.to(tl.int32) >> ((offs_d * W) % 8)) & ((1 << W) - 1)) << BELOW
+
+
+@triton.jit
 def load_kv_tile(v_ptr, s_ptr, o_ptr, blk, off, kv_head, mask_n, D,
                  stride_vb, stride_vs, stride_vh, stride_vd, stride_sb, stride_ss, stride_sh,
-                 QUANT: tl.constexpr, BLOCK_D: tl.constexpr):
+                 QUANT: tl.constexpr, BITS: tl.constexpr, BLOCK_D: tl.constexpr):
     """(BLOCK_N,) block ids and offsets -> (BLOCK_N, BLOCK_D) fp32 values of one K or V head.
-    QUANT 0: stored as floats; 1: int8 * scale; 2: int4 (two a byte, even d in the low
-    nibble) * scale + offset. Rows outside mask_n read 0 and touch no memory."""
+    QUANT 0: stored as floats; 1: int8 * scale; 2: packed BITS-wide codes * scale + offset.
+    Rows outside mask_n read 0 and touch no memory."""
     row = blk * stride_vb + off * stride_vs + kv_head * stride_vh  # (BLOCK_N,)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = mask_n[:, None] & (offs_d < D)[None, :]
     if QUANT == 2:
-        # a token's d / 2 bytes load as one contiguous run; nibbles (low, high) of byte j
-        # are elements 2j, 2j + 1, which is the order join + reshape lays them out in
-        offs_j = tl.arange(0, BLOCK_D // 2)
-        packed = tl.load(v_ptr + row[:, None] + offs_j[None, :] * stride_vd,
-                         mask=mask_n[:, None] & (2 * offs_j < D)[None, :], other=0)
-        x = tl.reshape(tl.join(packed & 0xF, packed >> 4), (blk.shape[0], BLOCK_D))
-        x = x.to(tl.float32)
+        base = v_ptr + row[:, None]
+        code = tl.zeros((blk.shape[0], BLOCK_D), tl.int32)
+        if BITS & 4:
+            code |= packed_field(base, offs_d[None, :], mask, D, stride_vd, 0, 4)
+        if BITS & 2:
+            code |= packed_field(base, offs_d[None, :], mask, D, stride_vd, BITS & 4, 2)
+        if BITS & 1:
+            code |= packed_field(base, offs_d[None, :], mask, D, stride_vd, BITS & 6, 1)
+        x = code.to(tl.float32)
     else:
-        offs_d = tl.arange(0, BLOCK_D)
-        x = tl.load(v_ptr + row[:, None] + offs_d[None, :] * stride_vd,
-                    mask=mask_n[:, None] & (offs_d < D)[None, :], other=0.0).to(tl.float32)
+        x = tl.load(v_ptr + row[:, None] + offs_d[None, :] * stride_vd, mask=mask,
+                    other=0.0).to(tl.float32)
     if QUANT > 0:
         srow = blk * stride_sb + off * stride_ss + kv_head * stride_sh
         x *= tl.load(s_ptr + srow, mask=mask_n, other=0.0).to(tl.float32)[:, None]
@@ -87,7 +100,8 @@ def _decode_kernel(
     stride_vb, stride_vs, stride_vh, stride_vd, stride_vsb, stride_vss, stride_vsh,
     stride_btb, stride_btn,
     # meta-parameters
-    QUANT: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    QUANT: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, LOG2_N: tl.constexpr,
 ):
@@ -122,7 +136,7 @@ def _decode_kernel(
         off = offs_n % PAGE
         k = load_kv_tile(k_ptr, ks_ptr, ko_ptr, blk, off, kv_head, mask_n, D,
                          stride_kb, stride_ks, stride_kh, stride_kd, stride_ksb, stride_kss,
-                         stride_ksh, QUANT, BLOCK_D)  # (BN, BD)
+                         stride_ksh, QUANT, K_BITS, BLOCK_D)  # (BN, BD)
         s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=PRECISION) * qk_scale
         s = tl.where(mask_n[None, :], s, float("-inf"))  # (BG, BN), log2 units
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -131,7 +145,7 @@ def _decode_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = load_kv_tile(v_ptr, vs_ptr, vo_ptr, blk, off, kv_head, mask_n, D,
                          stride_vb, stride_vs, stride_vh, stride_vd, stride_vsb, stride_vss,
-                         stride_vsh, QUANT, BLOCK_D)
+                         stride_vsh, QUANT, V_BITS, BLOCK_D)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE),
                                             input_precision=PRECISION)
         m_i = m_new
@@ -190,12 +204,16 @@ def kv_args(cache: dict[str, torch.Tensor], which: str) -> tuple:
 def check_cache(q: torch.Tensor, cache: dict[str, torch.Tensor]) -> None:
     """Shapes and dtypes a kernel relies on; q (..., H, d)."""
     k = cache["k"]
-    assert k.dim() == 4 and cache["v"].shape == k.shape and cache["v"].dtype == k.dtype
+    v = cache["v"]
+    assert k.dim() == 4 and v.shape[:3] == k.shape[:3] and v.dtype == k.dtype
     H, d = q.shape[-2:]
     hkv = k.shape[2]
     assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), q.dtype
     assert H % hkv == 0, f"{H} query heads over {hkv} KV heads"
-    assert k.shape[3] == (d // 2 if k.dtype == torch.uint8 else d), (k.shape, d)
+    if k.dtype == torch.uint8:
+        assert (k.shape[3], v.shape[3]) == (packed_bytes(d, K_BITS), packed_bytes(d, V_BITS))
+    else:
+        assert k.shape[3] == v.shape[3] == d, (k.shape, v.shape, d)
     for name in ("k_scale", "v_scale", "k_offset", "v_offset"):
         if name in cache:
             assert cache[name].shape == k.shape[:3], (name, cache[name].shape)
@@ -244,8 +262,8 @@ def decode_attention(q: torch.Tensor, cache: dict[str, torch.Tensor],
         acc, m, l_,
         scale * _LOG2E, window or 0, split_len, d, H // hkv, page, S, had_scale,
         *q.stride(), *k_args[3:], *v_args[3:], *bt.stride(),
-        QUANT=quant, HAS_WINDOW=window is not None, DOT_DTYPE=dot_dtype(q.dtype),
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        QUANT=quant, K_BITS=K_BITS, V_BITS=V_BITS, HAS_WINDOW=window is not None,
+        DOT_DTYPE=dot_dtype(q.dtype), PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, LOG2_N=log2_n,
     )
     out = torch.empty(B, H, d, device=q.device, dtype=q.dtype)

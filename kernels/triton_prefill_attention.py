@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from qserve.kernels.kv_quant import K_BITS, V_BITS
 from qserve.kernels.paged_attention import PagedAttentionMetadata
 from qserve.kernels.triton_dequant_gemm import dot_dtype
 from qserve.kernels.triton_paged_attention import (_LOG2E, _NEG_BIG, check_cache,
@@ -39,7 +40,8 @@ def _prefill_kernel(
     stride_btb, stride_btn,
     stride_ot, stride_oh, stride_od,
     # meta-parameters
-    QUANT: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    QUANT: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, LOG2_N: tl.constexpr,
 ):
@@ -79,7 +81,7 @@ def _prefill_kernel(
         off = offs_n % PAGE
         k = load_kv_tile(k_ptr, ks_ptr, ko_ptr, blk, off, kv_head, mask_n, D,
                          stride_kb, stride_ks, stride_kh, stride_kd, stride_ksb, stride_kss,
-                         stride_ksh, QUANT, BLOCK_D)  # (BN, BD)
+                         stride_ksh, QUANT, K_BITS, BLOCK_D)  # (BN, BD)
         s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=PRECISION) * qk_scale
         visible = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])  # (BM, BN) causal
         if HAS_WINDOW:
@@ -91,7 +93,7 @@ def _prefill_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = load_kv_tile(v_ptr, vs_ptr, vo_ptr, blk, off, kv_head, mask_n, D,
                          stride_vb, stride_vs, stride_vh, stride_vd, stride_vsb, stride_vss,
-                         stride_vsh, QUANT, BLOCK_D)
+                         stride_vsh, QUANT, V_BITS, BLOCK_D)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE),
                                             input_precision=PRECISION)
         m_i = m_new
@@ -136,8 +138,8 @@ def prefill_attention(q: torch.Tensor, cache: dict[str, torch.Tensor],
         scale * _LOG2E, window or 0, d, H // hkv, page, had_scale,
         *q.stride(), *k_args[3:], *v_args[3:], *bt.stride(),
         *out.stride(),
-        QUANT=quant, HAS_WINDOW=window is not None, DOT_DTYPE=dot_dtype(q.dtype),
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        QUANT=quant, K_BITS=K_BITS, V_BITS=V_BITS, HAS_WINDOW=window is not None,
+        DOT_DTYPE=dot_dtype(q.dtype), PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, LOG2_N=log2_n,
     )
     return out

@@ -75,7 +75,8 @@ _ENGINE_FLAGS = [
     click.option("--kv-dtype",
                  type=click.Choice(["auto", "fp32", "fp16", "bf16", "int8", "int4"]),
                  default="auto", show_default=True,
-                 help="KV cache dtype (auto: --dtype; int8/int4: quantized in the blocks)."),
+                 help="KV cache dtype (auto: --dtype; int8/int4: quantized in the blocks; "
+                      "int4 averages 4 bits: 5-bit keys, 3-bit values)."),
     click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default="fp32",
                  show_default=True, help="Activation and dense weight dtype."),
     click.option("--no-prefix-caching", is_flag=True, help="Do not reuse cached prompt blocks."),
@@ -164,6 +165,7 @@ def info(model, as_json, engine):
 
     from qserve.config import engine_config
     from qserve.engine.cache_engine import KV_STORAGE, bytes_per_block, kv_budget_bytes
+    from qserve.errors import ConfigError
     from qserve.loader import load_arch, resolve_model
 
     config = engine_config(model, **engine)
@@ -174,7 +176,10 @@ def info(model, as_json, engine):
     budget = kv_budget_bytes(config.cache, device)
     kv_per_token, kv_tokens, kv_per_gib = {}, {}, {}
     for name, dtype in KV_STORAGE.items():  # int8 / int4 count their scales and offsets too
-        per_block = bytes_per_block(arch, bs, dtype)
+        try:
+            per_block = bytes_per_block(arch, bs, dtype)
+        except ConfigError:  # a KV dtype this model's shape cannot use
+            continue
         kv_per_token[name] = per_block // bs
         kv_tokens[name] = budget // per_block * bs  # whole blocks only, as the engine allocates
         kv_per_gib[name] = (1 << 30) // per_block * bs

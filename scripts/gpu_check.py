@@ -124,14 +124,15 @@ def random_cache(batch: int, context: int, kv_heads: int, head_dim: int, page: i
     per sequence; and decode metadata for one query per sequence at position `context`."""
     import torch
 
+    from qserve.kernels.kv_quant import PACKED_BITS, packed_bytes
     from qserve.kernels.paged_attention import PagedAttentionMetadata
 
     per_seq = -(-(context + 1) // page)
     num_blocks = batch * per_seq
-    d_store = head_dim // 2 if kv == "int4" else head_dim
-    shape = (num_blocks, page, kv_heads, d_store)
     cache = {}
     for w in "kv":
+        d_store = packed_bytes(head_dim, PACKED_BITS[w]) if kv == "int4" else head_dim
+        shape = (num_blocks, page, kv_heads, d_store)
         if kv == "fp16":
             cache[w] = torch.randn(shape, device=device, dtype=torch.float16)
         else:

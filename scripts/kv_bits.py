@@ -3,16 +3,19 @@
 text with K and V fake-quantized (quantize, then dequantize) at different widths, in the cache's
 own basis (Hadamard-rotated, one fp16 scale and offset per token and kv head), before attention.
 
-    python scripts/kv_bits.py [--windows 2] [--variants int4,K5-V3,...]
+    python scripts/kv_bits.py [--windows 2] [--variants fp32,K5-V3-clip,...]
 
 This is a study, not the serving path: attention here is dense causal SDPA over the window,
 and the K/V it reads are quantized the way a paged cache would store them. `qserve eval` gives
-the served number for the schemes the cache implements (int8, int4); this script explores
-allocations it does not (yet). Bytes per (token, kv head) are K + V at head_dim 64, against
-fp16's 256; the issue's 3.5x-fewer-bytes bound is 73 bytes.
+the served number for what the cache implements (int8, and int4 = K5-V3-clip below); this
+script also explores allocations it does not. Bytes per (token, kv head) are K + V at head_dim
+64, against fp16's 256; the issue's 3.5x-fewer-bytes bound is 73 bytes.
 
-Variants: "fp32"; "K<b>-V<b>" with widths 2..8 or "fp" for one side unquantized; a suffix
-"-sink<n>" keeps the first n positions of each window unquantized (attention-sink tokens).
+Variants: "fp32"; "K<b>-V<b>" with widths 2..8 (2..7 with -clip) or "fp" for one side
+unquantized; a suffix "-clip" quantizes as the cache does (the range cut that gives the least
+squared error, kv_quant.quantize_packed; without it, plain min-max), and "-sink<n>" keeps the
+first n positions of each window unquantized (attention-sink tokens). "K5-V3-clip" is the
+cache's int4.
 """
 from __future__ import annotations
 
@@ -35,25 +38,30 @@ from qserve.loader import load_model  # noqa: E402
 from qserve.models import llama  # noqa: E402
 from qserve.quant.calibration import build_model  # noqa: E402
 
-DEFAULT = "fp32,K4-V4,K4-V4-sink1,K5-V3,K8-V4,K4-Vfp,Kfp-V4,Kfp-V3,K5-Vfp"
+DEFAULT = ("fp32,K4-V4,K4-V4-clip,K5-V3,K5-V3-clip,K5-V3-clip-sink1,K5-V4-clip,Kfp-V3-clip,"
+           "K5-Vfp-clip")
 
 
-def fake_asym(y: torch.Tensor, bits: int) -> torch.Tensor:
-    """Asymmetric per-row quantization of y (..., d) to `bits`, fp16 scale and offset."""
+def fake_asym(y: torch.Tensor, bits: int, clip: bool = False) -> torch.Tensor:
+    """Asymmetric per-row quantization of y (..., d) to `bits`, fp16 scale and offset, over
+    the row's min-max range; with `clip`, the cache's own quantizer, which also tries ranges
+    cut at both ends and keeps the least squared error (kv_quant.quantize_packed)."""
+    if clip:
+        return kv_quant.dequantize_packed(*kv_quant.quantize_packed(y, bits), bits, y.dtype)
     lo = y.amin(-1, keepdim=True).half().float()
     levels = 2 ** bits - 1
     s = ((y.amax(-1, keepdim=True) - lo) / levels).clamp_min(2 ** -14).half().float()
     return torch.round((y - lo) / s).clamp(0, levels) * s + lo
 
 
-def quantizer(bits: str):
+def quantizer(bits: str, clip: bool = False):
     """'fp' -> None; '<b>' -> x -> H fake_asym(H x) (H the cache's Hadamard rotation)."""
     if bits == "fp":
         return None
     b = int(bits)
-    if not 2 <= b <= 8:
-        raise SystemExit(f"bit width {b} is outside 2..8")
-    return lambda x: kv_quant.hadamard_transform(fake_asym(kv_quant.hadamard_transform(x), b))
+    if not 2 <= b <= (7 if clip else 8):
+        raise SystemExit(f"bit width {b} is outside 2..{7 if clip else 8}")
+    return lambda x: kv_quant.hadamard_transform(fake_asym(kv_quant.hadamard_transform(x), b, clip))
 
 
 def parse(name: str) -> tuple:
@@ -61,11 +69,14 @@ def parse(name: str) -> tuple:
     if name == "fp32":
         return None, None, 0, 256
     parts = name.split("-")
-    if len(parts) not in (2, 3) or parts[0][:1] != "K" or parts[1][:1] != "V":
-        raise SystemExit(f"variant {name!r}: expected K<bits>-V<bits>[-sink<n>]")
-    sink = int(parts[2][4:]) if len(parts) == 3 else 0
+    flags = parts[2:]
+    if len(parts) < 2 or parts[0][:1] != "K" or parts[1][:1] != "V" or not all(
+            f == "clip" or (f.startswith("sink") and f[4:].isdigit()) for f in flags):
+        raise SystemExit(f"variant {name!r}: expected K<bits>-V<bits>[-clip][-sink<n>]")
+    sink = next((int(f[4:]) for f in flags if f.startswith("sink")), 0)
+    clip = "clip" in flags
     size = sum(128 if b == "fp" else 64 * int(b) // 8 + 4 for b in (parts[0][1:], parts[1][1:]))
-    return quantizer(parts[0][1:]), quantizer(parts[1][1:]), sink, size
+    return quantizer(parts[0][1:], clip), quantizer(parts[1][1:], clip), sink, size
 
 
 def main() -> None:

@@ -40,8 +40,8 @@ def fake_int4_groups(x: torch.Tensor, group: int, symmetric: bool = False) -> to
     if symmetric:  # levels -7..7, one fp16 scale per group
         s = (g.abs().amax(-1, keepdim=True) / 7).clamp_min(2 ** -14).half().float()
         return (torch.round(g / s).clamp(-7, 7) * s).reshape(T, h, d)
-    packed, scale, offset = kv_quant.quantize_int4(g)
-    return kv_quant.dequantize_int4(packed, scale, offset, torch.float32).reshape(T, h, d)
+    packed, scale, offset = kv_quant.quantize_packed(g, 4)
+    return kv_quant.dequantize_packed(packed, scale, offset, 4, torch.float32).reshape(T, h, d)
 
 
 def fake_per_channel(x: torch.Tensor, block: int, bits: int) -> torch.Tensor:
@@ -62,7 +62,7 @@ def fake_int8(x: torch.Tensor) -> torch.Tensor:
 
 
 def fake_int4(x: torch.Tensor) -> torch.Tensor:
-    return kv_quant.dequantize_int4(*kv_quant.quantize_int4(x), torch.float32)
+    return kv_quant.dequantize_packed(*kv_quant.quantize_packed(x, 4), 4, torch.float32)
 
 
 def rotated(fake):

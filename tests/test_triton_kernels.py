@@ -28,7 +28,7 @@ if not ON_GPU:
     os.environ["TRITON_INTERPRET"] = "1"
 triton = pytest.importorskip("triton")
 
-from qserve.kernels.kv_quant import kv_parts  # noqa: E402
+from qserve.kernels.kv_quant import PACKED_BITS, kv_parts, packed_bytes  # noqa: E402
 from qserve.kernels.paged_attention import (PagedAttentionMetadata, _decode_attention,  # noqa: E402
                                             paged_attention)
 from qserve.kernels.paged_attention import write_kv as ref_write_kv  # noqa: E402
@@ -40,7 +40,7 @@ from qserve.quant.schemes import WeightScheme, quantize  # noqa: E402
 
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
-KV_DTYPES = (F16, BF16, F32, torch.int8, torch.uint8)  # uint8: int4 packed two a byte
+KV_DTYPES = (F16, BF16, F32, torch.int8, torch.uint8)  # uint8: int4 (5-bit K, 3-bit V codes)
 
 
 @pytest.fixture(autouse=True)
@@ -116,10 +116,12 @@ def test_dequant_matmul_split_k_and_no_bias():
 
 # ---- paged cache fixtures ----------------------------------------------------------------
 def _empty_cache(num_blocks, page, hkv, d, kv_dtype, fill=0.0):
-    shape = (num_blocks, page, hkv, d // 2 if kv_dtype == torch.uint8 else d)
-    cache = {w: torch.full(shape, fill, device=DEVICE).to(kv_dtype) for w in "kv"}
-    for part in kv_parts(kv_dtype):
-        for w in "kv":
+    cache = {}
+    for w in "kv":
+        width = packed_bytes(d, PACKED_BITS[w]) if kv_dtype == torch.uint8 else d
+        shape = (num_blocks, page, hkv, width)
+        cache[w] = torch.full(shape, fill, device=DEVICE).to(kv_dtype)
+        for part in kv_parts(kv_dtype):
             cache[f"{w}_{part}"] = torch.full(shape[:3], fill, device=DEVICE, dtype=F16)
     return cache
 

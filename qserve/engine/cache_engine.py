@@ -8,7 +8,8 @@ per-(token, head) scales and offsets beside them, so swap / copy move values and
     --kv-dtype      "k", "v", per block                 companions, per block: (bs, hkv) fp16
     fp32/fp16/bf16  (bs, hkv, d) float                  -
     int8            (bs, hkv, d) int8                   k_scale, v_scale
-    int4            (bs, hkv, d / 2) uint8, 2 per byte  k_scale, k_offset, v_scale, v_offset
+    int4            k (bs, hkv, 5d / 8) uint8 packed,   k_scale, k_offset, v_scale, v_offset
+                    v (bs, hkv, 3d / 8): 5-bit keys, 3-bit values, 4 bits a value on average
 
 The KV "dtype" passed around is the storage dtype of the values: torch.int8 means int8 KV,
 torch.uint8 means packed int4 KV (kernels/kv_quant.py).
@@ -28,7 +29,7 @@ import torch
 from qserve.config import CacheConfig, ModelArchConfig
 from qserve.errors import ConfigError
 from qserve.kernels import cpu_ops
-from qserve.kernels.kv_quant import SCALE_DTYPE, kv_parts
+from qserve.kernels.kv_quant import PACKED_BITS, SCALE_DTYPE, kv_parts, packed_bytes
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # --kv-dtype name -> storage dtype of the K/V values
@@ -47,10 +48,15 @@ def cache_tensor_specs(arch: ModelArchConfig, block_size: int, dtype: torch.dtyp
                        ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Per-block shape and dtype of each named cache tensor (leading num_layers/num_blocks
     dimensions left out)."""
-    d = arch.head_dim // 2 if dtype == torch.uint8 else arch.head_dim
-    shape = (block_size, arch.num_kv_heads, d)
     specs = {}
     for which in ("k", "v"):
+        d = arch.head_dim
+        if dtype == torch.uint8:
+            if d % 8:
+                raise ConfigError(f"--kv-dtype int4 needs a head_dim divisible by 8; this "
+                                  f"model's is {d}")
+            d = packed_bytes(d, PACKED_BITS[which])
+        shape = (block_size, arch.num_kv_heads, d)
         specs[which] = (shape, dtype)
         for part in kv_parts(dtype):
             specs[f"{which}_{part}"] = (shape[:2], SCALE_DTYPE)
