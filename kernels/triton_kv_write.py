@@ -74,10 +74,12 @@ def _kv_write_kernel(
     stride_xt, stride_xh, stride_xd,
     stride_vb, stride_vs, stride_vh, stride_vd, stride_sb, stride_ss, stride_sh,
     # meta-parameters
-    QUANT: tl.constexpr, BITS: tl.constexpr, BLOCK_D: tl.constexpr, LOG2_N: tl.constexpr,
+    QUANT: tl.constexpr, BITS: tl.constexpr, LEVELS: tl.constexpr, BLOCK_D: tl.constexpr,
+    LOG2_N: tl.constexpr,
 ):
     """Program (t, h) writes token t's head h, and its dequantized values rotated back to
-    deq (T, Hkv, D) fp32; QUANT as load_kv_tile's, BITS the width of int4 KV's codes."""
+    deq (T, Hkv, D) fp32; QUANT as load_kv_tile's, BITS the width of int4 KV's codes and
+    LEVELS = 2^BITS - 1 as a float (what div_rn takes)."""
     pid_t = tl.program_id(0)
     head = tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_D)
@@ -100,17 +102,16 @@ def _kv_write_kernel(
             tl.store(v_ptr + row + offs_d * stride_vd, q.to(tl.int8), mask=mask)
             deq = q * s
         else:
-            levels: tl.constexpr = (1 << BITS) - 1.0  # a float, as div_rn takes
             lo = tl.min(tl.where(mask, y, float("inf")), axis=0)
             hi = tl.max(tl.where(mask, y, float("-inf")), axis=0)
             # kv_quant.CLIP_DIVISORS, in order; a later cut wins only with a smaller error
-            q, s, m, err = _clip_candidate(y, mask, lo, hi, 0.0, levels)
-            q, s, m, err = _keep_better(q, s, m, err, y, mask, lo, hi, 40.0, levels)
-            q, s, m, err = _keep_better(q, s, m, err, y, mask, lo, hi, 20.0, levels)
-            q, s, m, err = _keep_better(q, s, m, err, y, mask, lo, hi, 14.0, levels)
-            q, s, m, err = _keep_better(q, s, m, err, y, mask, lo, hi, 10.0, levels)
-            q, s, m, err = _keep_better(q, s, m, err, y, mask, lo, hi, 8.0, levels)
-            q, s, m, err = _keep_better(q, s, m, err, y, mask, lo, hi, 7.0, levels)
+            q, s, m, err = _clip_candidate(y, mask, lo, hi, 0.0, LEVELS)
+            q, s, m, err = _keep_better(q, s, m, err, y, mask, lo, hi, 40.0, LEVELS)
+            q, s, m, err = _keep_better(q, s, m, err, y, mask, lo, hi, 20.0, LEVELS)
+            q, s, m, err = _keep_better(q, s, m, err, y, mask, lo, hi, 14.0, LEVELS)
+            q, s, m, err = _keep_better(q, s, m, err, y, mask, lo, hi, 10.0, LEVELS)
+            q, s, m, err = _keep_better(q, s, m, err, y, mask, lo, hi, 8.0, LEVELS)
+            q, s, m, err = _keep_better(q, s, m, err, y, mask, lo, hi, 7.0, LEVELS)
             code = q.to(tl.int32)
             if BITS & 4:
                 _store_plane(v_ptr + row, code, D, stride_vd, 0, 4, BLOCK_D)
@@ -154,8 +155,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, cache: dict[str, torch.Tensor],
             _kv_write_kernel[(T, hkv)](
                 x, slot_mapping, *kv_args(cache, which)[:3], deq,
                 d, page, had_scale, *x.stride(), *kv_args(cache, which)[3:],
-                QUANT=quant, BITS=PACKED_BITS[which], BLOCK_D=max(8, triton.next_power_of_2(d)),
-                LOG2_N=log2_n,
+                QUANT=quant, BITS=PACKED_BITS[which], LEVELS=2.0 ** PACKED_BITS[which] - 1,
+                BLOCK_D=max(8, triton.next_power_of_2(d)), LOG2_N=log2_n,
             )
         out.append(deq.to(k.dtype))
     return out[0], out[1]
