@@ -1,6 +1,7 @@
 /* CPU fast path: fused dequant-matmul over packed int4/int8 weights, and decode-time paged
- * attention and KV writes over fp32/fp16/bf16/int8/int4 KV blocks (int4 KV: keys in 5-bit and
- * values in 3-bit packed codes, kernels/kv_quant.py).
+ * attention and KV writes over fp32/fp16/bf16/int8/int4 KV blocks (int4 KV: keys coded per
+ * channel through the layer's calibrated codebook, values as rotated 4-bit codes;
+ * kernels/kv_quant.py).
  *
  * Plain C99 + OpenMP, written so that gcc/clang vectorize the inner loops for whatever the
  * build machine has (-march=native: AVX2 on the Zen 3 dev box, AVX-512 or NEON elsewhere). No torch headers:
@@ -505,40 +506,25 @@ void q8_dequant(const int8_t *qw, const half *scales, int64_t N, int64_t K, int6
 /* ---- KV cache ----------------------------------------------------------------------------- */
 
 enum { KV_FP32 = 0, KV_FP16 = 1, KV_BF16 = 2, KV_INT8 = 3, KV_INT4 = 4 };
-/* Code widths of int4 KV (kernels/kv_quant.py K_BITS, V_BITS): 4 bits a value on average. */
-enum { KV_K_BITS = 5, KV_V_BITS = 3 };
+#define MAX_HEAD_DIM 1024 /* kernels/cpu_ops.py MAX_HEAD_DIM: the stack buffers below */
 
-/* Packed KV codes (kernels/kv_quant.py pack): a `bits`-wide code is split into planes of
- * widths 4, 2, 1 (those set in bits, low bits first), stored one plane after another; in a
- * plane of width w, element e sits in byte e * w / 8 at bit e * w % 8. d % 8 == 0, so a vector
- * takes d * bits / 8 bytes. */
-static inline unsigned packed_code(const uint8_t *p, int d, int bits, int e)
-{
-    unsigned q = 0;
-    int start = 0, shift = 0;
-    for (int w = 4; w >= 1; w /= 2)
-        if (bits & w) {
-            q |= ((unsigned)(p[start + e * w / 8] >> (e * w % 8)) & ((1u << w) - 1)) << shift;
-            start += d * w / 8;
-            shift += w;
-        }
-    return q;
-}
-
-static void pack_codes(const uint8_t *q, int d, int bits, uint8_t *p)
-{
-    int start = 0, shift = 0;
-    for (int w = 4; w >= 1; w /= 2)
-        if (bits & w) {
-            memset(p + start, 0, (size_t)(d * w / 8));
-            for (int e = 0; e < d; e++) {
-                const unsigned field = (q[e] >> shift) & ((1u << w) - 1);
-                p[start + e * w / 8] |= (uint8_t)(field << (e * w % 8));
-            }
-            start += d * w / 8;
-            shift += w;
-        }
-}
+/* One layer's KV cache: the tensors of kernels/cpu_ops.py KV_TENSORS, in that order, NULL where
+ * the kind has none. Shapes, with slot = block * block_size + offset:
+ *   k, v                 (num_blocks, block_size, hkv, d): fp32/fp16/bf16/int8, or for int4
+ *                        (..., d / 2) uint8 packed codes
+ *   k_scale, v_scale     (num_blocks, block_size, hkv) fp16: int8 and int4 (k_scale is t)
+ *   v_offset             (num_blocks, block_size, hkv) fp16: int4 only
+ *   k_sigma, k_width, k_start   (hkv, d) fp32 / int32 / int32: int4 keys' codebook
+ * Python passes it as 8 int64 addresses (KV_TENSORS), so the layout is 8 pointers. */
+typedef struct {
+    void *k;
+    half *k_scale;
+    void *v;
+    half *v_scale, *v_offset;
+    const float *k_sigma;
+    const int32_t *k_width, *k_start;
+} kv_layer;
+_Static_assert(sizeof(kv_layer) == 8 * sizeof(int64_t), "kv_layer is 8 int64 addresses");
 
 static inline float bf16_to_f32(uint16_t h)
 {
@@ -579,10 +565,12 @@ static void hadamard(float *x, int d)
     }
 }
 
-/* Read one (slot, head) vector of a K or V cache into f[d] fp32 (still Hadamard-rotated for
- * int8/int4: attention works in the rotated basis); `bits` is the code width for int4 KV. */
-static inline void kv_load(int kind, int bits, const void *vals, const half *scale,
-                           const half *offset, int64_t idx, int d, float *f)
+/* Read one (slot, head) vector of a cache into f[d] fp32, for every kind but int4 keys
+ * (key4_load): int8 and int4 vectors are still Hadamard-rotated (attention works in the
+ * rotated basis). int4 here is values: 4-bit codes, element 2j in the low nibble of byte j,
+ * x = code * scale + offset. */
+static inline void kv_load(int kind, const void *vals, const half *scale, const half *offset,
+                           int64_t idx, int d, float *f)
 {
     switch (kind) {
     case KV_FP32:
@@ -607,19 +595,20 @@ static inline void kv_load(int kind, int bits, const void *vals, const half *sca
             f[j] = (float)p[j] * s;
         break;
     }
-    default: { /* KV_INT4: packed codes */
-        const uint8_t *p = (const uint8_t *)vals + idx * (d * bits / 8);
+    default: {
+        const uint8_t *p = (const uint8_t *)vals + idx * (d / 2);
         const float s = (float)scale[idx], o = (float)offset[idx];
         for (int j = 0; j < d; j++)
-            f[j] = (float)packed_code(p, d, bits, j) * s + o;
+            f[j] = (float)((p[j / 2] >> (j % 2 * 4)) & 15) * s + o;
     }
     }
 }
 
 /* Quantize and store one vector x[d] (fp32) at index idx = slot * hkv + head, as
- * kernels/kv_quant.py quantize() does, bit for bit; `bits` as for kv_load. x is clobbered. */
-static void kv_store(int kind, int bits, void *vals, half *scale, half *offset, int64_t idx,
-                     int d, float *x)
+ * kernels/kv_quant.py quantize() does, bit for bit, for every kind but int4 keys (key4_store).
+ * x is clobbered. */
+static void kv_store(int kind, void *vals, half *scale, half *offset, int64_t idx, int d,
+                     float *x)
 {
     const float tiny = 6.103515625e-05f; /* 2^-14 */
     switch (kind) {
@@ -651,18 +640,18 @@ static void kv_store(int kind, int bits, void *vals, half *scale, half *offset, 
         scale[idx] = sh;
         return;
     }
-    default: {
+    default: { /* int4 values: kv_quant.quantize_packed(H x, 4) */
         hadamard(x, d);
         float lo = x[0], hi = x[0];
         for (int j = 1; j < d; j++) {
-            lo = fminf(lo, x[j]);
-            hi = fmaxf(hi, x[j]);
+            lo = x[j] < lo ? x[j] : lo;
+            hi = x[j] > hi ? x[j] : hi;
         }
         /* each range cut of kv_quant.CLIP_DIVISORS, keeping the least squared error (fp64:
          * every residual is exact there, so the choice is the reference's) */
         static const float divisors[] = {0.f, 40.f, 20.f, 14.f, 10.f, 8.f, 7.f};
-        const float levels = (float)((1 << bits) - 1);
-        uint8_t q[1024], best[1024];
+        const float levels = 15.f;
+        float q[MAX_HEAD_DIM], best[MAX_HEAD_DIM]; /* codes as floats: the loops vectorize */
         double best_err = INFINITY;
         half best_s = 0, best_o = 0;
         for (int c = 0; c < (int)(sizeof divisors / sizeof divisors[0]); c++) {
@@ -671,13 +660,14 @@ static void kv_store(int kind, int bits, void *vals, half *scale, half *offset, 
             const float o = (float)oh;
             const half sh = (half)fmaxf((hi - cut - o) / levels, tiny);
             const float s = (float)sh;
-            double acc[8] = {0.0}; /* 8 partial sums (d % 8 == 0), so the loop vectorizes */
+            for (int j = 0; j < d; j++) {
+                const float v = nearbyintf((x[j] - o) / s);
+                q[j] = v > 0.f ? (v < levels ? v : levels) : 0.f;
+            }
+            double acc[8] = {0.0}; /* 8 partial sums (d % 8 == 0), 2 vectors of 4 */
             for (int j = 0; j < d; j += 8)
                 for (int u = 0; u < 8; u++) {
-                    float v = nearbyintf((x[j + u] - o) / s);
-                    v = v < 0.f ? 0.f : v > levels ? levels : v;
-                    q[j + u] = (uint8_t)v;
-                    const double r = (double)v * s + o - x[j + u];
+                    const double r = (double)q[j + u] * s + o - x[j + u];
                     acc[u] += r * r;
                 }
             double err = 0.0;
@@ -685,31 +675,77 @@ static void kv_store(int kind, int bits, void *vals, half *scale, half *offset, 
                 err += acc[u];
             if (err < best_err) {
                 best_err = err;
-                memcpy(best, q, (size_t)d);
+                memcpy(best, q, sizeof(float) * (size_t)d);
                 best_s = sh;
                 best_o = oh;
             }
         }
-        pack_codes(best, d, bits, (uint8_t *)vals + idx * (d * bits / 8));
+        uint8_t *p = (uint8_t *)vals + idx * (d / 2);
+        for (int j = 0; j < d; j += 2)
+            p[j / 2] = (uint8_t)((int)best[j] | (int)best[j + 1] << 4);
         scale[idx] = best_s;
         offset[idx] = best_o;
     }
     }
 }
 
-/* Write T tokens' K and V (T, hkv, d) fp32 into their slots. */
-void kv_write(int kind, const float *k, const float *v, const int64_t *slots, int64_t T,
-              int64_t hkv, int d, void *kc, half *ks, half *ko, void *vc, half *vs, half *vo)
+/* int4 keys through the head's codebook (sigma, width: d each), as kv_quant.quantize_keys,
+ * bit for bit:
+ *     z_j = x_j / sigma_j      t = fp16(clamp(max |z_j| over b_j > 0, 2^-14, 65504))
+ *     code_j = floor((z_j + t) / (t / 2^(b_j - 1)))  clamped to [0, 2^b_j - 1]
+ * Each step is one IEEE operation as in the reference (divisions: nothing a compiler could
+ * fuse into an FMA). Codes go to p[d / 2] as a little-endian bit stream, channel after
+ * channel, low bit first: channel j starts at bit sum_{i<j} b_i, its k_start. */
+static void key4_store(const float *x, const float *sigma, const int32_t *width, int d,
+                       uint8_t *p, half *t_out)
 {
-    float buf[1024];
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t h = 0; h < hkv; h++) {
-            const int64_t src = (t * hkv + h) * d, idx = slots[t] * hkv + h;
+    float z[MAX_HEAD_DIM];
+    uint8_t code[MAX_HEAD_DIM];
+    float zmax = 0.f;
+    for (int j = 0; j < d; j++) {
+        z[j] = x[j] / sigma[j];
+        const float a = fabsf(z[j]);
+        zmax = width[j] > 0 && a > zmax ? a : zmax;
+    }
+    const half th = (half)fminf(fmaxf(zmax, 6.103515625e-05f), 65504.f);
+    const float t = (float)th;
+    for (int j = 0; j < d; j++) {
+        /* half_j = 2^(b_j - 1), a power of two, so t / half_j is exact; b_j = 0 gives
+         * t / 0 = inf and code 0, never stored */
+        const float half_j = (float)((1 << width[j]) >> 1), top = (float)((1 << width[j]) - 1);
+        const float c = floorf((z[j] + t) / (t / half_j));
+        code[j] = (uint8_t)(c > 0.f ? (c < top ? c : top) : 0.f); /* NaN -> 0 */
+    }
+    uint32_t bits = 0; /* pending bits, the oldest lowest: at most 7 + 8 */
+    int nbits = 0;
+    for (int j = 0; j < d; j++) {
+        bits |= (uint32_t)code[j] << nbits;
+        for (nbits += width[j]; nbits >= 8; nbits -= 8, bits >>= 8)
+            *p++ = (uint8_t)bits;
+    }
+    /* the widths sum to 4 d bits: exactly d / 2 bytes written, nothing left pending */
+    *t_out = th;
+}
+
+/* Write T tokens' K and V (T, hkv, d) fp32 into their slots. Parallel over (token, head)
+ * once there are enough to pay for waking the threads (one takes ~2 us at d = 64). */
+void kv_write(int kind, const float *k, const float *v, const int64_t *slots, int64_t T,
+              int64_t hkv, int d, const kv_layer *c, int nthreads)
+{
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (T * hkv >= 16)
+    for (int64_t i = 0; i < T * hkv; i++) {
+        const int64_t h = i % hkv, src = i * d, idx = slots[i / hkv] * hkv + h;
+        float buf[MAX_HEAD_DIM];
+        if (kind == KV_INT4) {
+            key4_store(k + src, c->k_sigma + h * d, c->k_width + h * d, d,
+                       (uint8_t *)c->k + idx * (d / 2), c->k_scale + idx);
+        } else {
             memcpy(buf, k + src, sizeof(float) * d);
-            kv_store(kind, KV_K_BITS, kc, ks, ko, idx, d, buf);
-            memcpy(buf, v + src, sizeof(float) * d);
-            kv_store(kind, KV_V_BITS, vc, vs, vo, idx, d, buf);
+            kv_store(kind, c->k, c->k_scale, NULL, idx, d, buf);
         }
+        memcpy(buf, v + src, sizeof(float) * d);
+        kv_store(kind, c->v, c->v_scale, c->v_offset, idx, d, buf);
+    }
 }
 
 /* a . b with 8 independent partial sums, so the compiler keeps them in one vector register
@@ -775,38 +811,106 @@ static inline __m256 dots8(const float *q, const float *k, int d)
 }
 #endif
 
-#ifdef HAVE_ATT_SIMD
-/* f[0..d) = code * s + o for a packed vector p (kv_load's int4 case), 8 codes at a time: each
- * plane's w bytes for those 8 codes are broadcast to 8 lanes and lane i shifts by i * w. Called
- * with constant bits, so the plane loop unrolls. */
-static inline void load_packed(const uint8_t *p, int d, int bits, __m256 s, __m256 o, float *f)
+/* int4 keys as the readers want a layer's codebook: per kv head, d / 8 groups of 8 channels.
+ * Channel j's code lies in the 4 bytes from base_j = min(start_j / 8, d / 2 - 4) (clamped, so
+ * the 4-byte read never leaves the vector), at bit shift_j = start_j - 8 base_j under
+ * mask_j = 2^b_j - 1 (shift_j + b_j <= 32). A group's 8 channels start within 56 bits of each
+ * other, so their 4-byte windows lie within the 16 bytes from
+ * gbase = max(0, min(start of its first channel / 8, d / 2 - 16)): one 16-byte load and one
+ * byte shuffle bring every channel's 4 bytes into its lane. The key is then
+ *     x_j = t (alpha_j code_j + beta_j),  alpha_j = sigma_j / half_j,
+ *     beta_j = sigma_j (0.5 / half_j - 1),  half_j = 2^(b_j - 1)   (0 and 0 for b_j = 0):
+ * kv_quant.dequantize_keys' sigma_j ((code_j + 1/2) t / half_j - t), regrouped. */
+typedef struct {
+    uint8_t shuf[32]; /* lane i's 4 bytes are bytes shuf[4i] .. shuf[4i] + 3 from gbase */
+    int32_t shift[8], mask[8];
+    float alpha[8], beta[8];
+    int32_t gbase;
+} __attribute__((aligned(32))) key4_group;
+
+/* (hkv, d / 8) groups for the codebook (sigma, width, start: (hkv, d) each); free() it. */
+static key4_group *key4_groups(const float *sigma, const int32_t *width, const int32_t *start,
+                               int64_t hkv, int d)
 {
-    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    for (int e = 0; e < d; e += 8) {
-        __m256i q = _mm256_setzero_si256();
-        int start = 0, shift = 0;
-        for (int w = 4; w >= 1; w /= 2)
-            if (bits & w) {
-                uint32_t word = 0;
-                memcpy(&word, p + start + e * w / 8, (size_t)w);
-                __m256i field = _mm256_srlv_epi32(_mm256_set1_epi32((int)word),
-                                                  _mm256_mullo_epi32(lane, _mm256_set1_epi32(w)));
-                field = _mm256_and_si256(field, _mm256_set1_epi32((1 << w) - 1));
-                q = _mm256_or_si256(q, _mm256_sllv_epi32(field, _mm256_set1_epi32(shift)));
-                start += d * w / 8;
-                shift += w;
-            }
-        _mm256_storeu_ps(f + e, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), s, o));
+    const int nbytes = d / 2, ng = d / 8;
+    key4_group *groups = aligned_alloc(32, sizeof(key4_group) * (size_t)(hkv * ng));
+    for (int64_t gi = 0; gi < hkv * ng; gi++) {
+        key4_group *G = groups + gi;
+        const int64_t j0 = gi * 8; /* (hkv, d) index of the group's first channel */
+        const int first = start[j0] / 8 < nbytes - 16 ? start[j0] / 8 : nbytes - 16;
+        G->gbase = first > 0 ? first : 0;
+        for (int i = 0; i < 8; i++) {
+            const int b = width[j0 + i], s = start[j0 + i];
+            const int base = s / 8 < nbytes - 4 ? s / 8 : nbytes - 4;
+            for (int u = 0; u < 4; u++)
+                G->shuf[4 * i + u] = (uint8_t)(base - G->gbase + u);
+            G->shift[i] = b ? s - 8 * base : 0; /* b = 0 may start at bit 4 d: no shift by 32 */
+            G->mask[i] = (1 << b) - 1;
+            const float half_j = (float)(1 << b) / 2.f, sg = sigma[j0 + i];
+            G->alpha[i] = b ? sg / half_j : 0.f;
+            G->beta[i] = b ? sg * (0.5f / half_j - 1.f) : 0.f;
+        }
+    }
+    return groups;
+}
+
+/* Key idx = slot * hkv + head of an int4 cache into f[d] fp32; G: that head's d / 8 groups. */
+static inline void key4_load(const key4_group *G, const uint8_t *vals, const half *scale,
+                             int64_t idx, int d, float *f)
+{
+    const uint8_t *p = vals + idx * (d / 2);
+    const float t = (float)scale[idx];
+    for (int j = 0; j < d; j++) {
+        const key4_group *g = G + j / 8;
+        const int i = j % 8;
+        const uint8_t *w = p + g->gbase + g->shuf[4 * i];
+        const uint32_t word = w[0] | (uint32_t)w[1] << 8 | (uint32_t)w[2] << 16 |
+                              (uint32_t)w[3] << 24;
+        const float code = (float)((word >> g->shift[i]) & (uint32_t)g->mask[i]);
+        f[j] = t * (g->alpha[i] * code + g->beta[i]);
+    }
+}
+
+#ifdef HAVE_ATT_SIMD
+/* key4_load, 8 channels a step: broadcast the group's 16 bytes to both 128-bit lanes (a byte
+ * shuffle stays within its lane), shuffle each channel's 4 bytes into its 32-bit lane, shift,
+ * mask, scale. Needs d >= 32 (16 bytes to load). */
+static inline void key4_load_simd(const key4_group *G, const uint8_t *vals, const half *scale,
+                                  int64_t idx, int d, float *f)
+{
+    const uint8_t *p = vals + idx * (d / 2);
+    const __m256 t = _mm256_set1_ps((float)scale[idx]);
+    for (int j = 0; j < d; j += 8, G++) {
+        const __m256i bytes = _mm256_broadcastsi128_si256(
+            _mm_loadu_si128((const __m128i *)(p + G->gbase)));
+        __m256i code = _mm256_shuffle_epi8(bytes, _mm256_load_si256((const __m256i *)G->shuf));
+        code = _mm256_srlv_epi32(code, _mm256_load_si256((const __m256i *)G->shift));
+        code = _mm256_and_si256(code, _mm256_load_si256((const __m256i *)G->mask));
+        const __m256 x = _mm256_fmadd_ps(_mm256_cvtepi32_ps(code), _mm256_load_ps(G->alpha),
+                                         _mm256_load_ps(G->beta));
+        _mm256_storeu_ps(f + j, _mm256_mul_ps(x, t));
     }
 }
 #endif
 
-/* One (slot, head) vector of a K or V cache as fp32, vectorized where the layout allows. */
-static inline void kv_load_fast(int kind, int bits, const void *vals, const half *scale,
+static inline void key4_load_fast(const key4_group *G, const uint8_t *vals, const half *scale,
+                                  int64_t idx, int d, float *f)
+{
+#ifdef HAVE_ATT_SIMD
+    if (d >= 32) {
+        key4_load_simd(G, vals, scale, idx, d, f);
+        return;
+    }
+#endif
+    key4_load(G, vals, scale, idx, d, f);
+}
+
+/* kv_load, vectorized where the layout allows (d % 8 == 0). */
+static inline void kv_load_fast(int kind, const void *vals, const half *scale,
                                 const half *offset, int64_t idx, int d, float *f)
 {
 #ifdef HAVE_ATT_SIMD
-    if (d % 16 == 0) {
+    if (d % 8 == 0) {
         switch (kind) {
         case KV_FP32:
             memcpy(f, (const float *)vals + idx * d, sizeof(float) * d);
@@ -832,21 +936,24 @@ static inline void kv_load_fast(int kind, int bits, const void *vals, const half
                 _mm256_storeu_ps(f + j, _mm256_mul_ps(i8_to_ps(_mm_loadl_epi64((const __m128i *)(p + j))), s));
             return;
         }
-        default: { /* int4: packed codes */
-            const uint8_t *p = (const uint8_t *)vals + idx * (d * bits / 8);
+        default: { /* int4 values: 8 codes are 4 bytes, broadcast to 8 lanes, lane i >> 4 i */
+            const uint8_t *p = (const uint8_t *)vals + idx * (d / 2);
             const __m256 s = _mm256_set1_ps((float)scale[idx]), o = _mm256_set1_ps((float)offset[idx]);
-            if (bits == KV_K_BITS)
-                load_packed(p, d, KV_K_BITS, s, o, f);
-            else if (bits == KV_V_BITS)
-                load_packed(p, d, KV_V_BITS, s, o, f);
-            else
-                break;
+            const __m256i shift = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+            const __m256i mask = _mm256_set1_epi32(15);
+            for (int j = 0; j < d; j += 8) {
+                int32_t word;
+                memcpy(&word, p + j / 2, 4);
+                const __m256i q =
+                    _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shift), mask);
+                _mm256_storeu_ps(f + j, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), s, o));
+            }
             return;
         }
         }
     }
 #endif
-    kv_load(kind, bits, vals, scale, offset, idx, d, f);
+    kv_load(kind, vals, scale, offset, idx, d, f);
 }
 
 /* s[t] = scale * q . k[t] for n rows k (n, d) */
@@ -920,25 +1027,26 @@ static void att_weighted_sum(const float *p, const float *v, int64_t n, int d, f
 #define ATT_PART 128
 
 /* Decode attention: one query per sequence against its paged context.
- *   q (B, H, d) fp32; out (B, H, d) fp32; tables (B, max_blocks); seq_lens (B,)
- *   K/V caches (num_blocks, block_size, hkv, d, or packed bytes for int4) with their
- *   (num_blocks, block_size, hkv) fp16 scales / offsets for int8 / int4.
+ *   q (B, H, d) fp32; out (B, H, d) fp32; tables (B, max_blocks); seq_lens (B,); c: the
+ *   layer's cache (kv_layer).
  * FlashDecoding-style: each task is ATT_PART positions of one sequence's context, so one long
  * sequence still keeps every thread busy. A task reads those positions' K and V rows for all
  * kv heads (contiguous within a block), converts them to fp32 once for the g = H / hkv query
  * heads that share each kv head, and keeps per query head the max score m, the sum l of
  * exp(score - m) and the exp-weighted sum of values; a second pass merges a sequence's parts
- * in order. Quantized KV holds y = H x, and H is symmetric orthonormal, so
- * q . x = (H q) . y and sum p x = H (sum p y): rotate the queries and the output, never the
+ * in order. int8 K and V and int4 V hold y = H x (int4 keys are not rotated: their codebook
+ * works on raw channels), and H is symmetric orthonormal, so q . x = (H q) . y and
+ * sum p x = H (sum p y): rotate the queries (int8) and the output (int8, int4), never the
  * context. */
 void paged_decode(int kind, const float *q, float *out, int64_t B, int64_t H, int64_t hkv, int d,
-                  const void *kc, const half *ks, const half *ko,
-                  const void *vc, const half *vs, const half *vo,
-                  const int64_t *tables, int64_t max_blocks, const int64_t *seq_lens,
-                  int64_t block_size, float scale, int64_t window, int nthreads)
+                  const kv_layer *c, const int64_t *tables, int64_t max_blocks,
+                  const int64_t *seq_lens, int64_t block_size, float scale, int64_t window,
+                  int nthreads)
 {
     const int64_t g = H / hkv;
-    const int rotated = kind == KV_INT8 || kind == KV_INT4;
+    const int rotate_q = kind == KV_INT8, rotate_out = kind == KV_INT8 || kind == KV_INT4;
+    key4_group *book = kind == KV_INT4 ? key4_groups(c->k_sigma, c->k_width, c->k_start, hkv, d)
+                                       : NULL;
     int64_t *first = malloc(sizeof(int64_t) * (size_t)(B + 1)); /* first part of sequence b */
     first[0] = 0;
     for (int64_t b = 0; b < B; b++) {
@@ -950,13 +1058,13 @@ void paged_decode(int kind, const float *q, float *out, int64_t B, int64_t H, in
     float *pacc = malloc(sizeof(float) * (size_t)(ntasks * H * d));
     float *pm = malloc(sizeof(float) * (size_t)(ntasks * H));
     float *pl = malloc(sizeof(float) * (size_t)(ntasks * H));
-    float *qrot = rotated ? malloc(sizeof(float) * (size_t)(B * H * d)) : NULL; /* H q */
+    float *qrot = rotate_q ? malloc(sizeof(float) * (size_t)(B * H * d)) : NULL; /* H q */
 #pragma omp parallel num_threads(nthreads)
     {
         float *kf = malloc(sizeof(float) * (size_t)(ATT_PART * hkv * d)); /* (hkv, n, d) */
         float *vf = malloc(sizeof(float) * (size_t)(ATT_PART * hkv * d));
         float *s = malloc(sizeof(float) * ATT_PART);
-        if (rotated) { /* each query rotated once, not once per part */
+        if (rotate_q) { /* each query rotated once, not once per part */
 #pragma omp for schedule(static)
             for (int64_t bq = 0; bq < B * H; bq++) {
                 memcpy(qrot + bq * d, q + bq * d, sizeof(float) * d);
@@ -982,10 +1090,13 @@ void paged_decode(int kind, const float *q, float *out, int64_t B, int64_t H, in
                 const int64_t pos = t0 + t;
                 const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
                 for (int64_t h = 0; h < hkv; h++) {
-                    kv_load_fast(kind, KV_K_BITS, kc, ks, ko, slot * hkv + h, d,
-                                 kf + (h * n + t) * d);
-                    kv_load_fast(kind, KV_V_BITS, vc, vs, vo, slot * hkv + h, d,
-                                 vf + (h * n + t) * d);
+                    const int64_t idx = slot * hkv + h;
+                    float *kr = kf + (h * n + t) * d, *vr = vf + (h * n + t) * d;
+                    if (kind == KV_INT4)
+                        key4_load_fast(book + h * (d / 8), c->k, c->k_scale, idx, d, kr);
+                    else
+                        kv_load_fast(kind, c->k, c->k_scale, NULL, idx, d, kr);
+                    kv_load_fast(kind, c->v, c->v_scale, c->v_offset, idx, d, vr);
                 }
             }
             for (int64_t qh = 0; qh < H; qh++) {
@@ -996,7 +1107,7 @@ void paged_decode(int kind, const float *q, float *out, int64_t B, int64_t H, in
                     memset(pacc + r * d, 0, sizeof(float) * d);
                     continue;
                 }
-                att_scores((rotated ? qrot : q) + (b * H + qh) * d, kf + h * n * d, n, d, scale,
+                att_scores((rotate_q ? qrot : q) + (b * H + qh) * d, kf + h * n * d, n, d, scale,
                            s);
                 pm[r] = att_softmax_part(s, n, pl + r);
                 att_weighted_sum(s, vf + h * n * d, n, d, pacc + r * d);
@@ -1023,7 +1134,7 @@ void paged_decode(int kind, const float *q, float *out, int64_t B, int64_t H, in
             const float inv = l > 0.f ? 1.f / l : 0.f;
             for (int j = 0; j < d; j++)
                 o[j] *= inv;
-            if (rotated)
+            if (rotate_out)
                 hadamard(o, d);
         }
         free(kf);
@@ -1031,6 +1142,7 @@ void paged_decode(int kind, const float *q, float *out, int64_t B, int64_t H, in
         free(s);
     }
     free(qrot);
+    free(book);
     free(first);
     free(pacc);
     free(pm);
@@ -1070,7 +1182,8 @@ void f32_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const float *
  * kernels/cpu_ops.py CpuDecoder, which builds them once from the model's tensors). */
 enum { LIN_DENSE = 0, LIN_Q4 = 1, LIN_Q8 = 2 };
 #define LIN_SLOTS 9 /* kind, weight/qweight, scales, offsets, bias, N, K, Kp, group_size */
-#define LAYER_SLOTS (2 + 4 * LIN_SLOTS + 6)
+/* norm weights, the 4 linears, then the layer's kv_layer */
+#define LAYER_SLOTS (2 + 4 * LIN_SLOTS + (int64_t)(sizeof(kv_layer) / sizeof(int64_t)))
 
 static void linear(const int64_t *L, const float *x, int64_t M, float *y, int i8, int nthreads)
 {
@@ -1156,7 +1269,9 @@ void decode_layers(const int64_t *layers, int64_t num_layers, float *x, int64_t 
     float *o = malloc(sizeof(float) * (size_t)(T * hidden));
     for (int64_t l = 0; l < num_layers; l++) {
         const int64_t *L = layers + l * LAYER_SLOTS;
-        const int64_t *lin = L + 2, *kvp = L + 2 + 4 * LIN_SLOTS;
+        const int64_t *lin = L + 2;
+        kv_layer cache;
+        memcpy(&cache, L + 2 + 4 * LIN_SLOTS, sizeof cache);
         rmsnorm(x, (const float *)L[0], T, hidden, eps, h);
         linear(lin, h, T, qkv, i8, nthreads);
         for (int64_t t = 0; t < T; t++) {
@@ -1168,12 +1283,9 @@ void decode_layers(const int64_t *layers, int64_t num_layers, float *x, int64_t 
             rope(q + t * qs, H, d, c, s);
             rope(k + t * kvs, hkv, d, c, s);
         }
-        kv_write(kv_kind, k, v, slots, T, hkv, d, (void *)kvp[0], (half *)kvp[1],
-                 (half *)kvp[2], (void *)kvp[3], (half *)kvp[4], (half *)kvp[5]);
-        paged_decode(kv_kind, q, att, T, H, hkv, d, (const void *)kvp[0], (const half *)kvp[1],
-                     (const half *)kvp[2], (const void *)kvp[3], (const half *)kvp[4],
-                     (const half *)kvp[5], tables, max_blocks, seq_lens, block_size, scale,
-                     window, nthreads);
+        kv_write(kv_kind, k, v, slots, T, hkv, d, &cache, nthreads);
+        paged_decode(kv_kind, q, att, T, H, hkv, d, &cache, tables, max_blocks, seq_lens,
+                     block_size, scale, window, nthreads);
         linear(lin + LIN_SLOTS, att, T, o, i8, nthreads);
         for (int64_t j = 0; j < T * hidden; j++)
             x[j] += o[j];

@@ -5,12 +5,15 @@ Cache layout, per layer: a dict of named tensors that share their two leading di
     cache["k"][block, offset, kv_head, :]   (num_blocks, block_size, num_kv_heads, head_dim)
     slot = block * block_size + offset      (the flat index a token's K/V is written to)
 
-With quantized KV (kernels/kv_quant.py) the values are int8, or for int4 KV packed codes of
-5 bits (keys) and 3 bits (values), whose last dimension is head_dim * bits / 8 bytes; each
-(slot, kv_head) has its scale (and int4 offset) beside them in the same slot:
+With quantized KV (kernels/kv_quant.py) the values are int8, or for int4 KV packed 4-bit
+codes on average (head_dim / 2 bytes); each (slot, kv_head) has its scale (and for int4
+values an offset) beside them in the same slot:
 
     cache["k_scale"][block, offset, kv_head]   (num_blocks, block_size, num_kv_heads) fp16
-    cache["k_offset"][block, offset, kv_head]  int4 only; likewise "v", "v_scale", "v_offset"
+    cache["v_offset"][block, offset, kv_head]  int4 values only; likewise "v", "v_scale"
+
+int4 keys are read through their layer's codebook, three (num_kv_heads, head_dim) tensors
+in the same dict that are per layer, not per block (kv_quant.CODEBOOK).
 
 Attention dequantizes only the context it gathers, into the query's dtype.
 
@@ -42,7 +45,7 @@ class PagedAttentionMetadata:
 
 def _names(cache: dict[str, torch.Tensor], which: str) -> tuple[str, ...]:
     """"k" -> ("k", "k_scale", ...): the tensors that together hold K (or V)."""
-    return (which,) + tuple(f"{which}_{p}" for p in kv_parts(cache[which].dtype))
+    return (which,) + tuple(f"{which}_{p}" for p in kv_parts(cache[which].dtype, which))
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, cache: dict[str, torch.Tensor],
@@ -57,11 +60,11 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, cache: dict[str, torch.Tensor],
     """
     out = []
     for which, x in (("k", k), ("v", v)):
-        parts = quantize(x, cache[which].dtype, which)
+        parts = quantize(x, cache[which].dtype, which, cache)
         for name, part in zip(_names(cache, which), parts):
             t = cache[name]
             t.view(-1, *t.shape[2:]).index_copy_(0, slot_mapping, part)
-        out.append(dequantize(parts, x.dtype, which))
+        out.append(dequantize(parts, x.dtype, which, cache))
     return out[0], out[1]
 
 
@@ -70,7 +73,7 @@ def _gather(cache: dict[str, torch.Tensor], which: str, block_table: torch.Tenso
     """(n,) block ids -> (length, hkv, d) contiguous, dequantized context of K or V."""
     ids = block_table[: -(-length // cache[which].shape[1])]
     parts = tuple(cache[name][ids].flatten(0, 1)[:length] for name in _names(cache, which))
-    return dequantize(parts, dtype, which)
+    return dequantize(parts, dtype, which, cache)
 
 
 def paged_attention(q: torch.Tensor, cache: dict[str, torch.Tensor],
@@ -127,7 +130,7 @@ def _decode_attention(q: torch.Tensor, cache: dict[str, torch.Tensor],
 
     def gather(which: str) -> torch.Tensor:  # (B, nblk * bs, hkv, d), dequantized
         return dequantize(tuple(cache[n][tables].flatten(1, 2) for n in _names(cache, which)),
-                          q.dtype, which)
+                          q.dtype, which, cache)
 
     k = gather("k").permute(0, 2, 3, 1)  # (B, hkv, d, L)
     v = gather("v").transpose(1, 2)  # (B, hkv, L, d)

@@ -10,10 +10,13 @@ context, read through the block table and dequantized in registers. The referenc
 
         out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s,     M = max_s m_s
 
-Quantized K/V hold H y (H the orthonormal symmetric Hadamard matrix, kv_quant.py), and
-q . (H y) = (H q) . y,  sum_n p_n H y_n = H sum_n p_n y_n: the kernel rotates q once and the
-reduction rotates the output once, so no token is ever rotated back. The rotation is the
-reference's own butterflies (`hadamard_rows`), the same adds in the same order.
+Quantized values hold H y (H the orthonormal symmetric Hadamard matrix, kv_quant.py), and
+sum_n p_n H y_n = H sum_n p_n y_n: the reduction rotates the output once, so no value is ever
+rotated back. int8 keys hold H y too, and q . (H y) = (H q) . y: the kernel rotates q once.
+int4 keys are not rotated (their per-channel codebook gives outlier channels the bits that
+the rotation would have spread them over), so q is used as it is, and each key is
+dequantized in the tile through its layer's codebook, loaded once per program. The rotation
+is the reference's own butterflies (`hadamard_rows`), the same adds in the same order.
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qserve.kernels.kv_quant import K_BITS, V_BITS, packed_bytes
+from qserve.kernels.kv_quant import CODEBOOK, KEY_BITS, VALUE_BITS, packed_bytes
 from qserve.kernels.paged_attention import PagedAttentionMetadata
 from qserve.kernels.triton_dequant_gemm import dot_dtype
 
@@ -48,49 +51,88 @@ def hadamard_args(d: int) -> tuple[float, int]:
 
 
 @triton.jit
-def packed_field(base, offs_d, mask, D, stride_d, BELOW: tl.constexpr, W: tl.constexpr):
-    """Bits BELOW .. BELOW + W of packed codes (kv_quant.pack): the plane of width W starts
-    after the D * BELOW / 8 bytes of the lower planes, and element e sits in its byte
-    e * W // 8 at bit e * W % 8 (neighbouring elements re-read a byte, from cache)."""
-    b = tl.load(base + ((D * BELOW) // 8 + (offs_d * W) // 8) * stride_d, mask=mask, other=0)
-    return ((b.to(tl.int32) >> ((offs_d * W) % 8)) & ((1 << W) - 1)) << BELOW
+def load_key_codebook(sigma_ptr, width_ptr, start_ptr, kv_head, D,
+                      QUANT: tl.constexpr, BLOCK_D: tl.constexpr):
+    """KV head `kv_head`'s row of an int4 cache's key codebook (kv_quant.CODEBOOK, each
+    (Hkv, D) contiguous) -> sigma (BLOCK_D,) fp32, width, start (BLOCK_D,) int32. Padding
+    channels read as width 0, sigma 1 (so they code and read 0); other caches read nothing."""
+    offs_d = tl.arange(0, BLOCK_D)
+    sigma = tl.full((BLOCK_D,), 1.0, tl.float32)
+    width = tl.zeros((BLOCK_D,), tl.int32)
+    start = width
+    if QUANT == 2:
+        mask = offs_d < D
+        sigma = tl.load(sigma_ptr + kv_head * D + offs_d, mask=mask, other=1.0)
+        width = tl.load(width_ptr + kv_head * D + offs_d, mask=mask, other=0)
+        start = tl.load(start_ptr + kv_head * D + offs_d, mask=mask, other=0)
+    return sigma, width, start
+
+
+@triton.jit
+def key_fields(width, start, D):
+    """Per channel of a key codebook: where its code lies in the D / 2-byte stream of
+    kv_quant.pack_keys, and the step of its levels in units of t.
+
+    A code of width <= 8 at bit `start` lies within the two bytes from
+    base = min(start // 8, D / 2 - 2), shifted right by start - 8 base (a code that starts in
+    the last byte ends there, so the clamped base still covers it). Returns (base, shift,
+    2^width - 1: the bit mask and the top code, 2^(1 - width): t / step). The last is
+    2^(8 - width) * 2^-7, exact, with no division for a GPU to approximate; at width 0 it
+    is 2, so a channel without bits reads (0 + 1/2) 2 t - t = 0."""
+    base = tl.minimum(start >> 3, D // 2 - 2)
+    return base, start - 8 * base, (1 << width) - 1, (256 >> width).to(tl.float32) * 0.0078125
+
+
+@triton.jit
+def dequant_key(code, t, step_units, sigma):
+    """kv_quant.dequantize_keys for broadcastable codes (float), t, 2^(1 - width) and sigma:
+    sigma ((code + 1/2) step - t) with step = t 2^(1 - width). step is exact and so is
+    (code + 1/2) step (at most 9 + 11 significant bits): with or without an FMA the result
+    is the reference's fp32, rounded the same twice."""
+    return ((code + 0.5) * (t * step_units) - t) * sigma
 
 
 @triton.jit
 def load_kv_tile(v_ptr, s_ptr, o_ptr, blk, off, kv_head, mask_n, D,
                  stride_vb, stride_vs, stride_vh, stride_vd, stride_sb, stride_ss, stride_sh,
-                 QUANT: tl.constexpr, BITS: tl.constexpr, BLOCK_D: tl.constexpr):
+                 cb_sigma, cb_width, cb_start,
+                 QUANT: tl.constexpr, KEYS: tl.constexpr, BLOCK_D: tl.constexpr):
     """(BLOCK_N,) block ids and offsets -> (BLOCK_N, BLOCK_D) fp32 values of one K or V head.
-    QUANT 0: stored as floats; 1: int8 * scale; 2: packed BITS-wide codes * scale + offset.
+    QUANT 0: stored as floats; 1: int8 * scale; 2, values (KEYS false): 4-bit codes
+    (kv_quant.pack: element e in byte e // 2 at bit 4 (e % 2)) * scale + offset; 2, keys: the
+    bit stream of the codebook cb_* (load_key_codebook) with t in the scale.
     Rows outside mask_n read 0 and touch no memory."""
     row = blk * stride_vb + off * stride_vs + kv_head * stride_vh  # (BLOCK_N,)
+    srow = blk * stride_sb + off * stride_ss + kv_head * stride_sh
     offs_d = tl.arange(0, BLOCK_D)
     mask = mask_n[:, None] & (offs_d < D)[None, :]
-    if QUANT == 2:
-        base = v_ptr + row[:, None]
-        code = tl.zeros((blk.shape[0], BLOCK_D), tl.int32)
-        if BITS & 4:
-            code |= packed_field(base, offs_d[None, :], mask, D, stride_vd, 0, 4)
-        if BITS & 2:
-            code |= packed_field(base, offs_d[None, :], mask, D, stride_vd, BITS & 4, 2)
-        if BITS & 1:
-            code |= packed_field(base, offs_d[None, :], mask, D, stride_vd, BITS & 6, 1)
-        x = code.to(tl.float32)
+    base = v_ptr + row[:, None]
+    if QUANT == 2 and KEYS:
+        first, shift, bits, step_units = key_fields(cb_width, cb_start, D)
+        ptrs = base + first[None, :] * stride_vd
+        lo = tl.load(ptrs, mask=mask, other=0).to(tl.int32)
+        hi = tl.load(ptrs + stride_vd, mask=mask, other=0).to(tl.int32)
+        code = (((hi << 8) | lo) >> shift[None, :]) & bits[None, :]  # (BN, BD)
+        t = tl.load(s_ptr + srow, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+        x = dequant_key(code.to(tl.float32), t, step_units[None, :], cb_sigma[None, :])
     else:
-        x = tl.load(v_ptr + row[:, None] + offs_d[None, :] * stride_vd, mask=mask,
-                    other=0.0).to(tl.float32)
-    if QUANT > 0:
-        srow = blk * stride_sb + off * stride_ss + kv_head * stride_sh
-        x *= tl.load(s_ptr + srow, mask=mask_n, other=0.0).to(tl.float32)[:, None]
         if QUANT == 2:
-            x += tl.load(o_ptr + srow, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+            b = tl.load(base + (offs_d // 2)[None, :] * stride_vd, mask=mask, other=0)
+            x = ((b.to(tl.int32) >> ((offs_d % 2) * 4)[None, :]) & 15).to(tl.float32)
+        else:
+            x = tl.load(base + offs_d[None, :] * stride_vd, mask=mask, other=0.0).to(tl.float32)
+        if QUANT > 0:
+            x *= tl.load(s_ptr + srow, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+            if QUANT == 2:
+                x += tl.load(o_ptr + srow, mask=mask_n, other=0.0).to(tl.float32)[:, None]
     return x
 
 
 @triton.jit
 def _decode_kernel(
     # pointers
-    q_ptr, k_ptr, ks_ptr, ko_ptr, v_ptr, vs_ptr, vo_ptr, bt_ptr, seq_lens_ptr,
+    q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, vo_ptr, bt_ptr, seq_lens_ptr,
+    sigma_ptr, width_ptr, start_ptr,  # int4 keys' codebook, (Hkv, D) each
     acc_ptr, m_ptr, l_ptr,  # partials: (B, H, S, BLOCK_D), (B, H, S), (B, H, S) fp32
     # sizes
     qk_scale, window, split_len, D, G, PAGE, S, had_scale,
@@ -100,8 +142,7 @@ def _decode_kernel(
     stride_vb, stride_vs, stride_vh, stride_vd, stride_vsb, stride_vss, stride_vsh,
     stride_btb, stride_btn,
     # meta-parameters
-    QUANT: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    QUANT: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, LOG2_N: tl.constexpr,
 ):
@@ -121,9 +162,11 @@ def _decode_kernel(
     mask_g = offs_g < G
     q_ptrs = q_ptr + pid_b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd
     q = tl.load(q_ptrs, mask=mask_g[:, None] & (offs_d < D)[None, :], other=0.0)  # (BG, BD)
-    if QUANT > 0:  # q . (H y) = (H q) . y
+    if QUANT == 1:  # q . (H y) = (H q) . y
         q = hadamard_rows(q.to(tl.float32), BLOCK_G, BLOCK_D, LOG2_N) * had_scale
     q = q.to(DOT_DTYPE)
+    k_sigma, k_width, k_start = load_key_codebook(sigma_ptr, width_ptr, start_ptr, kv_head, D,
+                                                  QUANT, BLOCK_D)
 
     m_i = tl.full((BLOCK_G,), _NEG_BIG, tl.float32)
     l_i = tl.zeros((BLOCK_G,), tl.float32)
@@ -134,9 +177,9 @@ def _decode_kernel(
         blk = tl.load(bt_ptr + pid_b * stride_btb + (offs_n // PAGE) * stride_btn,
                       mask=mask_n, other=0)  # (BN,)
         off = offs_n % PAGE
-        k = load_kv_tile(k_ptr, ks_ptr, ko_ptr, blk, off, kv_head, mask_n, D,
+        k = load_kv_tile(k_ptr, ks_ptr, ks_ptr, blk, off, kv_head, mask_n, D,  # no offset
                          stride_kb, stride_ks, stride_kh, stride_kd, stride_ksb, stride_kss,
-                         stride_ksh, QUANT, K_BITS, BLOCK_D)  # (BN, BD)
+                         stride_ksh, k_sigma, k_width, k_start, QUANT, True, BLOCK_D)  # (BN, BD)
         s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=PRECISION) * qk_scale
         s = tl.where(mask_n[None, :], s, float("-inf"))  # (BG, BN), log2 units
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -145,7 +188,7 @@ def _decode_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = load_kv_tile(v_ptr, vs_ptr, vo_ptr, blk, off, kv_head, mask_n, D,
                          stride_vb, stride_vs, stride_vh, stride_vd, stride_vsb, stride_vss,
-                         stride_vsh, QUANT, V_BITS, BLOCK_D)
+                         stride_vsh, k_sigma, k_width, k_start, QUANT, False, BLOCK_D)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE),
                                             input_precision=PRECISION)
         m_i = m_new
@@ -179,7 +222,7 @@ def _reduce_kernel(
     acc = tl.load(acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :], mask=mask_s[:, None],
                   other=0.0)  # (BS, BD)
     out = tl.sum(acc * w[:, None], axis=0) / l_sum  # (BD,)
-    if QUANT > 0:  # sum_n p_n H y_n = H sum_n p_n y_n
+    if QUANT > 0:  # values hold H y: sum_n p_n H y_n = H sum_n p_n y_n
         out = tl.reshape(hadamard_rows(tl.reshape(out, (1, BLOCK_D)), 1, BLOCK_D, LOG2_N),
                          (BLOCK_D,)) * had_scale
     out_ptrs = out_ptr + pid_b * stride_ob + pid_h * stride_oh + offs_d * stride_od
@@ -192,13 +235,27 @@ def kv_quant_code(cache: dict[str, torch.Tensor]) -> int:
 
 
 def kv_args(cache: dict[str, torch.Tensor], which: str) -> tuple:
-    """(values, scale, offset, 7 strides) of cache[which], as load_kv_tile takes them; the
-    companions of a float cache are the values themselves (never read)."""
+    """(values, scale, offset, 7 strides) of cache[which], as load_kv_tile takes them; a
+    companion the cache lacks (a float cache's, int4 keys' offset) is a stand-in, never read."""
     t = cache[which]
     s = cache.get(f"{which}_scale", t)
     o = cache.get(f"{which}_offset", s)
     ss = s.stride()[:3] if s.dim() == 3 else (0, 0, 0)
     return (t, s, o, *t.stride(), *ss)
+
+
+def codebook_args(cache: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The key codebook's (sigma, width, start), each (Hkv, d) contiguous, of an int4 cache,
+    as load_key_codebook takes them; stand-ins (never read) for any other cache."""
+    k = cache["k"]
+    if k.dtype != torch.uint8:
+        return (k, k, k)
+    hkv, d = k.shape[2], 8 * k.shape[3] // KEY_BITS
+    for name, dtype in zip(CODEBOOK, (torch.float32, torch.int32, torch.int32)):
+        t = cache[name]
+        assert t.shape == (hkv, d) and t.dtype == dtype and t.is_contiguous(), (name, t.shape)
+        assert t.device == k.device, name
+    return tuple(cache[name] for name in CODEBOOK)
 
 
 def check_cache(q: torch.Tensor, cache: dict[str, torch.Tensor]) -> None:
@@ -211,10 +268,11 @@ def check_cache(q: torch.Tensor, cache: dict[str, torch.Tensor]) -> None:
     assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), q.dtype
     assert H % hkv == 0, f"{H} query heads over {hkv} KV heads"
     if k.dtype == torch.uint8:
-        assert (k.shape[3], v.shape[3]) == (packed_bytes(d, K_BITS), packed_bytes(d, V_BITS))
+        widths = (packed_bytes(d, KEY_BITS), packed_bytes(d, VALUE_BITS))
+        assert (k.shape[3], v.shape[3]) == widths, (k.shape, v.shape, d)
     else:
         assert k.shape[3] == v.shape[3] == d, (k.shape, v.shape, d)
-    for name in ("k_scale", "v_scale", "k_offset", "v_offset"):
+    for name in ("k_scale", "v_scale", "v_offset"):
         if name in cache:
             assert cache[name].shape == k.shape[:3], (name, cache[name].shape)
             assert cache[name].stride() == cache[name[0] + "_scale"].stride(), name
@@ -258,11 +316,11 @@ def decode_attention(q: torch.Tensor, cache: dict[str, torch.Tensor],
     bt = meta.block_tables
     k_args, v_args = kv_args(cache, "k"), kv_args(cache, "v")
     _decode_kernel[(B, hkv, S)](
-        q, *k_args[:3], *v_args[:3], bt, meta.seq_lens,
+        q, *k_args[:2], *v_args[:3], bt, meta.seq_lens, *codebook_args(cache),
         acc, m, l_,
         scale * _LOG2E, window or 0, split_len, d, H // hkv, page, S, had_scale,
         *q.stride(), *k_args[3:], *v_args[3:], *bt.stride(),
-        QUANT=quant, K_BITS=K_BITS, V_BITS=V_BITS, HAS_WINDOW=window is not None,
+        QUANT=quant, HAS_WINDOW=window is not None,
         DOT_DTYPE=dot_dtype(q.dtype), PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, LOG2_N=log2_n,
     )

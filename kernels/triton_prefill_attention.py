@@ -10,8 +10,9 @@ write_kv has already stored them), causal, read through the block table. The ref
     tile's last row's position, so a chunk after a long prefix pays for the prefix once per
     row tile and the causal triangle only up to the diagonal.
 
-Quantized K/V: the kernel rotates q and the output by H, as in triton_paged_attention.
-The heads of a GQA group run as separate programs and share K/V through L2.
+Quantized K/V as in triton_paged_attention: the kernel rotates q by H for int8 keys (int4
+keys are not rotated; they are read through their codebook), and the output for both int8
+and int4 values. The heads of a GQA group run as separate programs and share K/V through L2.
 """
 from __future__ import annotations
 
@@ -19,18 +20,19 @@ import torch
 import triton
 import triton.language as tl
 
-from qserve.kernels.kv_quant import K_BITS, V_BITS
 from qserve.kernels.paged_attention import PagedAttentionMetadata
 from qserve.kernels.triton_dequant_gemm import dot_dtype
 from qserve.kernels.triton_paged_attention import (_LOG2E, _NEG_BIG, check_cache,
-                                                   hadamard_args, hadamard_rows, kv_args,
-                                                   kv_quant_code, load_kv_tile)
+                                                   codebook_args, hadamard_args, hadamard_rows,
+                                                   kv_args, kv_quant_code, load_key_codebook,
+                                                   load_kv_tile)
 
 
 @triton.jit
 def _prefill_kernel(
     # pointers
-    q_ptr, k_ptr, ks_ptr, ko_ptr, v_ptr, vs_ptr, vo_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
+    q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, vo_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
+    sigma_ptr, width_ptr, start_ptr,  # int4 keys' codebook, (Hkv, D) each
     # sizes
     qk_scale, window, D, G, PAGE, had_scale,
     # strides
@@ -40,8 +42,7 @@ def _prefill_kernel(
     stride_btb, stride_btn,
     stride_ot, stride_oh, stride_od,
     # meta-parameters
-    QUANT: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    QUANT: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, LOG2_N: tl.constexpr,
 ):
@@ -62,9 +63,11 @@ def _prefill_kernel(
     q_ptrs = q_ptr + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh \
         + offs_d[None, :] * stride_qd
     q = tl.load(q_ptrs, mask=mask_m[:, None] & (offs_d < D)[None, :], other=0.0)  # (BM, BD)
-    if QUANT > 0:  # q . (H y) = (H q) . y
+    if QUANT == 1:  # q . (H y) = (H q) . y
         q = hadamard_rows(q.to(tl.float32), BLOCK_M, BLOCK_D, LOG2_N) * had_scale
     q = q.to(DOT_DTYPE)
+    k_sigma, k_width, k_start = load_key_codebook(sigma_ptr, width_ptr, start_ptr, kv_head, D,
+                                                  QUANT, BLOCK_D)
 
     hi = tl.minimum(seq_len, seq_len - n_q + (pid_m + 1) * BLOCK_M)  # past the last row's key
     lo = 0
@@ -79,9 +82,9 @@ def _prefill_kernel(
         blk = tl.load(bt_ptr + pid_b * stride_btb + (offs_n // PAGE) * stride_btn,
                       mask=mask_n, other=0)
         off = offs_n % PAGE
-        k = load_kv_tile(k_ptr, ks_ptr, ko_ptr, blk, off, kv_head, mask_n, D,
+        k = load_kv_tile(k_ptr, ks_ptr, ks_ptr, blk, off, kv_head, mask_n, D,  # no offset
                          stride_kb, stride_ks, stride_kh, stride_kd, stride_ksb, stride_kss,
-                         stride_ksh, QUANT, K_BITS, BLOCK_D)  # (BN, BD)
+                         stride_ksh, k_sigma, k_width, k_start, QUANT, True, BLOCK_D)  # (BN, BD)
         s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=PRECISION) * qk_scale
         visible = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])  # (BM, BN) causal
         if HAS_WINDOW:
@@ -93,13 +96,13 @@ def _prefill_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = load_kv_tile(v_ptr, vs_ptr, vo_ptr, blk, off, kv_head, mask_n, D,
                          stride_vb, stride_vs, stride_vh, stride_vd, stride_vsb, stride_vss,
-                         stride_vsh, QUANT, V_BITS, BLOCK_D)
+                         stride_vsh, k_sigma, k_width, k_start, QUANT, False, BLOCK_D)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE),
                                             input_precision=PRECISION)
         m_i = m_new
 
     out = acc / tl.where(mask_m, l_i, 1.0)[:, None]  # a real row sees its own key: l_i > 0
-    if QUANT > 0:  # sum_n p_n H y_n = H sum_n p_n y_n
+    if QUANT > 0:  # values hold H y: sum_n p_n H y_n = H sum_n p_n y_n
         out = hadamard_rows(out, BLOCK_M, BLOCK_D, LOG2_N) * had_scale
     out_ptrs = out_ptr + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh \
         + offs_d[None, :] * stride_od
@@ -133,12 +136,12 @@ def prefill_attention(q: torch.Tensor, cache: dict[str, torch.Tensor],
     bt = meta.block_tables
     k_args, v_args = kv_args(cache, "k"), kv_args(cache, "v")
     _prefill_kernel[(B, triton.cdiv(max_q, BLOCK_M), H)](
-        q, *k_args[:3], *v_args[:3], bt, meta.seq_lens,
-        meta.query_start_loc, out,
+        q, *k_args[:2], *v_args[:3], bt, meta.seq_lens, meta.query_start_loc, out,
+        *codebook_args(cache),
         scale * _LOG2E, window or 0, d, H // hkv, page, had_scale,
         *q.stride(), *k_args[3:], *v_args[3:], *bt.stride(),
         *out.stride(),
-        QUANT=quant, K_BITS=K_BITS, V_BITS=V_BITS, HAS_WINDOW=window is not None,
+        QUANT=quant, HAS_WINDOW=window is not None,
         DOT_DTYPE=dot_dtype(q.dtype), PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, LOG2_N=log2_n,
     )

@@ -76,7 +76,7 @@ _ENGINE_FLAGS = [
                  type=click.Choice(["auto", "fp32", "fp16", "bf16", "int8", "int4"]),
                  default="auto", show_default=True,
                  help="KV cache dtype (auto: --dtype; int8/int4: quantized in the blocks; "
-                      "int4 averages 4 bits: 5-bit keys, 3-bit values)."),
+                      "int4: 4 bits a value, keys by a per-model calibrated codebook)."),
     click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default="fp32",
                  show_default=True, help="Activation and dense weight dtype."),
     click.option("--no-prefix-caching", is_flag=True, help="Do not reuse cached prompt blocks."),

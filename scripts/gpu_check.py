@@ -23,6 +23,7 @@ In --tiny mode the times are the interpreter's and mean nothing; the mode checks
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import subprocess
 import sys
@@ -118,30 +119,55 @@ def weight_bytes(w) -> int:
     return w.numel() * w.element_size() if hasattr(w, "numel") else w.nbytes
 
 
+@functools.lru_cache(maxsize=None)
+def synthetic_key_codebook(kv_heads: int, head_dim: int) -> dict:
+    """An int4 key codebook (kv_quant.CODEBOOK, tensors (kv_heads, head_dim)) that looks
+    calibrated: the calibrator's own allocation (qserve/quant/kv_codebook.py) over RoPE-like
+    energies, most of them in the slowly rotating pairs, with per-head jitter. Widths then
+    run from 0 to 8, as on a real model."""
+    import torch
+
+    from qserve.quant.kv_codebook import codebook_from_energy
+
+    g = torch.Generator().manual_seed(0)
+    half = head_dim // 2
+    slow = torch.linspace(0, 1, half) ** 6  # pair i rotates at theta^(-2i/d): high i is slow
+    jitter = torch.exp(torch.randn(2, 1, kv_heads, half, generator=g))
+    k2, q2 = (0.05 + 20 * slow) * jitter[0], (0.2 + 2 * slow) * jitter[1]
+    book = codebook_from_energy(torch.cat([k2, k2], -1), torch.cat([q2, q2], -1))  # 1 layer
+    return {name: t[0] for name, t in book.items()}
+
+
 def random_cache(batch: int, context: int, kv_heads: int, head_dim: int, page: int, kv: str,
                  device):
     """A paged cache of random bytes over shuffled blocks, with room for context + 1 tokens
-    per sequence; and decode metadata for one query per sequence at position `context`."""
+    per sequence (int4: with synthetic_key_codebook); and decode metadata for one query per
+    sequence at position `context`."""
     import torch
 
-    from qserve.kernels.kv_quant import PACKED_BITS, packed_bytes
+    from qserve.kernels.kv_quant import KEY_BITS, VALUE_BITS, packed_bytes
     from qserve.kernels.paged_attention import PagedAttentionMetadata
 
     per_seq = -(-(context + 1) // page)
     num_blocks = batch * per_seq
     cache = {}
-    for w in "kv":
-        d_store = packed_bytes(head_dim, PACKED_BITS[w]) if kv == "int4" else head_dim
+    for w, bits in (("k", KEY_BITS), ("v", VALUE_BITS)):
+        d_store = packed_bytes(head_dim, bits) if kv == "int4" else head_dim
         shape = (num_blocks, page, kv_heads, d_store)
         if kv == "fp16":
             cache[w] = torch.randn(shape, device=device, dtype=torch.float16)
-        else:
-            lo, hi, dt = (-127, 128, torch.int8) if kv == "int8" else (0, 256, torch.uint8)
-            cache[w] = torch.randint(lo, hi, shape, device=device, dtype=dt)
-            cache[f"{w}_scale"] = torch.full(shape[:3], 0.02, device=device, dtype=torch.float16)
-            if kv == "int4":
-                cache[f"{w}_offset"] = torch.full(shape[:3], -0.15, device=device,
-                                                  dtype=torch.float16)
+            continue
+        lo, hi, dt = (-127, 128, torch.int8) if kv == "int8" else (0, 256, torch.uint8)
+        cache[w] = torch.randint(lo, hi, shape, device=device, dtype=dt)
+        # int8: scale; int4 keys: t ~ max |x_j| / sigma_j of a Gaussian head; int4 values:
+        # scale and offset over [-0.15, 0.15]
+        scale = 3.0 if (kv, w) == ("int4", "k") else 0.02
+        cache[f"{w}_scale"] = torch.full(shape[:3], scale, device=device, dtype=torch.float16)
+        if (kv, w) == ("int4", "v"):
+            cache["v_offset"] = torch.full(shape[:3], -0.15, device=device, dtype=torch.float16)
+    if kv == "int4":
+        cache.update({n: t.to(device) for n, t in
+                      synthetic_key_codebook(kv_heads, head_dim).items()})
     tables = torch.randperm(num_blocks, device=device).view(batch, per_seq)
     seq_lens = torch.full((batch,), context + 1, device=device)
     slots = tables[:, context // page] * page + context % page
@@ -153,8 +179,12 @@ def random_cache(batch: int, context: int, kv_heads: int, head_dim: int, page: i
 
 
 def cache_bytes(cache, tokens: int) -> int:
-    """Bytes of K and V (values and companions) that `tokens` tokens occupy."""
-    per_slot = sum(t[0, 0].numel() * t.element_size() for t in cache.values())
+    """Bytes of K and V (values and companions) that `tokens` tokens occupy; an int4 key
+    codebook is per layer, read once per program, and not counted."""
+    from qserve.kernels.kv_quant import CODEBOOK
+
+    per_slot = sum(t[0, 0].numel() * t.element_size() for n, t in cache.items()
+                   if n not in CODEBOOK)
     return per_slot * tokens
 
 

@@ -7,22 +7,24 @@ own basis (Hadamard-rotated, one fp16 scale and offset per token and kv head), b
 
 This is a study, not the serving path: attention here is dense causal SDPA over the window,
 and the K/V it reads are quantized the way a paged cache would store them. `qserve eval` gives
-the served number for what the cache implements (int8, and int4 = K5-V3-clip below); this
-script also explores allocations it does not. Bytes per (token, kv head) are K + V at head_dim
+the served number for what the cache implements (int8, and int4 = KA4-V4-clip below, with
+the cache's own calibration text); this script also explores allocations it does not. Bytes per (token, kv head) are K + V at head_dim
 64, against fp16's 256; the issue's 3.5x-fewer-bytes bound is 73 bytes.
 
 Variants: "fp32"; "K<b>-V<b>" with widths 2..8 (2..7 with -clip) or "fp" for one side
 unquantized; a suffix "-clip" quantizes as the cache does (the range cut that gives the least
 squared error, kv_quant.quantize_packed; without it, plain min-max), and "-sink<n>" keeps the
-first n positions of each window unquantized (attention-sink tokens). "K5-V3-clip" is the
-cache's int4.
+first n positions of each window unquantized (attention-sink tokens). "K5-V3-clip" was the
+cache's int4 before the keys' bit allocation.
 
 Keys can also be coded with bit allocation instead of the rotation: "KA<b>" (b may be
 fractional, e.g. KA4.25) gives each RoPE channel pair of each layer and kv head its own integer
 width, b on average, by the calibrated energy of the keys times that of the queries that read
 them (transform coding: bits go where q . k errors are largest), then quantizes each channel
-over +-t sigma_j, sigma_j its calibrated RMS and t the token's largest |k_j| / sigma_j, stored
-as one fp16 (d b / 8 + 2 bytes). Calibration: the last 4 windows of the text, never scored.
+over +-t sigma_j, sigma_j its calibrated RMS and t the token's largest |k_j| / sigma_j over
+coded channels, stored as one fp16 (d b / 8 + 2 bytes). "KA4-V4-clip" is the cache's int4
+(qserve/quant/kv_codebook.py). Calibration here: the last 4 windows of the text, never scored
+(the cache calibrates on other text).
 The same allocation for values, weighted by the output projection's columns, measured worse
 than the rotation in a one-off run (4 windows, values alone at 4 bits: +0.81% vs +0.60%), so
 values keep the rotation here.
@@ -47,6 +49,7 @@ from qserve.kernels import kv_quant  # noqa: E402
 from qserve.loader import load_model  # noqa: E402
 from qserve.models import llama  # noqa: E402
 from qserve.quant.calibration import build_model  # noqa: E402
+from qserve.quant.kv_codebook import allocate  # noqa: E402
 
 DEFAULT = ("fp32,K4-V4,K4-V4-clip,K5-V3,K5-V3-clip,K5-V3-clip-sink1,K5-V4-clip,Kfp-V3-clip,"
            "K5-Vfp-clip")
@@ -64,27 +67,12 @@ def fake_asym(y: torch.Tensor, bits: int, clip: bool = False) -> torch.Tensor:
     return torch.round((y - lo) / s).clamp(0, levels) * s + lo
 
 
-def allocate(weight: torch.Tensor, total: int, top: int = 8) -> torch.Tensor:
-    """Integer widths for the entries of weight (P,), summing to `total`, each bit given to the
-    entry whose weighted error falls most: uniform over +-3 sigma leaves 3 / 4^b of sigma^2
-    (b >= 1), and no bits leave all of it."""
-    bits = torch.zeros(weight.shape, dtype=torch.long)
-
-    def err(b: torch.Tensor) -> torch.Tensor:
-        return weight * torch.where(b == 0, 1.0, 3.0 / 4.0 ** b)
-
-    for _ in range(total):
-        gain = err(bits) - err((bits + 1).clamp(max=top))
-        gain[bits >= top] = -1
-        bits[gain.argmax()] += 1
-    return bits
-
-
 def fake_alloc(x: torch.Tensor, sigma: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     """x (T, hkv, d) -> each channel j on 2^bits_j midrise levels over +-t sigma_j, with t the
-    token's largest |x_j| / sigma_j in fp16; sigma, bits (hkv, d)."""
+    token's largest coded |x_j| / sigma_j in fp16; sigma, bits (hkv, d). At 4 bits this is
+    the cache's int4 keys (kv_quant.quantize_keys); here the average may be any."""
     z = x / sigma
-    t = z.abs().amax(-1, keepdim=True).half().float().clamp_min(2 ** -14)
+    t = torch.where(bits > 0, z.abs(), 0).amax(-1, keepdim=True).half().float().clamp_min(2 ** -14)
     n = 2.0 ** bits
     step = 2 * t / n
     q = torch.minimum(torch.floor((z + t) / step).clamp_min(0), n - 1)
@@ -120,7 +108,7 @@ def make_allocation(avg: float) -> None:
         half = k2.shape[-1] // 2
         sigma = k2.clamp_min(1e-12).sqrt()
         weight = (k2[:, :half] + k2[:, half:]) * (q2[:, :half] + q2[:, half:])  # (hkv, d / 2)
-        bits = torch.stack([allocate(w, round(avg * half)) for w in weight])
+        bits = allocate(weight, round(avg * half))
         ALLOC[avg].append((sigma, torch.cat([bits, bits], -1)))
 
 

@@ -12,6 +12,8 @@ from qserve.kernels import cpu_ops, kv_quant
 from qserve.kernels.paged_attention import PagedAttentionMetadata, _decode_attention
 from qserve.quant.schemes import WeightScheme, quantize
 
+from kv_codebooks import random_key_codebook
+
 if cpu_ops.lib() is None:
     pytest.skip("the CPU kernels did not build here (see the logged reason)",
                 allow_module_level=True)
@@ -81,7 +83,8 @@ def test_int8_activation_path_error_is_bounded(scheme, N, K, M):
 KV = ["fp32", "fp16", "bf16", "int8", "int4"]
 
 
-def _cache(name, num_blocks, bs, hkv, d, fill=0.0):
+def _cache(name, num_blocks, bs, hkv, d, fill=0.0, seed=0):
+    """A layer's cache dict; int4 with a random key codebook (widths 0..8) of this seed."""
     arch = ModelArchConfig("llama", 10, 8, 8, 1, hkv, hkv, d)
     out = {}
     for key, (shape, dt) in cache_tensor_specs(arch, bs, KV_STORAGE[name]).items():
@@ -91,19 +94,34 @@ def _cache(name, num_blocks, bs, hkv, d, fill=0.0):
         else:
             t.fill_(0x5A)  # "poison": any byte value; the kernels must never read it
         out[key] = t
+    if name == "int4":
+        out.update(random_key_codebook(hkv, d, seed))
     return out
 
 
+def test_int4_cache_needs_its_codebook():
+    cache = _cache("int4", 2, 4, 2, 64)
+    assert cpu_ops.supports_cache(cache)
+    del cache["k_width"]
+    assert not cpu_ops.supports_cache(cache)
+
+
 @pytest.mark.parametrize("name", KV)
-@pytest.mark.parametrize("hkv,d", [(1, 64), (3, 64), (2, 128), (4, 96)])
+@pytest.mark.parametrize("hkv,d", [(1, 64), (3, 64), (2, 128), (4, 96), (3, 8), (2, 24), (1, 40),
+                                   (2, 1024)])
 def test_kv_write_matches_reference_bit_for_bit(name, hkv, d):
+    """Random int4 key codebooks; tokens of ordinary size, a zero one (t and the value scale
+    clamp to 2^-14), a tiny one and keys far past fp16 (t clamps to 65504, codes saturate)."""
     from qserve.kernels.paged_attention import write_kv
 
     T, nb, bs = 9, 6, 4
     g = torch.Generator().manual_seed(4)
     k, v = torch.randn(T, hkv, d, generator=g) * 3, torch.randn(T, hkv, d, generator=g)
+    k[0], v[0] = 0.0, 0.0
+    k[1] *= 1e6
+    k[2] *= 1e-6
     slots = torch.randperm(nb * bs, generator=g)[:T]
-    ref, fast = _cache(name, nb, bs, hkv, d, float("nan")), _cache(name, nb, bs, hkv, d, float("nan"))
+    ref, fast = (_cache(name, nb, bs, hkv, d, float("nan"), seed=d + hkv) for _ in range(2))
     write_kv(k, v, ref, slots)
     cpu_ops.write_kv(k, v, fast, slots)
     for key in ref:  # written slots equal the reference exactly; the others keep their poison
@@ -126,16 +144,16 @@ def _decode_meta(seq_lens, tables, bs, window=None):
 @pytest.mark.parametrize("group", [1, 3, 4, 8])
 @pytest.mark.parametrize("bs", [8, 16])
 @pytest.mark.parametrize("window", [None, 5, 140])
-@pytest.mark.parametrize("d", [64, 80, 36])
+@pytest.mark.parametrize("d", [64, 80, 40, 36])
 def test_paged_decode_matches_reference(name, group, bs, window, d):
     """Sequences of lengths that end inside, at and across block edges and across the kernel's
     128-position parts (merged FlashDecoding-style), on shuffled blocks; head dims whose
-    vector loops have tails (80: not a multiple of 32, 36: not of 8; int4 packs groups of 8
-    codes, so it takes 40 there: not a multiple of 16, the scalar path). Blocks that no table
-    owns hold NaN: the kernel must not read them."""
+    vector loops have tails (80: not a multiple of 32, 40: not of 16, 36: not of 8; int4 packs
+    groups of 8 codes, so it takes 24 there: keys under 16 bytes, the scalar path), int4 with
+    a random key codebook. Blocks that no table owns hold NaN: the kernel must not read them."""
     hkv = 2
     if name == "int4" and d % 8:
-        d = 40
+        d = 24
     seq_lens = [1, bs - 1, bs, bs + 1, 3 * bs + 5, 128, 129, 300]
     nb = sum(-(-s // bs) for s in seq_lens) + 3
     g = torch.Generator().manual_seed(5)
@@ -155,8 +173,9 @@ def test_paged_decode_matches_reference(name, group, bs, window, d):
     meta = _decode_meta(seq_lens, tables, bs, window)
     ref = _decode_attention(q, clean, meta, d ** -0.5)
     out = cpu_ops.paged_decode(q, poisoned, meta.block_tables, meta.seq_lens, d ** -0.5, window)
-    # fp32 softmax and sums in another order, and (int8/int4) the rotation applied to q and the
-    # output instead of to each K/V row: equal up to a few fp32 roundings of O(1) values
+    # fp32 softmax and sums in another order, the rotation applied to q (int8) and the output
+    # (int8, int4) instead of to each K/V row, and int4 keys read as t (alpha q + beta) rather
+    # than sigma ((q + 1/2) t / half - t): equal up to a few fp32 roundings of O(1) values
     torch.testing.assert_close(out, ref.float(), rtol=1e-4, atol=1e-5)
 
 
@@ -193,12 +212,14 @@ def _tiny_model(quant: WeightScheme | None, bias=False, window=None):
 
 
 def _decode_logits(model, prompts: list[list[int]], kv: str, steps: int) -> torch.Tensor:
-    """Teacher-forced decode: every sequence fed one token per step, all in one batch.
-    Returns (steps, B, vocab) logits."""
+    """Teacher-forced decode: every sequence fed one token per step, all in one batch (int4 KV
+    with a random key codebook per layer). Returns (steps, B, vocab) logits."""
     arch, bs = model.arch, 4
     need = [-(-(len(p)) // bs) for p in prompts]
+    codebook = (random_key_codebook(arch.num_kv_heads, arch.head_dim, 8, arch.num_layers)
+                if kv == "int4" else None)
     ce = CacheEngine(arch, CacheConfig(block_size=bs), sum(need) + 1, 0, model.device,
-                     KV_STORAGE[kv] if kv != "auto" else torch.float32)
+                     KV_STORAGE[kv] if kv != "auto" else torch.float32, codebook)
     caches = [ce.layer(i) for i in range(arch.num_layers)]
     perm = torch.randperm(sum(need) + 1, generator=torch.Generator().manual_seed(7)).tolist()
     tables, used = [], 0

@@ -1,7 +1,7 @@
 """Quantized KV cache: quantize/dequantize bounds, packing, the paged write/attend path with
-int8 and int4 (5-bit keys, 3-bit values) blocks against attention over the dequantized values,
-block moves, and the byte accounting behind `qserve info` (int4 holds >= 3.5x the tokens of
-fp16)."""
+int8 and int4 (keys coded per channel by a codebook, rotated 4-bit values) blocks against
+attention over the dequantized values, block moves, and the byte accounting behind
+`qserve info` (int4 holds >= 3.5x the tokens of fp16)."""
 import pytest
 import torch
 
@@ -11,6 +11,9 @@ from qserve.engine.cache_engine import (CacheEngine, KV_STORAGE, bytes_per_block
                                         cache_tensor_specs, plan_num_blocks)
 from qserve.kernels import kv_quant
 from qserve.kernels.paged_attention import PagedAttentionMetadata, paged_attention, write_kv
+from qserve.quant.kv_codebook import codebook_from_energy
+
+from kv_codebooks import random_key_codebook
 
 # (tokens, kv heads, head_dim): odd token counts, one head, head_dims that are not powers of two
 SHAPES = [(1, 1, 8), (7, 3, 64), (83, 2, 80), (5, 4, 128), (33, 1, 96)]
@@ -83,13 +86,67 @@ def test_packing_layout():
         assert torch.equal(kv_quant.unpack(kv_quant.pack(codes, bits), bits), codes)
 
 
+def test_key_bit_stream_layout():
+    """Channel j's b_j bits from bit start_j on, low bit first; bit p in byte p / 8 at p % 8."""
+    book = kv_quant.key_codebook(torch.ones(1, 4), torch.tensor([[3, 5, 0, 8]]))
+    assert book["k_start"].tolist() == [[0, 3, 8, 8]]
+    codes = torch.tensor([[[5, 17, 0, 0xA7]]])
+    # byte 0 = 101 (channel 0) | 10001 << 3 (channel 1); byte 1 = channel 3
+    packed = kv_quant.pack_keys(codes, book["k_width"], book["k_start"])
+    assert packed.tolist() == [[[0b10001101, 0xA7]]]
+    for seed in range(3):
+        book = random_key_codebook(3, 40, seed)
+        codes = torch.randint(0, 256, (5, 3, 40)) % 2 ** book["k_width"]
+        packed = kv_quant.pack_keys(codes, book["k_width"], book["k_start"])
+        assert packed.shape == (5, 3, 20)
+        assert torch.equal(kv_quant.unpack_keys(packed, book["k_width"], book["k_start"]), codes)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_int4_key_error_is_half_a_step_per_channel(shape, seed):
+    """In z = x / sigma, a coded channel is within half its step t / 2^(b - 1) of its value,
+    plus what t's fp16 rounding left outside +-t; a channel with no bits reads 0."""
+    T, hkv, d = shape
+    book = random_key_codebook(hkv, d, seed)
+    x = sample(shape, seed=seed) * book["k_sigma"]
+    packed, t = kv_quant.quantize_keys(x, **book)
+    assert packed.dtype == torch.uint8 and packed.shape == (T, hkv, d // 2)
+    assert t.dtype == torch.float16 and t.shape == (T, hkv)
+    out = kv_quant.dequantize_keys(packed, t, **book)
+    z, zq = x / book["k_sigma"], out / book["k_sigma"]
+    coded = book["k_width"] > 0
+    tf = t.float().unsqueeze(-1)
+    step = tf / 2.0 ** (book["k_width"] - 1)
+    outside = (z.abs() - tf).clamp_min(0)
+    # 1e-5 relative: fp32 rounding of z and of the dequantized value
+    assert ((z - zq).abs() <= step / 2 + outside + 1e-5 * tf)[coded.expand_as(z)].all()
+    assert (zq == 0)[(~coded).expand_as(z)].all()
+    # t is the largest coded |z|, to fp16's rounding (2^-11 relative)
+    top = torch.where(coded, z.abs(), 0).amax(-1)
+    torch.testing.assert_close(t.float(), top, rtol=2 ** -11, atol=0)
+
+
+def test_key_codebook_rejects_bad_widths():
+    with pytest.raises(AssertionError, match="sum"):
+        kv_quant.key_codebook(torch.ones(1, 8), torch.full((1, 8), 3))
+    with pytest.raises(AssertionError, match="0..8"):
+        kv_quant.key_codebook(torch.ones(1, 4), torch.tensor([[9, 7, 0, 0]]))
+
+
 @pytest.mark.parametrize("name", ["int8", "int4"])
 @pytest.mark.parametrize("which", ["k", "v"])
 def test_constant_and_zero_vectors(name, which):
     x = torch.tensor([[0.0] * 8, [3.0] * 8, [-1e-9] * 8])
-    out = kv_quant.dequantize(kv_quant.quantize(x, STORAGE[name], which), torch.float32, which)
-    assert out[0].abs().max() < 1e-6
-    torch.testing.assert_close(out[1], x[1], atol=3 * 2 ** -11, rtol=0)  # fp16 offset/scale
+    book = kv_quant.uniform_key_codebook(1, 8)
+    out = kv_quant.dequantize(kv_quant.quantize(x, STORAGE[name], which, book), torch.float32,
+                              which, book)
+    # int4 keys: 16 midrise levels over +-t read back t (1 - 1/16) for t, and +-t / 16 for 0
+    # (t at least 2^-14); the rest: fp16 offset / scale rounding
+    midrise = name == "int4" and which == "k"
+    atol = 3 / 16 if midrise else 3 * 2 ** -11
+    assert out[0].abs().max() <= (2 ** -14 / 16 if midrise else 1e-6)
+    torch.testing.assert_close(out[1], x[1], atol=atol, rtol=0)
     assert out.isfinite().all()
 
 
@@ -113,17 +170,20 @@ def test_fast_hadamard_transform_matches_the_matrix(d):
 def test_quantization_is_per_token(name, which):
     """A token's stored bytes and what is read back do not depend on the tokens beside it."""
     x = sample((83, 3, 64))
-    full = kv_quant.quantize(x, STORAGE[name], which)
-    rows = [kv_quant.quantize(x[i:i + 1], STORAGE[name], which) for i in range(83)]
+    book = random_key_codebook(3, 64)
+    full = kv_quant.quantize(x, STORAGE[name], which, book)
+    rows = [kv_quant.quantize(x[i:i + 1], STORAGE[name], which, book) for i in range(83)]
     for j, part in enumerate(full):
         assert torch.equal(torch.cat([r[j] for r in rows]), part)
-    assert torch.equal(torch.cat([kv_quant.dequantize(r, torch.float32, which) for r in rows]),
-                       kv_quant.dequantize(full, torch.float32, which))
+    read = [kv_quant.dequantize(r, torch.float32, which, book) for r in rows]
+    assert torch.equal(torch.cat(read), kv_quant.dequantize(full, torch.float32, which, book))
+
+
+ROTATED = [("int8", "k"), ("int8", "v"), ("int4", "v")]  # int4 keys are coded unrotated
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("name", ["int8", "int4"])
-@pytest.mark.parametrize("which", ["k", "v"])
+@pytest.mark.parametrize("name,which", ROTATED)
 def test_rotated_roundtrip_bound(shape, name, which, monkeypatch):
     """quantize/dequantize work on y = H x; H is orthonormal, so the error in x has the same
     2-norm as in y, where each element is within half a step: ||x - x^|| <= sqrt(d) s / 2.
@@ -140,17 +200,18 @@ def test_rotated_roundtrip_bound(shape, name, which, monkeypatch):
     assert ((out - x).norm(dim=-1) <= bound).all()
     # and the rotation is what makes int4 usable on outlier channels: it beats no rotation
     if name == "int4" and shape[-1] >= 64:
-        bits = kv_quant.PACKED_BITS[which]
+        bits = kv_quant.VALUE_BITS
         plain = kv_quant.dequantize_packed(*kv_quant.quantize_packed(x, bits), bits,
                                            torch.float32)
         assert (out - x).norm() < (plain - x).norm()
 
 
 # ---- the paged path ------------------------------------------------------------------------
-def _cache(name, num_blocks, bs, hkv, d):
+def _cache(name, num_blocks, bs, hkv, d, codebook=None):
     arch = ModelArchConfig("llama", 10, 8, 8, 1, hkv * 3, hkv, d)
-    return {k: torch.zeros((num_blocks, *shape), dtype=dt)
-            for k, (shape, dt) in cache_tensor_specs(arch, bs, KV_STORAGE[name]).items()}
+    cache = {k: torch.zeros((num_blocks, *shape), dtype=dt)
+             for k, (shape, dt) in cache_tensor_specs(arch, bs, KV_STORAGE[name]).items()}
+    return {**cache, **(codebook or {})}
 
 
 def _meta(query_lens, seq_lens, tables, bs):
@@ -190,9 +251,12 @@ def test_paged_prefill_chunk_and_decode_agree(name):
         nb = -(-n // bs)
         tables.append(perm[used:used + nb])
         used += nb
-    cache = _cache(name, 40, bs, hkv, d)
     qs = [torch.randn(n, H, d) for n in lens]
     ks = [sample((n, hkv, d), seed=i) for i, n in enumerate(lens)]
+    # int4 keys: a codebook allocated from these keys' own energies (queries all alike)
+    k2 = torch.cat(ks).pow(2).mean(0)
+    codebook = {n: t[0] for n, t in codebook_from_energy(k2[None], torch.ones(1, hkv, d)).items()}
+    cache = _cache(name, 40, bs, hkv, d, codebook if name == "int4" else None)
     vs = [torch.randn(n, hkv, d) for n in lens]
     scale = d ** -0.5
     outs = [[] for _ in lens]
@@ -217,14 +281,15 @@ def test_paged_prefill_chunk_and_decode_agree(name):
         # what was returned at write time is what the blocks hold
         gathered = cache["k"][tables[i]].flatten(0, 1)[:n]
         parts = (gathered,) + tuple(cache[f"k_{p}"][tables[i]].flatten(0, 1)[:n]
-                                    for p in kv_quant.kv_parts(cache["k"].dtype))
-        assert torch.equal(kv_quant.dequantize(parts, torch.float32, "k"), k)
+                                    for p in kv_quant.kv_parts(cache["k"].dtype, "k"))
+        assert torch.equal(kv_quant.dequantize(parts, torch.float32, "k", cache), k)
         # fp32 rounding differs between SDPA's causal path and the masked/batched ones
         torch.testing.assert_close(torch.cat(outs[i]), _reference(qs[i], k, v, scale),
                                    atol=1e-5, rtol=1e-5)
         if name != "fp32":  # and quantization really happened, within the expected error
             err = (k - ks[i]).norm() / ks[i].norm()
-            assert 0 < err < (0.01 if name == "int8" else 0.06)  # int4 keys: 5 bits
+            # int4 keys: 4 bits a channel on average, over +-t sigma_j per token
+            assert 0 < err < (0.01 if name == "int8" else 0.12)
 
 
 @pytest.mark.parametrize("name", ["fp16", "int8", "int4"])
@@ -233,7 +298,10 @@ def test_copy_and_swap_move_values_and_scales(name):
     ce = CacheEngine(arch, CacheConfig(block_size=4), 6, 3, torch.device("cpu"),
                      KV_STORAGE[name])
     assert set(ce.device_cache) == {"k", "v"} | {f"{w}_{p}" for w in "kv" for p in
-                                                   kv_quant.kv_parts(KV_STORAGE[name])}
+                                                   kv_quant.kv_parts(KV_STORAGE[name], w)}
+    # int4's codebook is per layer: handed out with each layer, moved with no block
+    codebook = set(kv_quant.CODEBOOK) if name == "int4" else set()
+    assert set(ce.layer(1)) == set(ce.device_cache) | codebook
     for t in ce.device_cache.values():
         t.copy_(torch.randint(0, 100, t.shape).to(t.dtype))
     before = {n: t.clone() for n, t in ce.device_cache.items()}
@@ -255,10 +323,10 @@ SMOLLM2_135M = ModelArchConfig("llama", 49152, 576, 1536, 30, 9, 3, 64)
 
 def test_bytes_per_block_counts_values_and_scales_exactly():
     bs, L, hkv = 16, 30, 3
-    # K + V per (token, head): int4 is 5-bit keys (40 B) and 3-bit values (24 B), each with
-    # an fp16 scale and offset
+    # K + V per (token, head): int4 keys are 4 bits a value (32 B) and an fp16 t, values
+    # 4-bit codes (32 B) with an fp16 scale and offset
     k_and_v = {"fp32": 512, "fp16": 256, "bf16": 256, "int8": 2 * (64 + 2),
-               "int4": 40 + 4 + 24 + 4}
+               "int4": 32 + 2 + 32 + 4}
     for name, nbytes in k_and_v.items():
         got = bytes_per_block(SMOLLM2_135M, bs, KV_STORAGE[name])
         assert got == L * bs * hkv * nbytes, name
@@ -275,7 +343,8 @@ def test_int4_holds_3_5x_the_tokens_of_fp16_at_the_same_budget():
     tokens = {name: plan_num_blocks(SMOLLM2_135M, cache, KV_STORAGE[name], torch.device("cpu"),
                                     2048)[0] * cache.block_size
               for name in ("fp16", "int8", "int4")}
-    # 1 GiB / (2 * 30 * 3 * 128 B) = 46,603 fp16 tokens; int4: (44 + 28) B -> 165,696 tokens
-    assert tokens["fp16"] == 46592 and tokens["int4"] == 165696
+    # 1 GiB / (2 * 30 * 3 * 128 B) = 46,603 fp16 tokens, in whole 16-token blocks 46,592;
+    # int4: 70 B per token-head -> 170,432 tokens (3.66x)
+    assert tokens["fp16"] == 46592 and tokens["int4"] == 170432
     assert tokens["int4"] >= 3.5 * tokens["fp16"]
     assert tokens["int8"] >= 1.9 * tokens["fp16"]

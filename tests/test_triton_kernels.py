@@ -1,6 +1,7 @@
 """The Triton kernels against their pure-torch references (kernels/paged_attention.py,
 kernels/kv_quant.py, QuantizedTensor.dequantize), over odd sizes, GQA ratios, block sizes,
-contexts that cross block boundaries and every KV dtype.
+contexts that cross block boundaries and every KV dtype; int4 caches carry random key
+codebooks (widths 0..8, tests/kv_codebooks.py), since a kernel must read any valid one.
 
 Without CUDA the kernels run in Triton's CPU interpreter at small shapes; with CUDA the same
 tests run on the GPU and add full-size cases. Every cache is poisoned (NaN or 0x7f bytes) in
@@ -28,7 +29,9 @@ if not ON_GPU:
     os.environ["TRITON_INTERPRET"] = "1"
 triton = pytest.importorskip("triton")
 
-from qserve.kernels.kv_quant import PACKED_BITS, kv_parts, packed_bytes  # noqa: E402
+from kv_codebooks import random_key_codebook  # noqa: E402
+from qserve.kernels.kv_quant import (CODEBOOK, KEY_BITS, VALUE_BITS, kv_parts,  # noqa: E402
+                                     packed_bytes, uniform_key_codebook)
 from qserve.kernels.paged_attention import (PagedAttentionMetadata, _decode_attention,  # noqa: E402
                                             paged_attention)
 from qserve.kernels.paged_attention import write_kv as ref_write_kv  # noqa: E402
@@ -40,7 +43,7 @@ from qserve.quant.schemes import WeightScheme, quantize  # noqa: E402
 
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
-KV_DTYPES = (F16, BF16, F32, torch.int8, torch.uint8)  # uint8: int4 (5-bit K, 3-bit V codes)
+KV_DTYPES = (F16, BF16, F32, torch.int8, torch.uint8)  # uint8: int4 (packed 4-bit codes)
 
 
 @pytest.fixture(autouse=True)
@@ -115,22 +118,30 @@ def test_dequant_matmul_split_k_and_no_bias():
 
 
 # ---- paged cache fixtures ----------------------------------------------------------------
-def _empty_cache(num_blocks, page, hkv, d, kv_dtype, fill=0.0):
+def _empty_cache(num_blocks, page, hkv, d, kv_dtype, codebook_seed=0):
+    """A zeroed layer cache; an int4 one with a random key codebook (None: the uniform one)."""
     cache = {}
-    for w in "kv":
-        width = packed_bytes(d, PACKED_BITS[w]) if kv_dtype == torch.uint8 else d
+    for w, bits in (("k", KEY_BITS), ("v", VALUE_BITS)):
+        width = packed_bytes(d, bits) if kv_dtype == torch.uint8 else d
         shape = (num_blocks, page, hkv, width)
-        cache[w] = torch.full(shape, fill, device=DEVICE).to(kv_dtype)
-        for part in kv_parts(kv_dtype):
-            cache[f"{w}_{part}"] = torch.full(shape[:3], fill, device=DEVICE, dtype=F16)
+        cache[w] = torch.zeros(shape, device=DEVICE).to(kv_dtype)
+        for part in kv_parts(kv_dtype, w):
+            cache[f"{w}_{part}"] = torch.zeros(shape[:3], device=DEVICE, dtype=F16)
+    if kv_dtype == torch.uint8:
+        codebook = (uniform_key_codebook(hkv, d) if codebook_seed is None
+                    else random_key_codebook(hkv, d, codebook_seed))
+        cache.update({n: t.to(DEVICE) for n, t in codebook.items()})
     return cache
 
 
 def _poison(cache, keep_slots):
     """A copy of `cache` with every slot outside keep_slots overwritten: NaN in float tensors,
-    0x7f bytes (127, or nibbles 15/7) in integer ones."""
+    0x7f bytes (127, or nibbles 15/7) in integer ones. The codebook (per layer) is kept."""
     out = {}
     for name, t in cache.items():
+        if name in CODEBOOK:
+            out[name] = t
+            continue
         flat = t.clone().flatten(0, 1)  # (num_blocks * page, ...)
         keep = torch.zeros(flat.shape[0], dtype=torch.bool, device=DEVICE)
         keep[keep_slots] = True
@@ -139,7 +150,8 @@ def _poison(cache, keep_slots):
     return out
 
 
-def _setup(seq_lens, query_lens, H, hkv, d, page, kv_dtype, dtype, window=None, seed=0):
+def _setup(seq_lens, query_lens, H, hkv, d, page, kv_dtype, dtype, window=None, seed=0,
+           codebook_seed=0):
     """Sequences over shuffled blocks of a pool with spare blocks, their whole context written
     by the reference write_kv, queries for their last query_lens positions.
     Returns (q, clean cache, poisoned cache, metadata)."""
@@ -157,7 +169,7 @@ def _setup(seq_lens, query_lens, H, hkv, d, page, kv_dtype, dtype, window=None, 
         return tables[b, positions // page] * page + positions % page
 
     ctx_slots = torch.cat([slots(b, torch.arange(n)) for b, n in enumerate(seq_lens)])
-    cache = _empty_cache(num_blocks, page, hkv, d, kv_dtype)
+    cache = _empty_cache(num_blocks, page, hkv, d, kv_dtype, codebook_seed)
     kv = torch.randn(2, len(ctx_slots), hkv, d, device=DEVICE)
     kv[0, :, :, :3] *= 8  # a few outlier channels in K, as in Llama
     ref_write_kv(kv[0].to(dtype), kv[1].to(dtype), cache, ctx_slots.to(DEVICE))
@@ -177,10 +189,13 @@ def _setup(seq_lens, query_lens, H, hkv, d, page, kv_dtype, dtype, window=None, 
 
 def _attn_tol(dtype):
     # Both sides round K/V (dequantized), scores and probabilities to the query dtype, at
-    # different points (the kernel rotates q once, the reference each key; the reference
-    # multiplies in that dtype, the kernel accumulates in fp32). Against an fp32 computation
-    # over the same cache each is within a few ulps of the query dtype for outputs of size ~1
-    # (measured at 140 keys, fp16: kernel 2.4, reference 5.3 ulps), so they differ by <= 8.
+    # different points (for int8 keys the kernel rotates q once, the reference each key; for
+    # quantized values the kernel rotates the output, the reference each value; the reference
+    # multiplies in that dtype, the kernel accumulates in fp32). int4 keys dequantize to the
+    # same fp32 on both sides (dequant_key's roundings are the reference's) and differ only
+    # in the cast to the query dtype. Against an fp32 computation over the same cache each is
+    # within a few ulps of the query dtype for outputs of size ~1 (measured at 140 keys,
+    # fp16: kernel 2.4, reference 5.3 ulps), so they differ by <= 8.
     return dict(rtol=_tol(dtype, 8), atol=_tol(dtype, 8))
 
 
@@ -195,6 +210,7 @@ DECODE_CASES = [
     ([50, 9], 8, 1, 32, 16, torch.uint8, F32, 20, 2),
     ([26, 70], 4, 2, 32, 8, torch.int8, F32, 7, None),
     ([20, 9], 4, 2, 48, 8, torch.int8, F16, None, 2),  # H: 3 blocks of 16, padded to 64
+    ([13, 30], 4, 2, 24, 8, torch.uint8, F16, None, 2),  # 12-byte key streams, padded to 32
 ]
 if ON_GPU:
     DECODE_CASES += [([1024, 8191, 77, 4097], 32, 8, 128, 16, kv, F16, None, None)
@@ -255,29 +271,55 @@ def test_poisoned_free_blocks_change_nothing():
 
 
 # ---- KV write ----------------------------------------------------------------------------
-WRITE_CASES = [(kv, F16) for kv in KV_DTYPES] + [(torch.int8, BF16), (torch.int8, F32),
-                                                  (torch.uint8, BF16), (torch.uint8, F32),
-                                                  (BF16, F32)]
+# (kv dtype, x dtype, T, Hkv, head_dim, codebook seed): every KV dtype at one shape, then int4
+# over head_dims that pad the tile (24, 40, 72 -> 32, 64, 128), the smallest (8: a 4-byte key
+# stream, where many codes start in the last byte and read from a clamped base) and the
+# uniform codebook (seed None).
+WRITE_CASES = [(kv, F16, 7, 2, 48, 0) for kv in KV_DTYPES] + [
+    (torch.int8, BF16, 7, 2, 48, 0), (torch.int8, F32, 5, 3, 24, 0), (BF16, F32, 7, 2, 48, 0),
+    (torch.uint8, BF16, 9, 1, 24, 1), (torch.uint8, F32, 6, 2, 40, 2),
+    (torch.uint8, F16, 5, 3, 8, 3), (torch.uint8, F16, 4, 2, 72, 4),
+    (torch.uint8, F32, 3, 1, 128, 5), (torch.uint8, BF16, 7, 2, 64, None),
+]
+if ON_GPU:
+    WRITE_CASES += [(kv, F16, 300, 8, 128, 0) for kv in KV_DTYPES] + [
+        (torch.uint8, BF16, 1000, 8, 128, 6), (torch.uint8, F32, 257, 4, 80, 7)]
 
 
-@pytest.mark.parametrize("kv_dtype,dtype", WRITE_CASES)
-def test_write_kv(kv_dtype, dtype):
+@pytest.mark.parametrize("kv_dtype,dtype,T,hkv,d,codebook_seed", WRITE_CASES)
+def test_write_kv(kv_dtype, dtype, T, hkv, d, codebook_seed):
     """Codes, scales and offsets land bit for bit where the reference puts them, and every
     other byte of a poisoned cache stays as it was."""
-    torch.manual_seed(0)
-    num_blocks, page, hkv, d, T = (64, 16, 8, 128, 300) if ON_GPU else (5, 8, 2, 48, 7)
-    cache = _poison(_empty_cache(num_blocks, page, hkv, d, kv_dtype),
+    torch.manual_seed(T * 100 + d)
+    page = 8 if d < 128 else 16
+    num_blocks = -(-T // page) + 4
+    cache = _poison(_empty_cache(num_blocks, page, hkv, d, kv_dtype, codebook_seed),
                     torch.tensor([], dtype=torch.long, device=DEVICE))
     expected = {n: t.clone() for n, t in cache.items()}
     slots = torch.randperm(num_blocks * page, device=DEVICE)[:T]
-    k = torch.randn(T, hkv, d, device=DEVICE).to(dtype)
+    k = torch.randn(T, hkv, d, device=DEVICE)
+    k[0] = 0  # t (and s) clamp at the smallest normal fp16
+    k[1, :, : d // 2] = 3e4 * k[1, :, : d // 2].sign()  # int4 keys: |x| / sigma past 65504
+    k = k.to(dtype)
     v = (torch.randn(T, hkv, d, device=DEVICE) * 3 + 1).to(dtype)
     k_out, v_out = write_kv(k, v, cache, slots)
     k_ref, v_ref = ref_write_kv(k, v, expected, slots)
     for name in cache:  # bytes compare NaN poison as equal to itself
         assert torch.equal(cache[name].view(torch.uint8), expected[name].view(torch.uint8)), name
     # The returned K/V are computed the same way as the reference's; a GPU may fuse the int4
-    # q * s + m into one FMA (one rounding instead of two): 1e-6 relative.
+    # values' q * s + m into one FMA (one rounding instead of two): 1e-6 relative. (int4 keys
+    # come out the same either way: dequant_key's product is exact.)
     for got, ref in ((k_out, k_ref), (v_out, v_ref)):
         assert got.dtype == dtype
         torch.testing.assert_close(got.float(), ref.float(), rtol=1e-6, atol=1e-6)
+
+
+def test_int4_uniform_codebook_attention():
+    """Decode and prefill read an uncalibrated cache (kv_quant.uniform_key_codebook) too."""
+    q, clean, poisoned, meta = _setup([19, 40], [1, 1], 4, 2, 32, 8, torch.uint8, F32,
+                                      codebook_seed=None)
+    torch.testing.assert_close(decode_attention(q, poisoned, meta, 0.2, num_splits=2),
+                               _decode_attention(q, clean, meta, 0.2), **_attn_tol(F32))
+    meta.decode_only = False
+    torch.testing.assert_close(prefill_attention(q, poisoned, meta, 0.2),
+                               paged_attention(q, clean, meta, 0.2), **_attn_tol(F32))

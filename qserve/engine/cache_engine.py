@@ -8,8 +8,12 @@ per-(token, head) scales and offsets beside them, so swap / copy move values and
     --kv-dtype      "k", "v", per block                 companions, per block: (bs, hkv) fp16
     fp32/fp16/bf16  (bs, hkv, d) float                  -
     int8            (bs, hkv, d) int8                   k_scale, v_scale
-    int4            k (bs, hkv, 5d / 8) uint8 packed,   k_scale, k_offset, v_scale, v_offset
-                    v (bs, hkv, 3d / 8): 5-bit keys, 3-bit values, 4 bits a value on average
+    int4            (bs, hkv, d / 2) uint8 packed       k_scale, v_scale, v_offset
+
+int4 keys also need their layer's codebook (kv_quant.CODEBOOK: per-channel RMS and code
+widths, calibrated per model by qserve/quant/kv_codebook.py). It is per layer, not per block,
+so it sits outside the pools and no block move touches it; `layer(i)` hands it out with
+layer i's blocks.
 
 The KV "dtype" passed around is the storage dtype of the values: torch.int8 means int8 KV,
 torch.uint8 means packed int4 KV (kernels/kv_quant.py).
@@ -29,7 +33,8 @@ import torch
 from qserve.config import CacheConfig, ModelArchConfig
 from qserve.errors import ConfigError
 from qserve.kernels import cpu_ops
-from qserve.kernels.kv_quant import PACKED_BITS, SCALE_DTYPE, kv_parts, packed_bytes
+from qserve.kernels.kv_quant import (KEY_BITS, SCALE_DTYPE, VALUE_BITS, kv_parts, packed_bytes,
+                                     uniform_key_codebook)
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # --kv-dtype name -> storage dtype of the K/V values
@@ -55,10 +60,10 @@ def cache_tensor_specs(arch: ModelArchConfig, block_size: int, dtype: torch.dtyp
             if d % 8:
                 raise ConfigError(f"--kv-dtype int4 needs a head_dim divisible by 8; this "
                                   f"model's is {d}")
-            d = packed_bytes(d, PACKED_BITS[which])
+            d = packed_bytes(d, KEY_BITS if which == "k" else VALUE_BITS)
         shape = (block_size, arch.num_kv_heads, d)
         specs[which] = (shape, dtype)
-        for part in kv_parts(dtype):
+        for part in kv_parts(dtype, which):
             specs[f"{which}_{part}"] = (shape[:2], SCALE_DTYPE)
     return specs
 
@@ -162,7 +167,10 @@ def _run_on_cpu(job: list[RowCopy]) -> None:
 
 class CacheEngine:
     def __init__(self, arch: ModelArchConfig, cache: CacheConfig, num_blocks: int,
-                 num_host_blocks: int, device: torch.device, dtype: torch.dtype):
+                 num_host_blocks: int, device: torch.device, dtype: torch.dtype,
+                 key_codebook: dict[str, torch.Tensor] | None = None):
+        """key_codebook: int4 KV's, tensors (num_layers, num_kv_heads, head_dim); None: the
+        uncalibrated kv_quant.uniform_key_codebook for every layer."""
         self.num_blocks = num_blocks
         self.num_host_blocks = num_host_blocks
         self.block_size = cache.block_size
@@ -178,6 +186,13 @@ class CacheEngine:
                                              pin_memory=pin)
                            for name, (shape, dt) in specs.items()}
         self.num_layers = L
+        self.codebooks: list[dict[str, torch.Tensor]] = [{} for _ in range(L)]
+        if dtype == torch.uint8:
+            if key_codebook is None:
+                uniform = uniform_key_codebook(arch.num_kv_heads, arch.head_dim)
+                key_codebook = {n: t.expand(L, *t.shape) for n, t in uniform.items()}
+            self.codebooks = [{n: t[i].to(device).contiguous() for n, t in key_codebook.items()}
+                              for i in range(L)]
         # the device pool seen as L * num_blocks per-layer slices: slice l * num_blocks + b is
         # layer l of block b; layer-wise staging puts any layer's K/V in any slice it borrowed
         self.flat_cache = {name: t.view(L * num_blocks, *t.shape[2:])
@@ -192,8 +207,13 @@ class CacheEngine:
         self.bytes_fetched = 0  # and read back from them into staging
 
     def layer(self, i: int) -> dict[str, torch.Tensor]:
-        """Layer i's view of every cache tensor, each (num_blocks, ...)."""
-        return {name: t[i] for name, t in self.device_cache.items()}
+        """Layer i's view of every cache tensor, each (num_blocks, ...), and its codebook."""
+        return {**{name: t[i] for name, t in self.device_cache.items()}, **self.codebooks[i]}
+
+    def flat_layer(self, i: int) -> dict[str, torch.Tensor]:
+        """flat_cache (every layer's slices) with layer i's codebook: what a layer reads when
+        layer-wise staging put its K/V in borrowed slices."""
+        return {**self.flat_cache, **self.codebooks[i]}
 
     def start_moves(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]],
                     copies: list[tuple[int, int]]) -> list[int] | None:

@@ -116,7 +116,7 @@ class StepLayers:
         # staged slices of any layer may sit in blocks that this step's moves touch: all of
         # the moves go first (the queue runs in order, so a fetch ticket covers them too)
         copier.wait(self.fetched.pop(i, self.moves[-1] if self.moves else 0))
-        return self.ce.flat_cache, dataclasses.replace(
+        return self.ce.flat_layer(i), dataclasses.replace(
             self.meta, block_tables=self.tables[i], slot_mapping=self.slots[i])
 
     def after(self, i: int) -> None:

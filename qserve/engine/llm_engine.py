@@ -34,6 +34,7 @@ from qserve.engine.spec_decode import Speculator
 from qserve.errors import ConfigError, QServeError, QueueFullError
 from qserve.models.llama import LlamaForCausalLM
 from qserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from qserve.quant import kv_codebook
 from qserve.sampling_params import SamplingParams
 
 
@@ -92,8 +93,9 @@ class LLMEngine:
             model = LlamaForCausalLM(self.arch, self.max_model_len, self.dtype, self.device)
         model.load_weights(loaded.weights)
         self.model = model.eval()
+        codebook = kv_codebook.for_cache(self.model, self.tokenizer, self.kv_dtype)
         self.cache_engine = CacheEngine(self.arch, config.cache, num_blocks, num_host_blocks,
-                                        self.device, self.kv_dtype)
+                                        self.device, self.kv_dtype, codebook)
         watermark, staging = config.cache.watermark, None
         if config.cache.kv_offload == "layerwise":
             staging = StagingPlan(self.arch.num_layers, config.cache.kv_offload_lookahead)

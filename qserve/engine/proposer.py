@@ -28,6 +28,7 @@ from qserve.engine.sampler import race, sampling_probs
 from qserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from qserve.engine.sequence import Sequence
 from qserve.errors import ConfigError
+from qserve.quant import kv_codebook
 
 
 # ---- n-gram prompt lookup ----------------------------------------------------------------------
@@ -189,7 +190,8 @@ def build_proposer(config: SpeculativeConfig, target_loaded, *, max_model_len: i
     with torch.device("meta"):
         model = LlamaForCausalLM(arch, max_model_len, dtype, device)
     model.load_weights(weights)
-    cache_engine = CacheEngine(arch, cache, num_blocks, 0, device, kv_dtype)
+    codebook = kv_codebook.for_cache(model, target_loaded.tokenizer, kv_dtype)
+    cache_engine = CacheEngine(arch, cache, num_blocks, 0, device, kv_dtype, codebook)
     block_manager = BlockManager(num_blocks, cache.block_size, 0, 0.0,
                                  cache.enable_prefix_caching)
     return DraftModelProposer(model.eval(), cache_engine, block_manager, device)

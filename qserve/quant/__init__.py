@@ -1,5 +1,6 @@
-"""Weight quantization: a scheme is a handler that turns a state dict into a packed one, and the
-model swaps nn.Linear for QuantLinear when it loads packed tensors.
+"""Weight quantization, and the calibration of int4 KV keys. A weight scheme is a handler that
+turns a state dict into a packed one, and the model swaps nn.Linear for QuantLinear when it
+loads packed tensors.
 
     schemes.py      int8 per-channel / grouped, int4 grouped sym / asym: quantize, pack, dequantize
     linear.py       QuantLinear, QuantEmbedding: the runtime modules (dequantize, then matmul)
@@ -9,6 +10,7 @@ model swaps nn.Linear for QuantLinear when it loads packed tensors.
     checkpoint.py   the qserve checkpoint directory: write, and read with every tensor checked
     quantize.py     `qserve quantize`: plan per layer, quantize, write atomically, summarize
     calibration.py  calibration text, one-sequence forward passes, output-quality metrics
+    kv_codebook.py  int4 KV keys: per-channel code widths, calibrated per model and cached
 """
 from qserve.quant.linear import QuantEmbedding, QuantLinear
 from qserve.quant.quantize import quantize
