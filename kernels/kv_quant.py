@@ -161,8 +161,8 @@ def dequantize_packed(packed: torch.Tensor, scale: torch.Tensor, offset: torch.T
 # calibrated codebook: per channel j an RMS sigma_j and a width b_j in 0..MAX_KEY_WIDTH,
 # KEY_BITS on average. A key x is stored as one fp16 t and the codes
 #
-#     z_j = x_j / sigma_j          t = fp16(max |z_j| over coded channels)    step_j = t / 2^(b_j - 1)
-#     q_j = floor((z_j + t) / step_j)  in [0, 2^b_j - 1]          x_j ~ sigma_j ((q_j + 1/2) step_j - t)
+#     z_j = x_j / sigma_j      t = fp16(max |z_j| over coded channels)    step_j = t / 2^(b_j - 1)
+#     q_j = floor((z_j + t) / step_j)  in [0, 2^b_j - 1]     x_j ~ sigma_j ((q_j + 1/2) step_j - t)
 #
 # (2^b_j midrise levels over +-t sigma_j; b_j = 0 stores nothing and reads 0). The codes are
 # a bit stream: channel j's b_j bits start at bit start_j = b_0 + ... + b_(j-1), low bit

@@ -8,8 +8,9 @@ own basis (Hadamard-rotated, one fp16 scale and offset per token and kv head), b
 This is a study, not the serving path: attention here is dense causal SDPA over the window,
 and the K/V it reads are quantized the way a paged cache would store them. `qserve eval` gives
 the served number for what the cache implements (int8, and int4 = KA4-V4-clip below, with
-the cache's own calibration text); this script also explores allocations it does not. Bytes per (token, kv head) are K + V at head_dim
-64, against fp16's 256; the issue's 3.5x-fewer-bytes bound is 73 bytes.
+the cache's own calibration text); this script also explores allocations it does not. Bytes
+per (token, kv head) are K + V at head_dim 64, against fp16's 256; the issue's
+3.5x-fewer-bytes bound is 73 bytes.
 
 Variants: "fp32"; "K<b>-V<b>" with widths 2..8 (2..7 with -clip) or "fp" for one side
 unquantized; a suffix "-clip" quantizes as the cache does (the range cut that gives the least

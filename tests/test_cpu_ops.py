@@ -8,7 +8,7 @@ from torch.nn import functional as F
 
 from qserve.config import CacheConfig, ModelArchConfig
 from qserve.engine.cache_engine import KV_STORAGE, CacheEngine, cache_tensor_specs
-from qserve.kernels import cpu_ops, kv_quant
+from qserve.kernels import cpu_ops
 from qserve.kernels.paged_attention import PagedAttentionMetadata, _decode_attention
 from qserve.quant.schemes import WeightScheme, quantize
 

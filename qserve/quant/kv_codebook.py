@@ -24,7 +24,6 @@ import inspect
 import logging
 import os
 import tempfile
-from pathlib import Path
 
 import torch
 
