@@ -15,6 +15,8 @@ Calibration runs the model over CALIBRATION_WINDOWS windows of text from Python'
 library docstrings (not the eval text), records the energy of every layer's post-RoPE keys
 and queries (past position 0, the attention sink), and allocates. It takes a few seconds, so
 the result is cached under $QSERVE_HOME/kv-codebooks, keyed by a fingerprint of the weights.
+The text comes from the running Python's own modules, so another Python version calibrates on
+slightly different text (and caches under the same key: a codebook, once made, is kept).
 """
 from __future__ import annotations
 
