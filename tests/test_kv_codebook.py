@@ -62,6 +62,15 @@ def test_calibration_on_the_default_model(small_model, tokenizer, quick_calibrat
     assert counts[0] > 0 and counts[kv_quant.MAX_KEY_WIDTH] > 0 and counts[4] < L * hkv * d
 
 
+def test_calibration_does_not_depend_on_the_context_length(loaded_model, small_model,
+                                                           tokenizer, quick_calibration):
+    """An engine built for 64 positions calibrates on the same 128-token windows as one built
+    for 256 (the cache key does not hold the context length, so they must agree)."""
+    short = build_model(loaded_model.arch, loaded_model.weights, 64)
+    a, b = (kv_codebook.calibrate(m, tokenizer) for m in (short, small_model))
+    assert all(torch.equal(a[n], b[n]) for n in kv_quant.CODEBOOK)
+
+
 def _keys_and_queries(model, ids):
     """Post-RoPE (keys (T, hkv, d), queries (T, H, d)) of every layer for one prompt."""
     from qserve.quant.calibration import prefill

@@ -38,7 +38,7 @@ log = logging.getLogger("qserve.kv_codebook")
 # +2.32% PPL (KL 0.024) with this, +2.33% (KL 0.021) with 4,096.
 CALIBRATION_WINDOWS = 2
 WINDOW = 512
-VERSION = 1  # bump when calibration or allocation changes, so no stale cache is read
+VERSION = 2  # bump when calibration or allocation changes, so no stale cache is read
 # Modules whose documentation is the calibration text: English prose about code, like the
 # eval text, but none of it.
 DOC_MODULES = ("argparse", "asyncio", "collections", "contextlib", "csv", "dataclasses",
@@ -95,7 +95,7 @@ def codebook_from_energy(k2: torch.Tensor, q2: torch.Tensor) -> dict[str, torch.
 
 
 class _Recorder:
-    """Stands in for a layer's RotaryEmbedding during calibration: rotates as it does, and adds
+    """Stands in for a layer's RotaryEmbedding during calibration: rotates with `rope`, and adds
     the rotated keys' and queries' squared means (past position 0) to `sums`."""
 
     def __init__(self, rope, sums: list, layer: int):
@@ -117,10 +117,15 @@ class _Recorder:
 @torch.inference_mode()
 def calibrate(model, tokenizer) -> dict[str, torch.Tensor]:
     """Run `model` over the calibration text and allocate: codebook tensors (L, hkv, d)."""
+    from qserve.models.rope import RotaryEmbedding
     from qserve.quant.calibration import prefill
 
     arch = model.arch
-    window = min(WINDOW, model.rope.max_positions)
+    # the windows depend on the model alone, not on the context length it was built for (its
+    # rope tables' size), so every engine of these weights calibrates alike
+    window = min(WINDOW, arch.max_position_embeddings)
+    rope = RotaryEmbedding(arch.head_dim, window, arch.rope_theta, arch.rope_scaling,
+                           model.dtype, model.device)
     text = calibration_text()[: 16 * window * CALIBRATION_WINDOWS]  # > 4 characters a token
     ids = tokenizer.encode(text, add_special_tokens=False)
     windows = [ids[i * window:(i + 1) * window] for i in range(CALIBRATION_WINDOWS)]
@@ -130,7 +135,7 @@ def calibrate(model, tokenizer) -> dict[str, torch.Tensor]:
     ropes = [layer.self_attn.rope for layer in model.layers]
     try:
         for i, layer in enumerate(model.layers):
-            layer.self_attn.rope = _Recorder(ropes[i], sums, i)
+            layer.self_attn.rope = _Recorder(rope, sums, i)
         for w in windows:
             prefill(model, w)
     finally:
@@ -165,18 +170,21 @@ def for_model(model, tokenizer) -> dict[str, torch.Tensor]:
         try:
             saved = load_file(str(path))
             return key_codebook(saved["sigma"], saved["width"])
-        except Exception:  # unreadable or invalid (e.g. cut short): calibrate again
-            pass
+        except Exception as e:  # unreadable or invalid (e.g. cut short): calibrate again
+            log.warning("ignoring the cached KV codebook %s: %s", path, e)
     log.info("calibrating the int4 KV key codebook (first use of these weights): %s", path)
     book = calibrate(model, tokenizer)
+    tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
         os.close(fd)
         save_file({"sigma": book["k_sigma"], "width": book["k_width"]}, tmp)
         os.replace(tmp, path)
-    except OSError:
-        pass  # a read-only home only costs calibrating again next time
+    except OSError as e:  # a read-only home only costs calibrating again next time
+        log.warning("cannot cache the KV codebook in %s: %s", path.parent, e)
+        if tmp is not None and os.path.exists(tmp):
+            os.remove(tmp)
     return book
 
 
