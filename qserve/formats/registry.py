@@ -1,0 +1,144 @@
+"""The weight-format table: one WeightFormat row per format, as llama.cpp keeps one type-traits
+row per quantization type. Adding a format is one row here (plus its layout module) and its
+kernels keyed by `kind`:
+
+    kernels/cpu_ops.c        wmatmul / wdequant switch on `kind` (the C row kernels)
+    kernels/dispatch.py      the Triton kernel per format name on CUDA
+    QuantizedTensor          names its format; nothing infers it from a dtype
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from qserve.formats import ggml
+from qserve.formats.qtensor import QuantizedTensor, unpack_int4
+
+# C kinds (enum wkind in kernels/cpu_ops.c): dense fp32 is 0; GGML in-place types are
+# GGML_KIND_BASE + their GGML type id.
+KIND_F32, KIND_INT4, KIND_INT8, KIND_F16, KIND_BF16 = 0, 1, 2, 3, 4
+GGML_KIND_BASE = 16
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    name: str
+    kind: int  # the id the C and Triton kernels switch on
+    bits: float  # bits per weight, codes and scales counted (for display and planning)
+    block: int  # inputs per block/group; 0: chosen per tensor (int4/int8 group size)
+    dequantize: Callable[[QuantizedTensor], torch.Tensor]  # -> (out, in) fp32 reference
+    validate: Callable[[QuantizedTensor], str | None]  # a problem with the tensors, or None
+    ggml_type: int | None = None  # the GGML type it holds blocks of, in place
+    description: str = ""
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def _grouped_dequantize(qt: QuantizedTensor) -> torch.Tensor:
+    out, G = qt.scales.shape
+    if qt.format == "int4":
+        q = unpack_int4(qt.qweight).float()
+        if qt.offsets is None:
+            q = q - 8
+    else:
+        q = qt.qweight.float()
+    w = q.view(out, G, -1) * qt.scales.float()[..., None]  # (out, G, group_size)
+    if qt.offsets is not None:
+        w = w + qt.offsets.float()[..., None]
+    return w.view(out, -1)[:, :qt.in_features]
+
+
+def _grouped_validate(qt: QuantizedTensor) -> str | None:
+    want = torch.uint8 if qt.format == "int4" else torch.int8
+    if qt.qweight.dtype != want or qt.qweight.dim() != 2:
+        return f"qweight must be a 2-D {want} tensor, got {qt.qweight.dtype} {tuple(qt.qweight.shape)}"
+    if qt.scales is None or qt.scales.dim() != 2 or qt.scales.dtype != torch.float16:
+        return "scales must be a 2-D fp16 tensor"
+    out, G = qt.scales.shape
+    if qt.qweight.shape[0] != out or qt.padded_in % G:
+        return (f"qweight {tuple(qt.qweight.shape)} and scales {tuple(qt.scales.shape)} "
+                f"do not agree")
+    if not qt.padded_in - qt.group_size < qt.in_features <= qt.padded_in:
+        return f"packed width {qt.padded_in} does not fit {qt.in_features} inputs"
+    if qt.offsets is not None and (qt.format == "int8" or qt.offsets.shape != qt.scales.shape):
+        return "offsets must match scales (int4 asymmetric only)"
+    return None
+
+
+def _dense_validate(dtype: torch.dtype):
+    def validate(qt: QuantizedTensor) -> str | None:
+        w = qt.qweight
+        if w.dtype != dtype or w.dim() != 2 or w.shape[1] != qt.in_features:
+            return f"expected a ({w.shape[0]}, {qt.in_features}) {dtype} matrix"
+        return None
+    return validate
+
+
+def _ggml_dequantize(qt: QuantizedTensor) -> torch.Tensor:
+    out = qt.qweight.shape[0]
+    t = ggml.TYPES[qt.format]
+    blocks = qt.qweight.reshape(-1, t.block_bytes)
+    return ggml.dequantize_blocks(qt.format, blocks).view(out, qt.in_features)
+
+
+def _ggml_validate(qt: QuantizedTensor) -> str | None:
+    t = ggml.TYPES[qt.format]
+    if qt.in_features % t.block:
+        return f"{qt.in_features} inputs are not a multiple of {qt.format}'s block of {t.block}"
+    want = qt.in_features // t.block * t.block_bytes
+    w = qt.qweight
+    if w.dtype != torch.uint8 or w.dim() != 2 or w.shape[1] != want:
+        return (f"{qt.format} rows of {qt.in_features} inputs take {want} bytes, got "
+                f"{w.dtype} {tuple(w.shape)}")
+    return None
+
+
+FORMATS: dict[str, WeightFormat] = {}
+
+
+def register(fmt: WeightFormat) -> WeightFormat:
+    assert fmt.name not in FORMATS and all(f.kind != fmt.kind for f in FORMATS.values())
+    FORMATS[fmt.name] = fmt
+    return fmt
+
+
+register(WeightFormat("int4", KIND_INT4, 4, 0, _grouped_dequantize, _grouped_validate,
+                      description="qserve int4, groups of 32/64/128, sym or asym"))
+register(WeightFormat("int8", KIND_INT8, 8, 0, _grouped_dequantize, _grouped_validate,
+                      description="qserve int8, per channel or grouped, sym"))
+register(WeightFormat("f16", KIND_F16, 16, 1, lambda qt: qt.qweight.float(),
+                      _dense_validate(torch.float16), description="fp16 kept as stored"))
+register(WeightFormat("bf16", KIND_BF16, 16, 1, lambda qt: qt.qweight.float(),
+                      _dense_validate(torch.bfloat16), description="bf16 kept as stored"))
+for _name in ggml.IN_PLACE:
+    _t = ggml.TYPES[_name]
+    register(WeightFormat(_name, GGML_KIND_BASE + _t.type_id, 8 * _t.block_bytes / _t.block,
+                          _t.block, _ggml_dequantize, _ggml_validate, ggml_type=_t.type_id,
+                          description=f"GGML {_name.upper()} blocks read in place"))
+
+
+def get_format(name: str) -> WeightFormat:
+    fmt = FORMATS.get(name)
+    if fmt is None:
+        raise KeyError(f"unknown weight format {name!r} (known: {', '.join(FORMATS)})")
+    return fmt
+
+
+def format_for_ggml(type_name: str) -> str | None:
+    """The format a GGUF tensor of GGML type `type_name` (e.g. 'Q4_K') runs in: repacked
+    losslessly (Q4_0 -> int4, Q8_0 -> int8), in place (Q4_K -> q4_k), kept at its stored
+    precision (F16 -> f16), or None for F32 (a plain fp32 tensor). Raises KeyError for a type
+    qserve cannot run (IQ*, TQ*)."""
+    name = type_name.lower()
+    if name == "f32":
+        return None
+    if name in ("f16", "bf16"):
+        return name
+    if name in ggml.REPACKED:
+        return ggml.REPACKED[name]
+    if name in ggml.IN_PLACE:
+        return name
+    raise KeyError(type_name)
