@@ -68,13 +68,134 @@ def repack(name: str, rows: torch.Tensor, in_features: int) -> QuantizedTensor:
 
 
 # ---- per-type dequantization (n, block_bytes) uint8 -> (n, block) fp32 ----------------------
+# Each follows gguf-py's fp32 arithmetic step for step (products formed in the same order,
+# integers exact), so the results are bit for bit its own. Offsets are bytes into a block;
+# "q at i" is the code of input i (0 <= i < block), d/dmin/m are fp16.
 def _f16(b: torch.Tensor) -> torch.Tensor:
     """(n, 2) uint8 little-endian fp16 -> (n, 1) fp32."""
     return b.contiguous().view(torch.float16).float()
 
 
-def _not_yet(blocks: torch.Tensor) -> torch.Tensor:
-    raise NotImplementedError
+def _fields(b: torch.Tensor, width: int) -> torch.Tensor:
+    """(..., L) uint8 -> (..., 8 // width, L) uint8: field f holds bits
+    [f * width, (f + 1) * width) of each byte."""
+    shifts = torch.arange(0, 8, width, dtype=torch.uint8, device=b.device)
+    return (b.unsqueeze(-2) >> shifts[:, None]) & ((1 << width) - 1)
 
 
-_DEQUANTIZE = {name: _not_yet for name in TYPES}
+def _nibbles32(qs: torch.Tensor) -> torch.Tensor:
+    """(n, 16) bytes of a 32-input block -> (n, 32) codes: input j is byte j's low nibble,
+    input j + 16 its high one."""
+    return _fields(qs, 4).reshape(qs.shape[0], 32)
+
+
+def _high_bits32(qh: torch.Tensor) -> torch.Tensor:
+    """(n, 4) bytes, a little-endian uint32 -> (n, 32): bit i (input i's fifth bit)."""
+    return _fields(qh, 1).transpose(1, 2).reshape(qh.shape[0], 32)
+
+
+def _dequantize_q4_0(b: torch.Tensor) -> torch.Tensor:
+    # 0 d | 2 qs[16]                        w = d * (q - 8)
+    return _f16(b[:, 0:2]) * (_nibbles32(b[:, 2:18]).float() - 8)
+
+
+def _dequantize_q4_1(b: torch.Tensor) -> torch.Tensor:
+    # 0 d | 2 m | 4 qs[16]                  w = d * q + m
+    return _f16(b[:, 0:2]) * _nibbles32(b[:, 4:20]).float() + _f16(b[:, 2:4])
+
+
+def _dequantize_q5_0(b: torch.Tensor) -> torch.Tensor:
+    # 0 d | 2 qh (uint32) | 6 qs[16]        q = nibble | qh bit i << 4, w = d * (q - 16)
+    q = _nibbles32(b[:, 6:22]) | (_high_bits32(b[:, 2:6]) << 4)
+    return _f16(b[:, 0:2]) * (q.float() - 16)
+
+
+def _dequantize_q5_1(b: torch.Tensor) -> torch.Tensor:
+    # 0 d | 2 m | 4 qh (uint32) | 8 qs[16]  q as Q5_0, w = d * q + m
+    q = _nibbles32(b[:, 8:24]) | (_high_bits32(b[:, 4:8]) << 4)
+    return _f16(b[:, 0:2]) * q.float() + _f16(b[:, 2:4])
+
+
+def _dequantize_q8_0(b: torch.Tensor) -> torch.Tensor:
+    # 0 d | 2 qs[32] int8                   w = q * d
+    return b[:, 2:34].contiguous().view(torch.int8).float() * _f16(b[:, 0:2])
+
+
+def _dequantize_q2_k(b: torch.Tensor) -> torch.Tensor:
+    # 0 scales[16] | 16 qs[64] | 80 d | 82 dmin; 16 sub-blocks of 16 inputs.
+    # scales[s]: low nibble sc, high nibble mn.  Input 128h + 32f + j is 2-bit field f of
+    # qs[32h + j].                           w = (d * sc) * q - (dmin * mn)
+    n = b.shape[0]
+    sc = b[:, 0:16]
+    dl = (_f16(b[:, 80:82]) * (sc & 15).float()).view(n, 16, 1)
+    ml = (_f16(b[:, 82:84]) * (sc >> 4).float()).view(n, 16, 1)
+    q = _fields(b[:, 16:80].reshape(n, 2, 32), 2).reshape(n, 16, 16).float()
+    return (dl * q - ml).view(n, 256)
+
+
+def _dequantize_q3_k(b: torch.Tensor) -> torch.Tensor:
+    # 0 hmask[32] | 32 qs[64] | 96 scales[12] | 108 d; 16 sub-blocks of 16 inputs.
+    # Input 128h + 32f + j: low 2 bits field f of qs[32h + j]; input 32f + j: bit f of
+    # hmask[j], set meaning "no -4".  Scale s (6 bits, offset 32): low nibble s // 8 of
+    # scales[s % 8], high 2 bits field s // 4 of scales[8 + s % 4].
+    #                                         w = (d * (sc - 32)) * (q2 - 4 * (1 - hbit))
+    n = b.shape[0]
+    lo = _fields(b[:, 96:104], 4).reshape(n, 16)
+    hi = _fields(b[:, 104:108], 2).reshape(n, 16)
+    sc = (lo | (hi << 4)).float() - 32
+    dl = (_f16(b[:, 108:110]) * sc).view(n, 16, 1)
+    q2 = _fields(b[:, 32:96].reshape(n, 2, 32), 2).reshape(n, 256)
+    hbit = _fields(b[:, 0:32], 1).reshape(n, 256)
+    q = (q2.to(torch.int16) - 4 * (1 - hbit.to(torch.int16))).float()
+    return (dl * q.view(n, 16, 16)).view(n, 256)
+
+
+def _k_scale_min(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K: 12 bytes -> (n, 8) 6-bit scales and mins of the 32-input sub-blocks.
+    Sub-block t < 4: sc = s[t] & 63, mn = s[4 + t] & 63; t >= 4 (u = t - 4): the low 4 bits
+    are s[8 + u]'s low (sc) / high (mn) nibble, the top 2 bits s[u] >> 6 / s[4 + u] >> 6."""
+    a, m, lo = s[:, 0:4], s[:, 4:8], s[:, 8:12]
+    sc = torch.cat([a & 63, (lo & 15) | ((a >> 2) & 48)], dim=1)
+    mn = torch.cat([m & 63, (lo >> 4) | ((m >> 2) & 48)], dim=1)
+    return sc, mn
+
+
+def _dequantize_q4_k(b: torch.Tensor) -> torch.Tensor:
+    # 0 d | 2 dmin | 4 scales[12] | 16 qs[128]; 8 sub-blocks of 32 inputs.
+    # Input 64c + 32h + j: nibble h of qs[32c + j].  w = (d * sc) * q - (dmin * mn)
+    n = b.shape[0]
+    sc, mn = _k_scale_min(b[:, 4:16])
+    dl = (_f16(b[:, 0:2]) * sc.float()).view(n, 8, 1)
+    ml = (_f16(b[:, 2:4]) * mn.float()).view(n, 8, 1)
+    q = _fields(b[:, 16:144].reshape(n, 4, 32), 4).reshape(n, 8, 32).float()
+    return (dl * q - ml).view(n, 256)
+
+
+def _dequantize_q5_k(b: torch.Tensor) -> torch.Tensor:
+    # 0 d | 2 dmin | 4 scales[12] | 16 qh[32] | 48 qs[128]; 8 sub-blocks of 32 inputs.
+    # Low 4 bits as Q4_K (from qs), input 32f + j's fifth bit is bit f of qh[j].
+    #                                         w = (d * sc) * q - (dmin * mn)
+    n = b.shape[0]
+    sc, mn = _k_scale_min(b[:, 4:16])
+    dl = (_f16(b[:, 0:2]) * sc.float()).view(n, 8, 1)
+    ml = (_f16(b[:, 2:4]) * mn.float()).view(n, 8, 1)
+    ql = _fields(b[:, 48:176].reshape(n, 4, 32), 4).reshape(n, 8, 32)
+    qh = _fields(b[:, 16:48], 1)  # (n, 8, 32)
+    q = (ql | (qh << 4)).float()
+    return (dl * q - ml).view(n, 256)
+
+
+def _dequantize_q6_k(b: torch.Tensor) -> torch.Tensor:
+    # 0 ql[128] | 128 qh[64] | 192 scales[16] int8 | 208 d; 16 sub-blocks of 16 inputs.
+    # Input 128h + 64f + p (p < 64): low 4 bits nibble f of ql[64h + p]; input 128h + 32f + j:
+    # high 2 bits field f of qh[32h + j].    w = (d * sc) * (q - 32)
+    n = b.shape[0]
+    sc = b[:, 192:208].contiguous().view(torch.int8).float()
+    dl = (_f16(b[:, 208:210]) * sc).view(n, 16, 1)
+    ql = _fields(b[:, 0:128].reshape(n, 2, 64), 4).reshape(n, 256)
+    qh = _fields(b[:, 128:192].reshape(n, 2, 32), 2).reshape(n, 256)
+    q = (ql | (qh << 4)).float() - 32
+    return (dl * q.view(n, 16, 16)).view(n, 256)
+
+
+_DEQUANTIZE = {name: globals()[f"_dequantize_{name}"] for name in TYPES}

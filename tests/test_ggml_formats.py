@@ -1,0 +1,84 @@
+"""GGML block dequantization (qserve/formats/ggml.py) bit for bit against gguf-py's
+`gguf.quants.dequantize`, for every type qserve reads: in place through the format registry,
+block by block, and (Q4_0 / Q4_1 / Q8_0) through the lossless repack to int4/int8.
+
+Blocks are random bytes (every code and sub-block scale pattern occurs), except the fp16
+super-scales, drawn as finite values of a checkpoint's magnitude so that no NaN/inf appears
+(NaN != NaN would hide a mismatch).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from qserve.formats import QuantizedTensor, ggml
+
+# Byte offsets of each type's fp16 fields (d, and dmin / m where it has them).
+FP16_FIELDS = {
+    "q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "q8_0": (0,),
+    "q2_k": (80, 82), "q3_k": (108,), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,),
+}
+
+
+def random_rows(name: str, out: int, in_features: int, seed: int = 0) -> torch.Tensor:
+    """(out, in_features / block * block_bytes) uint8: random blocks of type `name` whose fp16
+    fields hold randn * 0.01."""
+    t = ggml.TYPES[name]
+    g = torch.Generator().manual_seed(seed)
+    n = out * in_features // t.block
+    blocks = torch.randint(0, 256, (n, t.block_bytes), dtype=torch.uint8, generator=g)
+    for off in FP16_FIELDS[name]:
+        d = (torch.randn(n, 1, generator=g) * 0.01).half()
+        blocks[:, off:off + 2] = d.view(torch.uint8)
+    return blocks.view(out, -1)
+
+
+def gguf_dequantize(name: str, rows: torch.Tensor) -> torch.Tensor:
+    """gguf-py's (out, in) fp32 for GGUF rows of type `name`."""
+    w = quants.dequantize(rows.numpy(), GGMLQuantizationType[name.upper()])
+    assert w.dtype == np.float32
+    return torch.from_numpy(w)
+
+
+CASES = [(name, out, n_blocks) for name in ggml.TYPES for out, n_blocks in ((1, 3), (7, 5), (83, 1))]
+
+
+@pytest.mark.parametrize("name,out,n_blocks", CASES)
+def test_dequantize_matches_gguf(name, out, n_blocks):
+    in_features = n_blocks * ggml.TYPES[name].block
+    rows = random_rows(name, out, in_features, seed=out * 10 + n_blocks)
+    ref = gguf_dequantize(name, rows)
+    assert ref.shape == (out, in_features) and torch.isfinite(ref).all()
+
+    blocks = rows.view(-1, ggml.TYPES[name].block_bytes)
+    assert torch.equal(ggml.dequantize_blocks(name, blocks).view(out, in_features), ref)
+    if name in ggml.IN_PLACE:
+        qt = QuantizedTensor(name, rows, None, None, in_features)
+        assert qt.validate() is None
+        w = qt.dequantize()
+        assert w.dtype == torch.float32 and torch.equal(w, ref)
+    else:
+        qt = ggml.repack(name, rows, in_features)
+        assert qt.format == ggml.REPACKED[name] and qt.validate() is None
+        assert torch.equal(qt.dequantize(), ref)
+
+
+def test_dequantize_reads_a_strided_view():
+    """Every other row of a matrix (a non-contiguous view) dequantizes the same."""
+    rows = random_rows("q4_k", 12, 512, seed=3)
+    part = rows[1::2]
+    assert torch.equal(QuantizedTensor("q4_k", part, None, None, 512).dequantize(),
+                       gguf_dequantize("q4_k", part.contiguous()))
+
+
+@pytest.mark.parametrize("name", ggml.IN_PLACE)
+def test_validate_reports_a_wrong_row_width(name):
+    t = ggml.TYPES[name]
+    rows = random_rows(name, 3, 2 * t.block)
+    assert QuantizedTensor(name, rows, None, None, 2 * t.block).validate() is None
+    msg = QuantizedTensor(name, rows[:, :-1], None, None, 2 * t.block).validate()
+    assert msg is not None and str(2 * t.block_bytes) in msg
+    msg = QuantizedTensor(name, rows, None, None, 2 * t.block + 1).validate()
+    assert msg is not None and str(t.block) in msg
