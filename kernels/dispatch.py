@@ -15,6 +15,7 @@ import os
 import torch
 from torch.nn import functional as F
 
+from qserve.formats import QuantizedTensor
 from qserve.kernels import cpu_ops
 from qserve.kernels.paged_attention import PagedAttentionMetadata, paged_attention, write_kv
 
@@ -38,24 +39,44 @@ def _triton(x: torch.Tensor) -> bool:
     return x.device.type == "cuda" and _triton_available()
 
 
-def packed_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                  offsets: torch.Tensor | None, in_features: int,
+def packed_linear(x: torch.Tensor, segments: list[QuantizedTensor],
                   bias: torch.Tensor | None) -> torch.Tensor:
-    """x (..., in) @ W^T (+ bias) for a packed W (out, in): (..., out) in x's dtype."""
-    if _cpu_fast(x):
-        x2 = x.reshape(-1, in_features)
-        b = None if bias is None else bias.float().contiguous()
-        y = cpu_ops.dequant_matmul(x2.float().contiguous(), qweight, scales, offsets,
-                                   in_features, b, cpu_ops.int8_activations())
+    """x (..., in) @ W^T (+ bias) for W stored as row segments (each (out_i, in), any weight
+    format), stacked along out: (..., sum out_i) in x's dtype."""
+    K = segments[0].in_features
+    x2 = x.reshape(-1, K)
+    if _cpu_fast(x) and all(cpu_ops.supports(s) for s in segments):
+        xf = x2.float().contiguous()
+        y = torch.empty(xf.shape[0], sum(s.shape[0] for s in segments), dtype=torch.float32)
+        i8, n0 = cpu_ops.int8_activations(), 0
+        for seg in segments:  # each writes its own columns of y
+            n1 = n0 + seg.shape[0]
+            b = None if bias is None else bias[n0:n1].float().contiguous()
+            cpu_ops.weight_matmul(xf, seg, b, i8, out=y[:, n0:n1])
+            n0 = n1
         return y.to(x.dtype).view(*x.shape[:-1], -1)
-    from qserve.quant.schemes import QuantizedTensor
-
-    qt = QuantizedTensor(qweight, scales, offsets, in_features)
     if _triton(x):
+        parts = [_triton_matmul(x2, seg) for seg in segments]
+        y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        if bias is not None:
+            y = y + bias.to(y.dtype)
+        return y.view(*x.shape[:-1], -1)
+    w = torch.cat([seg.dequantize() for seg in segments]) if len(segments) > 1 else (
+        segments[0].dequantize())
+    return F.linear(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype))
+
+
+def _triton_matmul(x: torch.Tensor, qt: QuantizedTensor) -> torch.Tensor:
+    """x (M, K) @ W^T for one segment on CUDA: the Triton kernel of its format."""
+    if qt.format in ("int4", "int8"):
         from qserve.kernels.triton_dequant_gemm import dequant_matmul
 
-        return dequant_matmul(x.reshape(-1, in_features), qt, bias).view(*x.shape[:-1], -1)
-    return F.linear(x, qt.dequantize().to(x.dtype), bias)
+        return dequant_matmul(x, qt, None)
+    if qt.fmt.ggml_type is not None:
+        from qserve.kernels.triton_ggml import ggml_matmul
+
+        return ggml_matmul(x, qt, None)
+    return F.linear(x, qt.qweight.to(x.dtype))  # f16 / bf16 / f32: dense already
 
 
 def output_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

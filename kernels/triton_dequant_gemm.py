@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qserve.quant.schemes import QuantizedTensor
+from qserve.formats import QuantizedTensor
 
 _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 

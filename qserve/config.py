@@ -204,7 +204,8 @@ class EngineConfig:
 
     model: str | None = None  # alias, GGUF file or HF directory; None: the default model
     device: str = "auto"
-    dtype: str = "fp32"  # activation / dense weight dtype on CPU
+    dtype: str = "fp32"  # activations, and dense weights that are not kept as stored
+    weights: str = "native"  # native: the file's own precision; dense: dequantize to `dtype`
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -215,6 +216,9 @@ class EngineConfig:
             raise ConfigError(f"--device={self.device!r}; choose auto, cpu or cuda")
         if self.dtype not in ("fp32", "fp16", "bf16"):
             raise ConfigError(f"--dtype={self.dtype!r}; choose fp32, fp16 or bf16")
+        if self.weights not in ("native", "dense"):
+            raise ConfigError(f"--weights={self.weights!r}; choose native (the file's own "
+                              f"precision) or dense (dequantized to --dtype)")
 
     def resolved_device(self) -> str:
         import torch

@@ -101,18 +101,18 @@ def random_weight(n: int, k: int, fmt: str, device, group: int = 128):
     with random codes ("w8": int8 per channel; "w4": int4 g`group` symmetric; "w4a": asym)."""
     import torch
 
-    from qserve.quant.schemes import QuantizedTensor
+    from qserve.formats import QuantizedTensor
 
     if fmt == "fp16":
         return (torch.randn(n, k, device=device) * k ** -0.5).half()
     if fmt == "w8":
         q = torch.randint(-127, 128, (n, k), device=device, dtype=torch.int8)
         s = torch.full((n, 1), 1 / (73 * k ** 0.5), device=device, dtype=torch.float16)
-        return QuantizedTensor(q, s, None, k)
+        return QuantizedTensor("int8", q, s, None, k)
     kp = -(-k // group) * group
     q = torch.randint(0, 256, (n, kp // 2), device=device, dtype=torch.uint8)
     s = torch.full((n, kp // group), 1 / (4.6 * k ** 0.5), device=device, dtype=torch.float16)
-    return QuantizedTensor(q, s, None if fmt == "w4" else -7.5 * s, k)
+    return QuantizedTensor("int4", q, s, None if fmt == "w4" else -7.5 * s, k)
 
 
 def weight_bytes(w) -> int:

@@ -14,7 +14,7 @@ from qserve.errors import ModelLoadError
 from qserve.kernels import cpu_ops
 from qserve.loader import load_model
 from qserve.quant import calibration
-from qserve.quant.linear import packed_weight
+from qserve.layers.quant_linear import packed_weight
 from qserve.quant.quantize import plan_layers, quantize, quantize_weights
 from qserve.quant.recipe import load_recipe
 

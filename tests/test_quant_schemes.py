@@ -8,11 +8,16 @@ from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize as gguf_dequantize, quantize as gguf_quantize
 from torch.nn import functional as F
 
-from qserve.quant.gguf_import import import_blocks
+from qserve.formats import ggml
 from qserve.kernels import cpu_ops
-from qserve.quant.linear import QuantLinear
-from qserve.quant.schemes import (QuantizedTensor, WeightScheme, cat_quantized, pack_int4,
-                                  quantize, unpack_int4)
+from qserve.layers.quant_linear import QuantLinear
+from qserve.formats import QuantizedTensor, pack_int4, unpack_int4
+from qserve.formats.qtensor import cat_quantized
+from qserve.quant.schemes import WeightScheme, quantize
+
+
+def import_blocks(raw, qtype, in_features):
+    return ggml.repack(qtype.name.lower(), torch.from_numpy(np.array(raw)), in_features)
 
 SCHEMES = [WeightScheme(8, None, True), WeightScheme(8, 32, True),
            WeightScheme(4, 32, False), WeightScheme(4, 64, False), WeightScheme(4, 128, False),
@@ -129,7 +134,7 @@ def test_gguf_import_default_model_bit_exact(default_model_path):
 
 @pytest.mark.parametrize("scheme", [WeightScheme(8, 32, True), WeightScheme(4, 64, False)], ids=str)
 def test_quant_embedding_lookup_and_tied_logits(scheme, monkeypatch):
-    from qserve.quant.linear import QuantEmbedding
+    from qserve.layers.quant_linear import QuantEmbedding
 
     table = quantize(torch.randn(1000, 96), scheme)
     emb = QuantEmbedding(table, torch.float32)

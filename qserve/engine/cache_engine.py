@@ -274,10 +274,11 @@ def kv_budget_bytes(cache: CacheConfig, device: torch.device) -> int:
     """The device KV pool's budget: --kv-cache-memory, else a fraction of free memory."""
     if cache.kv_cache_memory is not None:
         return cache.kv_cache_memory
-    return int(_free_memory(device) * cache.kv_cache_fraction)
+    return int(free_memory(device) * cache.kv_cache_fraction)
 
 
-def _free_memory(device: torch.device) -> int:
+def free_memory(device: torch.device) -> int:
+    """Bytes the device has available now (CPU: MemAvailable)."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return free

@@ -25,6 +25,7 @@ from qserve.engine.cache_engine import (CacheEngine, DTYPES, bytes_per_block, kv
                                         kv_torch_dtype, plan_num_blocks)
 from qserve.engine.detokenizer import IncrementalDetokenizer
 from qserve.engine.layerwise import StagingPlan
+from qserve.engine.memory_plan import plan_memory
 from qserve.engine.model_runner import ModelRunner
 from qserve.engine.proposer import build_proposer, draft_arch
 from qserve.engine.sampler import Sampler, SamplingRow
@@ -84,8 +85,17 @@ class LLMEngine:
             cache = dataclasses.replace(cache, kv_cache_memory=budget)
         num_blocks, num_host_blocks = plan_num_blocks(
             arch, cache, self.kv_dtype, self.device, self.max_model_len)
+        native = config.weights == "native"
         if loaded is None:
-            loaded = load_model(config.model)
+            per_block = bytes_per_block(arch, cache.block_size, self.kv_dtype)
+            self.memory_plan = plan_memory(
+                resolve_model(config.model), arch, device=self.device, dtype=self.dtype,
+                native=native, kv_bytes=num_blocks * per_block,
+                host_kv_bytes=num_host_blocks * per_block,
+                max_num_batched_tokens=sched.max_num_batched_tokens,
+                max_num_seqs=sched.max_num_seqs)
+            self.memory_plan.check()  # before any weight is read
+            loaded = load_model(config.model, native=native)
         self.arch, self.tokenizer = loaded.arch, loaded.tokenizer
         self.model_path = loaded.path
 

@@ -109,6 +109,8 @@ register(WeightFormat("int4", KIND_INT4, 4, 0, _grouped_dequantize, _grouped_val
                       description="qserve int4, groups of 32/64/128, sym or asym"))
 register(WeightFormat("int8", KIND_INT8, 8, 0, _grouped_dequantize, _grouped_validate,
                       description="qserve int8, per channel or grouped, sym"))
+register(WeightFormat("f32", KIND_F32, 32, 1, lambda qt: qt.qweight.float(),
+                      _dense_validate(torch.float32), description="fp32 (a dense segment)"))
 register(WeightFormat("f16", KIND_F16, 16, 1, lambda qt: qt.qweight.float(),
                       _dense_validate(torch.float16), description="fp16 kept as stored"))
 register(WeightFormat("bf16", KIND_BF16, 16, 1, lambda qt: qt.qweight.float(),

@@ -5,9 +5,13 @@
         qserve checkpoint (a directory whose config.json says quant_method "qserve")
               -> hf_loader for config and tokenizer, quant.checkpoint for packed weights
     -> LoadedModel(arch, weights under Hugging Face Llama names, tokenizer)
+
+Weights are read lazily, tensor by tensor (loader/weights.py), and by default keep the file's
+own precision: a GGUF's quantized tensors stay quantized (qserve/formats), fp16/bf16 stay so.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +19,7 @@ import torch
 
 from qserve.config import ModelArchConfig
 from qserve.errors import ModelLoadError
+from qserve.formats import QuantizedTensor
 from qserve.loader import gguf_loader, hf_loader
 from qserve.loader.registry import DEFAULT_MODEL, model_home, pull, resolve_model
 from qserve.loader.tokenizer import Tokenizer
@@ -27,16 +32,18 @@ __all__ = ["LoadedModel", "Tokenizer", "load_model", "load_arch", "load_tokenize
 class LoadedModel:
     """A model ready for the runner.
 
-    weights: Hugging Face Llama names -> tensors, linears (out_features, in_features); fp32, except
-    that F16/BF16 tensors of a GGUF and the stored dtype of safetensors are kept as they are.
+    weights: Hugging Face Llama names -> dense tensors or QuantizedTensors, linears
+    (out_features, in_features), read when looked up (a LazyWeights for GGUF and HF sources).
+    With native weights a GGUF's quantized linears and embedding are QuantizedTensors in their
+    own format (qserve/formats), F16/BF16 tensors as stored, the rest fp32; with
+    native=False every GGUF tensor is dequantized to fp32. Safetensors keep their stored dtype.
+    A qserve checkpoint's packed linears are QuantizedTensors described by `quant`.
     lm_head.weight is present only when not tied to model.embed_tokens.weight.
     arch.eos_token_ids includes every id in tokenizer.eos_token_ids.
-    A qserve checkpoint stores quantized linears as `<name>.qweight`, `.scales`[, `.offsets`]
-    instead of `<name>.weight` (qserve/quant/schemes.py), described by `quant`.
     """
 
     arch: ModelArchConfig
-    weights: dict[str, torch.Tensor]
+    weights: Mapping[str, torch.Tensor | QuantizedTensor]
     tokenizer: Tokenizer
     path: Path
     source_format: str  # "gguf" | "hf" | "qserve"
@@ -55,15 +62,16 @@ def _locate(spec: str | Path | None) -> tuple[Path, str]:
     return path, "gguf"  # GGUFFile rejects anything without the GGUF magic
 
 
-def load_model(spec: str | Path | None = None) -> LoadedModel:
+def load_model(spec: str | Path | None = None, native: bool = True) -> LoadedModel:
     """Load config, weights and tokenizer. spec: alias (None: the default model), a .gguf file,
-    a Hugging Face model directory, or a Hugging Face repo id ORG/NAME."""
+    a Hugging Face model directory, or a Hugging Face repo id ORG/NAME. native=False
+    dequantizes a GGUF's quantized tensors to fp32 (as they are read)."""
     path, fmt = _locate(spec)
     quant = None
     if fmt == "gguf":
         gguf = gguf_loader.GGUFFile(path)
         arch = gguf_loader.read_arch(gguf)
-        weights = gguf_loader.read_weights(gguf, arch)
+        weights = gguf_loader.read_weights(gguf, arch, native)
         tokenizer = gguf_loader.read_tokenizer(gguf)
     else:
         arch = hf_loader.read_config(path)

@@ -26,7 +26,9 @@ from gguf.quants import dequantize
 
 from qserve.config import ModelArchConfig
 from qserve.errors import ConfigError, ModelLoadError
+from qserve.formats import QuantizedTensor, format_for_ggml, ggml
 from qserve.loader.hf_loader import check_shapes
+from qserve.loader.weights import LazyWeights
 from qserve.loader.tokenizer import Tokenizer, byte_level_bpe, sentencepiece_bpe
 
 GGUF_ARCHITECTURES = ("llama", "qwen2")  # Mistral GGUFs say "llama"
@@ -150,6 +152,16 @@ class GGUFFile:
             raise self.error(f"missing tensor {name}")
         raw = np.frombuffer(self._mm, np.uint8, info.nbytes, info.offset)
         return info, raw.reshape(-1, info.nbytes // int(np.prod(info.shape[:-1], dtype=np.int64)))
+
+    def read(self, name: str) -> torch.Tensor:
+        """A tensor's raw bytes, (nbytes,) uint8, read from the file into fresh memory."""
+        info = self.tensors[name]
+        buf = torch.empty(info.nbytes, dtype=torch.uint8)
+        with open(self.path, "rb") as f:
+            f.seek(info.offset)
+            if f.readinto(memoryview(buf.numpy())) != info.nbytes:
+                raise self.error(f"is truncated: tensor {name} could not be read whole")
+        return buf
 
     def tensor(self, name: str) -> torch.Tensor:
         """One tensor in HF (out, in) order: quantized types dequantized to fp32, F32/F16/BF16 as
@@ -277,15 +289,69 @@ def unpermute_rows(gguf_name: str, arch: ModelArchConfig) -> int | None:
     return arch.num_kv_heads if ".attn_k." in gguf_name else None
 
 
-def read_weights(gguf: GGUFFile, arch: ModelArchConfig) -> dict[str, torch.Tensor]:
-    """All weights under Hugging Face Llama names, shapes (out_features, in_features)."""
-    weights = {}
-    for gguf_name, hf_name in hf_names(arch).items():
-        w = gguf.tensor(gguf_name)
-        n_head = unpermute_rows(gguf_name, arch)
-        weights[hf_name] = w if n_head is None else _unpermute(w, n_head)
-    check_shapes(weights, arch, gguf.path)
-    return weights
+def read_tensor(gguf: GGUFFile, gguf_name: str, arch: ModelArchConfig, native: bool = True
+                ) -> torch.Tensor | QuantizedTensor:
+    """One tensor, rows in HF order, read from the file into memory of its own (so nothing
+    stays mapped: a file changed under a running server cannot crash it).
+
+    native: a 2-D tensor keeps its file's precision as a QuantizedTensor: Q4_0 / Q4_1 / Q8_0
+    repacked losslessly into int4 / int8, the K-quants and Q5_0 / Q5_1 as their blocks, F16 /
+    BF16 as stored; F32 and 1-D tensors are plain fp32 tensors. Otherwise every tensor is
+    dequantized to fp32. A type qserve cannot run is a ModelLoadError naming it."""
+    info = gguf.tensors.get(gguf_name)
+    if info is None:
+        raise gguf.error(f"missing tensor {gguf_name}")
+    raw = gguf.read(gguf_name)  # (nbytes,) uint8
+    type_name = info.ggml_type.name
+    try:
+        fmt = format_for_ggml(type_name)
+    except KeyError:
+        raise gguf.error(f"tensor {gguf_name} has type {type_name}, which qserve cannot run "
+                         f"(supported: F32, F16, BF16, {', '.join(t.upper() for t in ggml.TYPES)})"
+                         ) from None
+    if fmt is None:
+        w = raw.view(torch.float32).view(info.shape)
+    elif len(info.shape) == 1:  # norms, biases: tiny, always fp32
+        w = _as_qtensor(raw.view(1, -1), fmt, info.shape[0]).dequantize().view(-1)
+    else:
+        w = _as_qtensor(raw.view(info.shape[0], -1), fmt, info.shape[1])
+        if not native:
+            w = w.dequantize()
+    n_head = unpermute_rows(gguf_name, arch)
+    if n_head is None:
+        return w
+    if isinstance(w, QuantizedTensor):
+        return w.rows(_unpermute(torch.arange(w.shape[0]), n_head))
+    return _unpermute(w, n_head)
+
+
+def _as_qtensor(rows: torch.Tensor, fmt: str, in_features: int) -> QuantizedTensor:
+    """(out, row_bytes) uint8 rows of the file -> the QuantizedTensor of format `fmt`."""
+    if fmt in ("f16", "bf16"):
+        dtype = torch.float16 if fmt == "f16" else torch.bfloat16
+        return QuantizedTensor(fmt, rows.view(dtype), None, None, in_features)
+    if fmt in ("int4", "int8"):
+        name = next(g for g, f in ggml.REPACKED.items() if f == fmt and
+                    ggml.TYPES[g].block_bytes * in_features // 32 == rows.shape[1])
+        return ggml.repack(name, rows, in_features)
+    return QuantizedTensor(fmt, rows, None, None, in_features)
+
+
+def read_weights(gguf: GGUFFile, arch: ModelArchConfig, native: bool = True) -> LazyWeights:
+    """Every weight the model needs under Hugging Face Llama names, shapes (out, in): a lazy
+    mapping that reads each tensor from the file when it is looked up (see read_tensor)."""
+    names = {h: g for g, h in hf_names(arch).items()}
+    missing = [g for g in names.values() if g not in gguf.tensors]
+    if missing:
+        raise gguf.error(f"missing tensor {missing[0]}")
+    shapes = {h: gguf.tensors[g].shape for h, g in names.items()}
+    check_shapes(shapes, arch, gguf.path)
+    return LazyWeights(shapes, lambda h: read_tensor(gguf, names[h], arch, native))
+
+
+def tensor_types(gguf: GGUFFile, arch: ModelArchConfig) -> dict[str, str]:
+    """HF name -> GGML type name of every weight the model needs."""
+    return {h: gguf.tensors[g].ggml_type.name for g, h in hf_names(arch).items()}
 
 
 def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:

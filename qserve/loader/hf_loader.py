@@ -19,6 +19,7 @@ from tokenizers import AddedToken
 
 from qserve.config import ModelArchConfig
 from qserve.errors import ConfigError, ModelLoadError
+from qserve.loader.weights import LazyWeights
 from qserve.loader.tokenizer import BYTE, CONTROL, NORMAL, UNKNOWN, UNUSED, Tokenizer, sentencepiece_bpe
 
 HF_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -44,16 +45,16 @@ def expected_shapes(arch: ModelArchConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_shapes(weights: dict[str, torch.Tensor], arch: ModelArchConfig, source: Path) -> None:
-    """Raise unless `weights` holds exactly the expected tensors with the expected shapes."""
+def check_shapes(shapes: dict[str, tuple[int, ...]], arch: ModelArchConfig, source: Path) -> None:
+    """Raise unless `shapes` names exactly the expected tensors with the expected shapes."""
     expected = expected_shapes(arch)
     for name, shape in expected.items():
-        if name not in weights:
+        if name not in shapes:
             raise ModelLoadError(f"{source}: missing tensor {name}")
-        if tuple(weights[name].shape) != shape:
-            raise ModelLoadError(f"{source}: tensor {name} has shape {tuple(weights[name].shape)}, "
+        if tuple(shapes[name]) != shape:
+            raise ModelLoadError(f"{source}: tensor {name} has shape {tuple(shapes[name])}, "
                                  f"expected {shape} from the model's config")
-    assert weights.keys() == expected.keys(), sorted(weights.keys() ^ expected.keys())
+    assert shapes.keys() == expected.keys(), sorted(shapes.keys() ^ expected.keys())
 
 
 def _read_json(path: Path, required: bool = True) -> dict:
@@ -117,8 +118,9 @@ def read_config(path: Path) -> ModelArchConfig:
         raise ModelLoadError(f"{cfg_path}: {e}") from None
 
 
-def read_weights(path: Path, arch: ModelArchConfig) -> dict[str, torch.Tensor]:
-    """The expected tensors, as stored (fp32/fp16/bf16), from one or several safetensors files."""
+def read_weights(path: Path, arch: ModelArchConfig) -> LazyWeights:
+    """The expected tensors, as stored (fp32/fp16/bf16), from one or several safetensors files:
+    a lazy mapping that reads each tensor when it is looked up (the headers are checked now)."""
     from safetensors import safe_open
 
     index = path / "model.safetensors.index.json"
@@ -128,21 +130,30 @@ def read_weights(path: Path, arch: ModelArchConfig) -> dict[str, torch.Tensor]:
         files = ["model.safetensors"]
     else:
         raise ModelLoadError(f"{path}: no model.safetensors or model.safetensors.index.json")
-    wanted, weights = expected_shapes(arch), {}
+    wanted, shapes, where = expected_shapes(arch), {}, {}
     for name in files:
         file = path / name
         try:
             with safe_open(str(file), framework="pt") as f:
                 for key in f.keys():
                     if key in wanted:  # tied checkpoints may still carry lm_head.weight
-                        weights[key] = f.get_tensor(key)
+                        shapes[key], where[key] = tuple(f.get_slice(key).get_shape()), file
         except FileNotFoundError:
             raise ModelLoadError(f"{file}: listed in {index.name} but missing") from None
         except Exception as e:  # safetensors raises its own SafetensorError, not an OSError
             raise ModelLoadError(f"{file}: not a readable safetensors file "
                                  f"({type(e).__name__}: {e})".splitlines()[0]) from None
-    check_shapes(weights, arch, path)
-    return weights
+    check_shapes(shapes, arch, path)
+
+    def read(key: str) -> torch.Tensor:
+        try:
+            with safe_open(str(where[key]), framework="pt") as f:
+                return f.get_tensor(key)
+        except Exception as e:
+            raise ModelLoadError(f"{where[key]}: tensor {key} cannot be read "
+                                 f"({type(e).__name__}: {e})".splitlines()[0]) from None
+
+    return LazyWeights(shapes, read)
 
 
 def read_tokenizer(path: Path) -> Tokenizer:

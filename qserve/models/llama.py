@@ -18,8 +18,9 @@ from qserve.kernels.cpu_ops import CpuDecoder
 from qserve.kernels.dispatch import attention, output_logits
 from qserve.kernels.paged_attention import PagedAttentionMetadata
 from qserve.models.rope import RotaryEmbedding
-from qserve.quant.linear import QuantEmbedding, QuantLinear, packed_weight
-from qserve.quant.schemes import cat_quantized
+from qserve.formats import QuantizedTensor
+from qserve.formats.qtensor import cat_quantized
+from qserve.layers.quant_linear import QuantEmbedding, QuantLinear
 
 if TYPE_CHECKING:
     from qserve.engine.layerwise import StepLayers
@@ -139,11 +140,15 @@ class LlamaForCausalLM(nn.Module):
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return output_logits(hidden, weight)
 
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Take Hugging Face-named tensors; fuse q/k/v and gate/up as they go in. The module
-        may have been built on the meta device: every parameter is replaced. A linear stored
-        packed (`<name>.qweight`, `.scales`, `.offsets`: a qserve checkpoint) becomes a
-        QuantLinear; fused parts are stacked along the output dim, which is exact."""
+    def load_weights(self, weights: dict[str, torch.Tensor | QuantizedTensor]) -> None:
+        """Take Hugging Face-named weights; fuse q/k/v and gate/up as they go in. The module
+        may have been built on the meta device: every parameter is replaced.
+
+        A weight is a dense tensor or a QuantizedTensor (any format of qserve.formats: a qserve
+        checkpoint's int4/int8, a GGUF's blocks, fp16 kept as stored). A linear with any packed
+        part becomes a QuantLinear whose parts keep their own formats, as row segments (parts
+        of one format are stacked, which is exact); so does an fp16/bf16 one in an fp32 model,
+        which would otherwise double its memory. Dense parts otherwise take the model's dtype."""
         dtype, device = self.dtype, self.device
         params = dict(self.named_parameters())
         seen = set()
@@ -152,48 +157,63 @@ class LlamaForCausalLM(nn.Module):
             p = params[name]
             if p.shape != tensor.shape:
                 raise ModelLoadError(f"weight {name}: shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(p.shape)}")
+                                     f"expected {tuple(p.shape)}")
             owner, _, attr = name.rpartition(".")
             value = tensor.to(dtype=dtype, device=device).contiguous()
             setattr(self.get_submodule(owner), attr, nn.Parameter(value, requires_grad=False))
             seen.add(name)
 
-        def get(name: str) -> torch.Tensor:
+        def get(name: str) -> torch.Tensor | QuantizedTensor:
             if name not in weights:
                 raise ModelLoadError(f"weight {name} is missing from the checkpoint")
             return weights[name]
 
+        def kept_packed(w: torch.Tensor | QuantizedTensor) -> QuantizedTensor | None:
+            """w as a packed part, or None when it becomes a dense parameter."""
+            if isinstance(w, QuantizedTensor):
+                return w
+            if dtype == torch.float32 and w.dtype in _STORED_FORMATS:
+                return QuantizedTensor(_STORED_FORMATS[w.dtype], w, None, None, w.shape[1])
+            return None
+
         def linear(dst: str, srcs: list[str], bias: bool = False) -> None:
             """Load nn.Linear `dst` from the HF linears `srcs` (stacked along out)."""
             module = self.get_submodule(dst)
-            packed = [packed_weight(weights, s, module.in_features) for s in srcs]
+            parts = [get(s + ".weight") for s in srcs]
             b = torch.cat([get(s + ".bias") for s in srcs]) if bias else None
+            packed = [kept_packed(w) for w in parts]
             if all(p is None for p in packed):
-                w = get(srcs[0] + ".weight") if len(srcs) == 1 else torch.cat(
-                    [get(s + ".weight") for s in srcs])
-                put(dst + ".weight", w)
+                put(dst + ".weight", parts[0] if len(parts) == 1 else torch.cat(parts))
                 if bias:
                     put(dst + ".bias", b)
                 return
-            if any(p is None for p in packed):
-                raise ModelLoadError(f"weights {', '.join(srcs)} are fused at run time but "
-                                     f"only some of them are quantized")
-            try:
-                qt = cat_quantized(packed)
-            except ValueError as e:
-                raise ModelLoadError(f"weights {', '.join(srcs)}: {e}") from None
-            if qt.shape != (module.out_features, module.in_features):
-                raise ModelLoadError(f"weight {dst}: shape {qt.shape}, expected "
-                                     f"{(module.out_features, module.in_features)}")
-            b = None if b is None else b.to(dtype)  # packed tensors keep their dtypes
+            segments = []
+            for w, p in zip(parts, packed):
+                if p is None:  # a dense part beside packed ones: a dense segment
+                    p = QuantizedTensor("f32", w.float().contiguous(), None, None, w.shape[1])
+                problem = p.validate() if p.in_features == module.in_features else (
+                    f"{p.in_features} inputs, expected {module.in_features}")
+                if problem:
+                    raise ModelLoadError(f"weight {dst} ({p.format}): {problem}")
+                segments.append(p)
+            segments = _stack_alike(segments)
+            out = sum(seg.shape[0] for seg in segments)
+            if out != module.out_features:
+                raise ModelLoadError(f"weight {dst}: {out} output rows, expected "
+                                     f"{module.out_features}")
+            b = None if b is None else b.float()
             owner, _, attr = dst.rpartition(".")
-            setattr(self.get_submodule(owner), attr, QuantLinear(qt, b).to(device))
+            setattr(self.get_submodule(owner), attr, QuantLinear(segments, b).to(device))
             seen.update({dst + ".weight", dst + ".bias"})
 
-        packed = packed_weight(weights, "model.embed_tokens", self.arch.hidden_size)
+        embed = get("model.embed_tokens.weight")
+        packed = kept_packed(embed)
         if packed is None:
-            put("embed_tokens.weight", get("model.embed_tokens.weight"))
+            put("embed_tokens.weight", embed)
         else:
+            if packed.shape != (self.arch.vocab_size, self.arch.hidden_size) or packed.validate():
+                raise ModelLoadError(f"weight model.embed_tokens ({packed.format}): "
+                                     f"{packed.validate() or f'shape {packed.shape}'}")
             self.embed_tokens = QuantEmbedding(packed, dtype).to(device)
             seen.add("embed_tokens.weight")
         put("norm.weight", get("model.norm.weight"))
@@ -212,3 +232,19 @@ class LlamaForCausalLM(nn.Module):
                 get(src + "post_attention_layernorm.weight"))
         missing = set(params) - seen
         assert not missing, f"parameters left unloaded: {sorted(missing)[:4]}"
+
+
+# A dense fp16/bf16 weight in an fp32 model stays at its stored precision, as this format.
+_STORED_FORMATS = {torch.float16: "f16", torch.bfloat16: "bf16"}
+
+
+def _stack_alike(segments: list[QuantizedTensor]) -> list[QuantizedTensor]:
+    """Merge neighbouring segments that can be stacked into one (same format, group size and
+    symmetry): fewer, larger matmuls."""
+    out = [segments[0]]
+    for seg in segments[1:]:
+        try:
+            out[-1] = cat_quantized([out[-1], seg])
+        except ValueError:
+            out.append(seg)
+    return out

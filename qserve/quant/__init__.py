@@ -2,20 +2,17 @@
 turns a state dict into a packed one, and the model swaps nn.Linear for QuantLinear when it
 loads packed tensors.
 
-    schemes.py      int8 per-channel / grouped, int4 grouped sym / asym: quantize, pack, dequantize
-    linear.py       QuantLinear, QuantEmbedding: the runtime modules (dequantize, then matmul)
+    schemes.py      int8 per-channel / grouped, int4 grouped sym / asym: round-to-nearest
     recipe.py       recipes/*.yaml: a weight scheme and a default KV dtype, validated
     awq.py          activation-aware per-input-channel scales, folded into the previous op
-    gguf_import.py  GGUF Q4_0 / Q4_1 / Q8_0 blocks repacked losslessly
     checkpoint.py   the qserve checkpoint directory: write, and read with every tensor checked
     quantize.py     `qserve quantize`: plan per layer, quantize, write atomically, summarize
     calibration.py  calibration text, one-sequence forward passes, output-quality metrics
     kv_codebook.py  int4 KV keys: per-channel code widths, calibrated per model and cached
 """
-from qserve.quant.linear import QuantEmbedding, QuantLinear
 from qserve.quant.quantize import quantize
 from qserve.quant.recipe import Recipe, load_recipe
-from qserve.quant.schemes import QuantizedTensor, WeightScheme
+from qserve.formats import QuantizedTensor
+from qserve.quant.schemes import WeightScheme
 
-__all__ = ["QuantLinear", "QuantEmbedding", "QuantizedTensor", "WeightScheme", "Recipe",
-           "load_recipe", "quantize"]
+__all__ = ["QuantizedTensor", "WeightScheme", "Recipe", "load_recipe", "quantize"]

@@ -25,6 +25,7 @@ import torch
 
 from qserve.config import ModelArchConfig
 from qserve.errors import ModelLoadError
+from qserve.formats import QuantizedTensor
 
 QUANT_METHOD, FORMAT_VERSION = "qserve", 1
 WEIGHTS_FILE = "model.safetensors"
@@ -81,8 +82,8 @@ def save_checkpoint(out: Path, arch: ModelArchConfig, tokenizer, tensors: dict[s
     config = hf_config(arch) | {"quantization_config": {
         "quant_method": QUANT_METHOD, "format_version": FORMAT_VERSION} | quant}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / WEIGHTS_FILE),
-              metadata={"format": "pt"})
+    save_file({k: v.contiguous() for k, v in flatten(tensors).items()},
+              str(out / WEIGHTS_FILE), metadata={"format": "pt"})
     (out / "tokenizer.json").write_text(tokenizer.backend.to_str())
     (out / "tokenizer_config.json").write_text(json.dumps(
         {"bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token}, indent=2) + "\n")
@@ -93,8 +94,28 @@ def save_checkpoint(out: Path, arch: ModelArchConfig, tokenizer, tensors: dict[s
         (out / "chat_template.jinja").write_text(tokenizer.chat_template)
 
 
-def read_checkpoint(path: Path, arch: ModelArchConfig, quant: dict) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors, each checked for presence, shape and dtype (ModelLoadError)."""
+def flatten(weights: dict[str, torch.Tensor | QuantizedTensor]) -> dict[str, torch.Tensor]:
+    """HF-named weights -> the tensors a checkpoint stores: each QuantizedTensor `<name>.weight`
+    as `<name>.qweight`, `.scales` [, `.offsets`]."""
+    out = {}
+    for name, w in weights.items():
+        if isinstance(w, QuantizedTensor):
+            base = name.removesuffix("weight")
+            out |= {base + suffix: t for suffix, t in w.tensors().items()}
+        else:
+            out[name] = w
+    return out
+
+
+def layer_format(layer: dict) -> str:
+    """The weight format of a `layers` entry (format_version 1 entries name bits only)."""
+    return layer.get("format") or {4: "int4", 8: "int8"}[layer["bits"]]
+
+
+def read_checkpoint(path: Path, arch: ModelArchConfig, quant: dict
+                    ) -> dict[str, torch.Tensor | QuantizedTensor]:
+    """The checkpoint's weights, each checked for presence, shape and dtype (ModelLoadError):
+    dense tensors, and each packed linear as a QuantizedTensor under `<name>.weight`."""
     from safetensors import safe_open
 
     from qserve.loader.hf_loader import expected_shapes
@@ -113,6 +134,7 @@ def read_checkpoint(path: Path, arch: ModelArchConfig, quant: dict) -> dict[str,
             continue
         try:
             specs = packed_specs(shape, layer)
+            layer_format(layer)
         except (KeyError, TypeError, ZeroDivisionError):
             raise ModelLoadError(f"{path}/config.json: layer {name} has a bad quantization "
                                  f"entry {layer!r}") from None

@@ -39,8 +39,8 @@ class LayerPlan:
     @property
     def entry(self) -> dict:
         """Its quantization_config.layers entry."""
-        return {"bits": self.scheme.bits, "group_size": self.group_size,
-                "symmetric": self.scheme.sym}
+        return {"format": f"int{self.scheme.bits}", "bits": self.scheme.bits,
+                "group_size": self.group_size, "symmetric": self.scheme.sym}
 
     def describe(self) -> str:
         if self.scheme is None:
@@ -117,8 +117,9 @@ def _gguf_plan(name: str, shape: tuple[int, int], ggml_type: str) -> LayerPlan:
 
 def quantize_weights(loaded, recipe: Recipe, plans: list[LayerPlan], calib_ids=None,
                      progress=None) -> tuple[dict[str, torch.Tensor], dict]:
-    """HF state dict -> the checkpoint's tensors. Returns (tensors, extra info for the summary:
-    AWQ alphas). progress(label) is called once per finished transformer block."""
+    """HF state dict -> the checkpoint's weights: dense tensors, and each packed linear as a
+    QuantizedTensor under `<name>.weight`. Returns (weights, extra info for the summary: AWQ
+    alphas). progress(label) is called once per finished transformer block."""
     weights, info = loaded.weights, {}
     by_name = {p.name: p for p in plans}
     if recipe.method == "awq":
@@ -155,7 +156,7 @@ def quantize_weights(loaded, recipe: Recipe, plans: list[LayerPlan], calib_ids=N
                 qt = _import_gguf(gguf, gguf_name[plan.name], loaded.arch)
             else:
                 qt = rtn(weights[plan.name + ".weight"], plan.scheme, plan.group_size)
-            out |= {f"{plan.name}.{k}": v for k, v in qt.tensors().items()}
+            out[plan.name + ".weight"] = qt
         if progress:
             progress(block)
     return out, info
@@ -168,27 +169,23 @@ def _block_of(plan: LayerPlan) -> str:
 
 
 def _import_gguf(gguf, gguf_name: str, arch) -> QuantizedTensor:
-    from qserve.loader.gguf_loader import unpermute_rows
-    from qserve.quant.gguf_import import import_blocks, unpermute_packed
+    """One Q4_0 / Q4_1 / Q8_0 tensor of the GGUF, repacked losslessly, rows in HF order."""
+    from qserve.loader.gguf_loader import read_tensor
 
-    info, raw = gguf.blocks(gguf_name)
-    qt = import_blocks(raw, info.ggml_type, info.shape[-1])
-    n_head = unpermute_rows(gguf_name, arch)
-    return qt if n_head is None else unpermute_packed(qt, n_head)
+    return read_tensor(gguf, gguf_name, arch)
 
 
 def summarize(loaded, plans: list[LayerPlan], tensors: dict[str, torch.Tensor]) -> dict:
     """Bytes before (fp16) and after, per linear and in total. `resident_*` counts what a
     --dtype fp16 engine keeps: packed linears, and every dense tensor at 2 bytes a value."""
-    def nbytes(names):
-        return sum(tensors[n].numel() * tensors[n].element_size() for n in names)
+    def nbytes(w) -> int:
+        return w.nbytes if isinstance(w, QuantizedTensor) else w.numel() * w.element_size()
 
     layers = []
     for p in plans:
-        names = [n for n in tensors if n.rsplit(".", 1)[0] == p.name]
         layers.append({"name": p.name, "shape": list(p.shape), "scheme": p.describe(),
                        "note": p.note, "bytes_fp16": 2 * p.shape[0] * p.shape[1],
-                       "bytes": nbytes(names)})
+                       "bytes": nbytes(tensors[p.name + ".weight"])})
     fp16_total = 2 * loaded.arch.num_params
     embed_fp16 = 2 * loaded.arch.vocab_size * loaded.arch.hidden_size
     embed = next((row["bytes"] for row, p in zip(layers, plans)
@@ -199,7 +196,7 @@ def summarize(loaded, plans: list[LayerPlan], tensors: dict[str, torch.Tensor]) 
     return {
         "layers": layers,
         "bytes_fp16": fp16_total,
-        "bytes": nbytes(tensors),  # as written (dense tensors in the recipe's dense_dtype)
+        "bytes": sum(nbytes(w) for w in tensors.values()),  # as written (dense tensors in the recipe's dense_dtype)
         "resident_bytes_fp16_engine": resident,
         "resident_ratio": resident / fp16_total,
         "resident_ratio_without_embedding": (resident - embed) / (fp16_total - embed_fp16),

@@ -1,0 +1,81 @@
+"""QuantLinear and QuantEmbedding: the runtime modules of packed weights.
+
+A QuantLinear replaces nn.Linear and holds its matrix as one or more row segments, each a
+QuantizedTensor in its own format, stacked along the output dim. A fused projection whose parts
+share a format is one segment; a GGUF Q4_K_M file, whose v_proj is often Q6_K beside Q4_K q/k,
+makes qkv_proj two. The kernels read every segment in place (kernels/dispatch.py); the
+reference path dequantizes a temporary for one forward call.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from qserve.formats import QuantizedTensor
+from qserve.kernels import cpu_ops
+from qserve.kernels.dispatch import packed_linear
+
+_PARTS = ("qweight", "scales", "offsets")
+
+
+class QuantLinear(nn.Module):
+    def __init__(self, segments: list[QuantizedTensor], bias: torch.Tensor | None = None):
+        super().__init__()
+        assert segments and len({s.in_features for s in segments}) == 1
+        self.in_features = segments[0].in_features
+        self.out_features = sum(s.shape[0] for s in segments)
+        self.formats = [s.format for s in segments]
+        for i, seg in enumerate(segments):  # buffers, so .to(device) moves them
+            for part in _PARTS:
+                self.register_buffer(f"s{i}_{part}", getattr(seg, part))
+        self.register_buffer("bias", bias)  # (out,) or None
+
+    @property
+    def segments(self) -> list[QuantizedTensor]:
+        """Row blocks in output order, (out_i, in) each."""
+        return [QuantizedTensor(f, *(getattr(self, f"s{i}_{p}") for p in _PARTS),
+                                self.in_features) for i, f in enumerate(self.formats)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (..., in) -> (..., out)."""
+        return packed_linear(x, self.segments, self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"formats={'+'.join(self.formats)}")
+
+
+class QuantEmbedding(nn.Module):
+    """A packed token embedding (vocab, hidden), in any weight format: a lookup dequantizes
+    only the rows it reads. Tied to the output, `logits` runs the packed matmul kernel, or on
+    the reference path dequantizes the table a slice of rows at a time, so the full-precision
+    table never exists whole."""
+
+    ROWS_PER_SLICE = 8192
+
+    def __init__(self, qt: QuantizedTensor, dtype: torch.dtype):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.dtype = qt.shape[0], qt.in_features, dtype
+        self.format = qt.format
+        for part in _PARTS:
+            self.register_buffer(part, getattr(qt, part))  # (vocab, ...) rows
+
+    @property
+    def table(self) -> QuantizedTensor:
+        return QuantizedTensor(self.format, self.qweight, self.scales, self.offsets,
+                               self.embedding_dim)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """(T,) -> (T, hidden)."""
+        return self.table.rows(input_ids).dequantize().to(self.dtype)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(S, hidden) -> (S, vocab) fp32: hidden @ table^T."""
+        table = self.table
+        if hidden.device.type == "cpu" and cpu_ops.lib() is not None:
+            return packed_linear(hidden.float(), [table], None)
+        V, n = self.num_embeddings, self.ROWS_PER_SLICE
+        return torch.cat([F.linear(hidden, table.rows(slice(i, min(i + n, V))).dequantize()
+                                   .to(hidden.dtype)).float()
+                          for i in range(0, V, n)], dim=-1)
