@@ -79,6 +79,10 @@ _ENGINE_FLAGS = [
                       "int4: 4 bits a value, keys by a per-model calibrated codebook)."),
     click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default="fp32",
                  show_default=True, help="Activation and dense weight dtype."),
+    click.option("--weights", type=click.Choice(["native", "dense"]), default="native",
+                 show_default=True,
+                 help="native: run the file's own precision (a GGUF's Q4_K stays Q4_K, fp16 "
+                      "stays fp16); dense: dequantize every weight to --dtype."),
     click.option("--no-prefix-caching", is_flag=True, help="Do not reuse cached prompt blocks."),
     click.option("--kv-offload", type=click.Choice(["off", "layerwise"]), default="off",
                  show_default=True,
@@ -94,7 +98,8 @@ _ENGINE_FLAGS = [
 ]
 _ENGINE_NAMES = ("kv_cache_memory", "swap_space", "block_size", "max_num_seqs",
                  "max_num_batched_tokens", "max_model_len", "preemption_mode", "device",
-                 "kv_dtype", "dtype", "kv_offload", "kv_offload_lookahead", "kv_offload_reserve")
+                 "kv_dtype", "dtype", "weights", "kv_offload", "kv_offload_lookahead",
+                 "kv_offload_reserve")
 
 
 _SPEC_FLAGS = [
@@ -197,14 +202,37 @@ def info(model, as_json, engine):
         "kv_tokens": kv_tokens,  # tokens of KV cache that budget holds, per KV dtype
         "kv_tokens_per_gib": kv_per_gib,
     }
+    from qserve.engine.cache_engine import DTYPES, kv_torch_dtype, plan_num_blocks
+    from qserve.engine.memory_plan import plan_memory
     from qserve.quant.checkpoint import quantization_config
 
     quant = quantization_config(path) if path.is_dir() else None
+    dtype = DTYPES[config.dtype]
+    kv_dtype = kv_torch_dtype(config.cache, dtype, (quant or {}).get("kv_dtype"))
+    max_len = config.scheduler.max_model_len or arch.max_position_embeddings
+    try:
+        blocks, host_blocks = plan_num_blocks(arch, config.cache, kv_dtype, device, max_len)
+    except ConfigError:  # info reports; the engine refuses
+        blocks = host_blocks = 0
+    per_block = bytes_per_block(arch, bs, kv_dtype)
+    plan = plan_memory(path, arch, device=device, dtype=dtype,
+                       native=config.weights == "native", kv_bytes=blocks * per_block,
+                       host_kv_bytes=host_blocks * per_block,
+                       max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+                       max_num_seqs=config.scheduler.max_num_seqs)
+    if not path.is_dir():  # GGML type -> tensor count, as the file stores them
+        from collections import Counter
+
+        from qserve.loader.gguf_loader import GGUFFile, tensor_types
+
+        report["gguf_types"] = dict(Counter(tensor_types(GGUFFile(path), arch).values()))
+    report["weight_formats"] = plan.weight_formats  # format -> tensors, resident bytes
+    report["weight_bytes"]["resident"] = plan.weight_bytes
+    report["memory_plan"] = plan.to_dict() | {"weight_formats": None}
     if quant is not None:  # a qserve checkpoint: what a --dtype fp16 engine keeps resident
         from qserve.quant.quantize import resident_bytes
 
         res = resident_bytes(path, arch)
-        report["weight_bytes"]["resident"] = res["resident_bytes_fp16_engine"]
         report["resident_vs_fp16"] = {
             "with_embedding": round(res["resident_ratio"], 4),
             "without_embedding": round(res["resident_ratio_without_embedding"], 4)}
@@ -213,10 +241,16 @@ def info(model, as_json, engine):
     if as_json:
         click.echo(json.dumps(report))
         return
+    report["weight_formats"] = {f: f"x{v['tensors']} ({v['bytes'] / 1e6:.1f} MB)"
+                                for f, v in plan.weight_formats.items()}
+    report["memory_plan"] = (f"{plan.total_bytes / 2**30:.2f} GiB needed of "
+                             f"{plan.available_bytes / 2**30:.2f} GiB available "
+                             f"({'fits' if plan.total_bytes <= plan.available_bytes else 'does NOT fit'})")
     width = max(map(len, report))
     for key, value in report.items():
         if isinstance(value, dict):
-            value = ", ".join(f"{k} {v:,}" for k, v in value.items())
+            value = ", ".join(f"{k} {v:,}" if isinstance(v, int) else f"{k} {v}"
+                              for k, v in value.items())
         elif isinstance(value, int):
             value = f"{value:,}"
         click.echo(f"{key:<{width}}  {'auto' if value is None else value}")

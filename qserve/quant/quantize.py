@@ -132,18 +132,15 @@ def quantize_weights(loaded, recipe: Recipe, plans: list[LayerPlan], calib_ids=N
         weights, info["awq_alpha"] = awq.calibrate(
             loaded.arch, weights, calib_ids, fake_quant,
             progress=progress and (lambda i: progress(f"calibrated layer {i}")))
-    gguf = None
-    if recipe.method == "gguf":
-        from qserve.loader.gguf_loader import GGUFFile, hf_names
-
-        gguf = GGUFFile(loaded.path)
-        gguf_name = {h.removesuffix(".weight"): g for g, h in hf_names(loaded.arch).items()}
     dense = None if recipe.dense_dtype == "source" else _DTYPES[recipe.dense_dtype]
     out: dict[str, torch.Tensor] = {}
-    for name, w in weights.items():  # dense tensors: norms, biases, embedding, kept linears
+    for name in weights:  # dense tensors: norms, biases, embedding, kept linears
         plan = by_name.get(name.removesuffix(".weight"))
         if plan is not None and plan.scheme is not None:
             continue
+        w = weights[name]
+        if isinstance(w, QuantizedTensor):  # a GGUF tensor the plan keeps dense
+            w = w.dequantize()
         if w.dim() == 1:
             out[name] = w.float()  # norms and biases: tiny, and AWQ may have rescaled them
         else:
@@ -152,11 +149,12 @@ def quantize_weights(loaded, recipe: Recipe, plans: list[LayerPlan], calib_ids=N
         for plan in group:
             if plan.scheme is None:
                 continue
-            if gguf is not None:
-                qt = _import_gguf(gguf, gguf_name[plan.name], loaded.arch)
+            w = weights[plan.name + ".weight"]
+            if recipe.method == "gguf":  # the loader repacked it losslessly already
+                assert isinstance(w, QuantizedTensor) and w.format == f"int{plan.scheme.bits}"
+                out[plan.name + ".weight"] = w
             else:
-                qt = rtn(weights[plan.name + ".weight"], plan.scheme, plan.group_size)
-            out[plan.name + ".weight"] = qt
+                out[plan.name + ".weight"] = rtn(w.float(), plan.scheme, plan.group_size)
         if progress:
             progress(block)
     return out, info
@@ -166,13 +164,6 @@ def _block_of(plan: LayerPlan) -> str:
     """'layer 3' for model.layers.3.*, else the tensor's own name (embedding, lm_head)."""
     m = re.match(r"model\.layers\.(\d+)\.", plan.name)
     return f"layer {m.group(1)}" if m else plan.name
-
-
-def _import_gguf(gguf, gguf_name: str, arch) -> QuantizedTensor:
-    """One Q4_0 / Q4_1 / Q8_0 tensor of the GGUF, repacked losslessly, rows in HF order."""
-    from qserve.loader.gguf_loader import read_tensor
-
-    return read_tensor(gguf, gguf_name, arch)
 
 
 def summarize(loaded, plans: list[LayerPlan], tensors: dict[str, torch.Tensor]) -> dict:
@@ -262,7 +253,8 @@ def quantize(src: str | None, out: str | Path, recipe: str | Path | None = None,
     elif calib_text is not None:
         raise QServeError(f"--calib-text applies to AWQ recipes; recipe {r.name!r} uses method "
                           f"{r.method}, which needs no calibration")
-    loaded = load_model(src_path)
+    # the gguf method keeps the file's blocks (repacked); the others round dense weights
+    loaded = load_model(src_path, native=r.method == "gguf")
     if loaded.quant is not None:
         tensors, plans, info = _requantize(loaded, r, src_path)
     else:
