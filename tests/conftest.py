@@ -25,9 +25,22 @@ def default_model_path() -> Path:
 
 @pytest.fixture(scope="session")
 def loaded_model(default_model_path):
+    """The default model with every weight dequantized to fp32 (held in memory), the
+    precision of the Hugging Face reference; `native_model` keeps the file's Q4_1/Q8_0."""
     from qserve.loader import load_model
 
-    return load_model(str(default_model_path))
+    loaded = load_model(str(default_model_path), native=False)
+    loaded.weights = dict(loaded.weights)  # read once, shared by the session's engines
+    return loaded
+
+
+@pytest.fixture(scope="session")
+def native_model(default_model_path):
+    from qserve.loader import load_model
+
+    loaded = load_model(str(default_model_path))
+    loaded.weights = dict(loaded.weights)
+    return loaded
 
 
 @pytest.fixture(scope="session")

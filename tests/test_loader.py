@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from qserve.errors import ModelLoadError
+from qserve.formats import QuantizedTensor
 from qserve.loader import gguf_loader, load_arch, load_model, load_tokenizer, registry
 from qserve.loader.registry import ALIASES, DEFAULT_MODEL, ModelSource, model_home, pull, resolve_model
 
@@ -187,11 +188,19 @@ def test_tiny_gguf_weights_equal_transformers(tmp_path, arch):
     assert model.arch.attention_bias == (arch == "qwen2")
     assert model.arch.tie_word_embeddings == (arch == "qwen2")
     assert set(model.weights) == set(ref) - ({"lm_head.weight"} if arch == "qwen2" else set())
+    dense = load_model(str(path), native=False).weights
     for name, w in model.weights.items():
-        # F16/BF16 stay in their dtype; upcasting them is exact.
-        assert torch.equal(w.float(), ref[name]), name
-    assert model.weights["model.layers.0.self_attn.k_proj.weight"].dtype == torch.float16
-    assert model.weights["model.layers.0.mlp.up_proj.weight"].dtype == torch.bfloat16
+        # native: each tensor in its file's format; F16/BF16 upcast exactly, the quantized
+        # formats dequantize bit for bit as transformers (gguf-py) does
+        got = w.dequantize() if isinstance(w, QuantizedTensor) else w
+        assert torch.equal(got, ref[name]), name
+        assert torch.equal(dense[name].float(), ref[name]), name
+    formats = {n: getattr(w, "format", None) for n, w in model.weights.items()}
+    assert formats["model.layers.0.self_attn.k_proj.weight"] == "f16"
+    assert formats["model.layers.0.mlp.up_proj.weight"] == "bf16"
+    assert formats["model.layers.0.mlp.gate_proj.weight"] == "q4_k"
+    assert formats["model.layers.1.mlp.gate_proj.weight"] == "q5_0"
+    assert formats["model.layers.0.mlp.down_proj.weight"] == "int8"  # Q8_0, repacked
 
 
 def test_gguf_header_matches_gguf_reader(tiny_gguf):

@@ -14,7 +14,6 @@ from qserve.errors import ModelLoadError
 from qserve.kernels import cpu_ops
 from qserve.loader import load_model
 from qserve.quant import calibration
-from qserve.layers.quant_linear import packed_weight
 from qserve.quant.quantize import plan_layers, quantize, quantize_weights
 from qserve.quant.recipe import load_recipe
 
@@ -55,13 +54,15 @@ def test_gguf_native_is_lossless(ckpt, loaded_model):
     assert q.source_format == "qserve" and q.quant["recipe"]["name"] == "gguf-native"
     layers = q.quant["layers"]
     assert len(layers) == 7 * 30 + 1
-    assert layers["model.embed_tokens"] == {"bits": 8, "group_size": 32, "symmetric": True}
+    assert layers["model.embed_tokens"] == {"format": "int8", "bits": 8, "group_size": 32,
+                                            "symmetric": True}
     for name, w in loaded_model.weights.items():
         layer = name.removesuffix(".weight")
         if layer in layers:
             if layer != "model.embed_tokens":
-                assert layers[layer] == {"bits": 4, "group_size": 32, "symmetric": False}
-            deq = packed_weight(q.weights, layer, w.shape[1]).dequantize()
+                assert layers[layer] == {"format": "int4", "bits": 4, "group_size": 32,
+                                         "symmetric": False}
+            deq = q.weights[name].dequantize()
             assert torch.equal(deq.view(torch.int32), w.view(torch.int32)), name
         else:
             assert torch.equal(q.weights[name], w), name

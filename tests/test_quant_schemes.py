@@ -89,13 +89,13 @@ def test_cat_along_output_is_exact_and_linear_matches(scheme):
     fused = cat_quantized(qts)
     assert torch.equal(fused.dequantize(), torch.cat([q.dequantize() for q in qts]))
     bias = torch.randn(128)
-    mod = QuantLinear(fused, bias)
+    mod = QuantLinear([fused], bias)
     x = torch.randn(5, 192)
     with cpu_ops.disabled():
         assert torch.equal(mod(x), F.linear(x, fused.dequantize(), bias))
-    assert QuantLinear(fused)(x.half()).dtype == torch.float16  # output in x's dtype
+    assert QuantLinear([fused])(x.half()).dtype == torch.float16  # output in x's dtype
     # nothing but the packed tensors (and bias) is resident
-    assert {n for n, _ in mod.named_buffers()} <= {"qweight", "scales", "offsets", "bias"}
+    assert {n for n, _ in mod.named_buffers()} <= {"s0_qweight", "s0_scales", "s0_offsets", "bias"}
 
 
 def test_cat_refuses_mixed_formats():

@@ -153,8 +153,9 @@ def quantize_weights(loaded, recipe: Recipe, plans: list[LayerPlan], calib_ids=N
             if recipe.method == "gguf":  # the loader repacked it losslessly already
                 assert isinstance(w, QuantizedTensor) and w.format == f"int{plan.scheme.bits}"
                 out[plan.name + ".weight"] = w
-            else:
-                out[plan.name + ".weight"] = rtn(w.float(), plan.scheme, plan.group_size)
+            else:  # a quantized source (a GGUF's blocks) is dequantized first
+                w = w.dequantize() if isinstance(w, QuantizedTensor) else w.float()
+                out[plan.name + ".weight"] = rtn(w, plan.scheme, plan.group_size)
         if progress:
             progress(block)
     return out, info
