@@ -42,7 +42,8 @@ def gguf_dequantize(name: str, rows: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(w)
 
 
-CASES = [(name, out, n_blocks) for name in ggml.TYPES for out, n_blocks in ((1, 3), (7, 5), (83, 1))]
+CASES = [(name, out, n_blocks) for name in ggml.TYPES
+         for out, n_blocks in ((1, 3), (7, 5), (83, 1))]
 
 
 @pytest.mark.parametrize("name,out,n_blocks", CASES)

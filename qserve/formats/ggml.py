@@ -69,8 +69,8 @@ def repack(name: str, rows: torch.Tensor, in_features: int) -> QuantizedTensor:
 
 # ---- per-type dequantization (n, block_bytes) uint8 -> (n, block) fp32 ----------------------
 # Each follows gguf-py's fp32 arithmetic step for step (products formed in the same order,
-# integers exact), so the results are bit for bit its own. Offsets are bytes into a block;
-# "q at i" is the code of input i (0 <= i < block), d/dmin/m are fp16.
+# integers exact), so the results are bit for bit its own. Layout comments give byte offsets
+# into a block and number its inputs 0 .. block - 1; d, dmin and m are fp16.
 def _f16(b: torch.Tensor) -> torch.Tensor:
     """(n, 2) uint8 little-endian fp16 -> (n, 1) fp32."""
     return b.contiguous().view(torch.float16).float()

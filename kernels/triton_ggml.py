@@ -1,0 +1,266 @@
+"""Fused dequant-GEMM in Triton for the GGML formats read in place (Q5_0, Q5_1, Q2_K ... Q6_K):
+y = x @ W^T (+ bias) with W's GGUF blocks read as the file has them and dequantized in
+registers. The reference is `F.linear(x, qt.dequantize().to(x.dtype), bias)`
+(qserve/formats/ggml.py has the layouts and the pure-torch dequantization).
+
+Every format runs fused; there is no host-side unpacking. The grid is (M tiles, N tiles, K
+splits), as in triton_dequant_gemm.py:
+
+    decode   M <= 32: one M tile, so every weight byte is read once; GGML blocks split over
+             SPLIT_K programs to fill the GPU, their fp32 partials (SPLIT_K, M, N) summed by torch.
+    prefill  larger M: BLOCK_M = 64, no split.
+
+A program walks its GGML blocks 32 inputs ("a chunk") at a time: for each row of its N tile
+it gathers the bytes holding the chunk's codes and scales, forms each weight in fp32 in
+gguf-py's order ((d * sc) * q - dmin * mn, ...), rounds it to x's dtype (so a weight is the
+very value F.linear sees; bf16 under the interpreter stays fp32, see dot_dtype) and adds
+x_chunk (BM, 32) . W_chunk (32, BN) to an fp32 accumulator.
+32 inputs is one sub-block of Q4_K/Q5_K, one block of Q5_0/Q5_1 and two sub-blocks of
+Q2_K/Q3_K/Q6_K (their scales are gathered per input); the chunk index is a compile-time
+constant, so its byte offsets and shifts fold. The launch turns off fp fusion, so no
+multiply-add contracts into an fma and the fp32 weights are gguf-py's bit for bit on the GPU too.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from qserve.formats import QuantizedTensor, ggml
+from qserve.kernels.triton_dequant_gemm import _TL_DTYPE, _num_sms, dot_dtype
+
+
+# ---- reading a chunk of blocks: blk (BN,) pointers to each row's block, j = arange(32) ------
+@triton.jit
+def _bytes(blk, offs, mask_n):
+    """Bytes at offsets offs (L,) of each row's block -> (L, BN) int32."""
+    return tl.load(blk[None, :] + offs[:, None], mask=mask_n[None, :], other=0).to(tl.int32)
+
+
+@triton.jit
+def _byte(blk, off: tl.constexpr, mask_n):
+    """One byte of each row's block -> (BN,) int32."""
+    return tl.load(blk + off, mask=mask_n, other=0).to(tl.int32)
+
+
+@triton.jit
+def _f16(blk, off: tl.constexpr, mask_n):
+    """The little-endian fp16 at byte off of each row's block -> (BN,) fp32."""
+    lo = tl.load(blk + off, mask=mask_n, other=0).to(tl.uint16)
+    hi = tl.load(blk + off + 1, mask=mask_n, other=0).to(tl.uint16)
+    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _q5_0(blk, j, c: tl.constexpr, mask_n):
+    # 0 d | 2 qh (uint32) | 6 qs[16]: input j's low nibble j // 16 of qs[j % 16], fifth bit
+    # bit j of qh.  w = d * (q - 16)
+    qh = (_bytes(blk, 2 + j // 8, mask_n) >> (j % 8)[:, None]) & 1
+    ql = (_bytes(blk, 6 + j % 16, mask_n) >> (4 * (j // 16))[:, None]) & 15
+    q = (ql | (qh << 4)) - 16
+    return _f16(blk, 0, mask_n)[None, :] * q.to(tl.float32)
+
+
+@triton.jit
+def _q5_1(blk, j, c: tl.constexpr, mask_n):
+    # 0 d | 2 m | 4 qh (uint32) | 8 qs[16]: q as Q5_0.  w = d * q + m
+    qh = (_bytes(blk, 4 + j // 8, mask_n) >> (j % 8)[:, None]) & 1
+    ql = (_bytes(blk, 8 + j % 16, mask_n) >> (4 * (j // 16))[:, None]) & 15
+    q = ql | (qh << 4)
+    return _f16(blk, 0, mask_n)[None, :] * q.to(tl.float32) + _f16(blk, 2, mask_n)[None, :]
+
+
+@triton.jit
+def _q2_k(blk, j, c: tl.constexpr, mask_n):
+    # 0 scales[16] | 16 qs[64] | 80 d | 82 dmin. Chunk c: codes 2-bit field c % 4 of
+    # qs[32 (c // 4) + j]; sub-block 2c + j // 16, scales[s] = sc | mn << 4.
+    # w = (d * sc) * q - (dmin * mn)
+    q = (_bytes(blk, 16 + (c // 4) * 32 + j, mask_n) >> (2 * (c % 4))) & 3
+    s = _bytes(blk, 2 * c + j // 16, mask_n)
+    dl = _f16(blk, 80, mask_n)[None, :] * (s & 15).to(tl.float32)
+    ml = _f16(blk, 82, mask_n)[None, :] * (s >> 4).to(tl.float32)
+    return dl * q.to(tl.float32) - ml
+
+
+@triton.jit
+def _q3_k(blk, j, c: tl.constexpr, mask_n):
+    # 0 hmask[32] | 32 qs[64] | 96 scales[12] | 108 d. Chunk c: low 2 bits field c % 4 of
+    # qs[32 (c // 4) + j], hbit bit c of hmask[j] (set: no -4). Sub-block s = 2c + j // 16 has
+    # a 6-bit scale: low nibble s // 8 (= c // 4) of scales[s % 8], high 2 bits field
+    # s // 4 (= c // 2) of scales[8 + s % 4].  w = (d * (sc - 32)) * (q2 - 4 (1 - hbit))
+    q2 = (_bytes(blk, 32 + (c // 4) * 32 + j, mask_n) >> (2 * (c % 4))) & 3
+    hbit = (_bytes(blk, j, mask_n) >> c) & 1
+    lo = (_bytes(blk, 96 + 2 * (c % 4) + j // 16, mask_n) >> (4 * (c // 4))) & 15
+    hi = (_bytes(blk, 104 + 2 * (c % 2) + j // 16, mask_n) >> (2 * (c // 2))) & 3
+    dl = _f16(blk, 108, mask_n)[None, :] * ((lo | (hi << 4)) - 32).to(tl.float32)
+    return dl * (q2 - 4 * (1 - hbit)).to(tl.float32)
+
+
+@triton.jit
+def _k_scale_min(blk, c: tl.constexpr, mask_n):
+    """Q4_K / Q5_K: the 6-bit scale and min of sub-block c from scales[12] at byte 4
+    (ggml.py's _k_scale_min has the packing) -> two (BN,) fp32."""
+    if c < 4:
+        sc = _byte(blk, 4 + c, mask_n) & 63
+        mn = _byte(blk, 8 + c, mask_n) & 63
+    else:
+        lo = _byte(blk, 8 + c, mask_n)  # scales[8 + (c - 4)]
+        sc = (lo & 15) | ((_byte(blk, c, mask_n) >> 6) << 4)
+        mn = (lo >> 4) | ((_byte(blk, 4 + c, mask_n) >> 6) << 4)
+    return sc.to(tl.float32), mn.to(tl.float32)
+
+
+@triton.jit
+def _q4_k(blk, j, c: tl.constexpr, mask_n):
+    # 0 d | 2 dmin | 4 scales[12] | 16 qs[128]. Chunk c = sub-block c: nibble c % 2 of
+    # qs[32 (c // 2) + j].  w = (d * sc) * q - (dmin * mn)
+    sc, mn = _k_scale_min(blk, c, mask_n)
+    q = (_bytes(blk, 16 + (c // 2) * 32 + j, mask_n) >> (4 * (c % 2))) & 15
+    dl = _f16(blk, 0, mask_n) * sc
+    ml = _f16(blk, 2, mask_n) * mn
+    return dl[None, :] * q.to(tl.float32) - ml[None, :]
+
+
+@triton.jit
+def _q5_k(blk, j, c: tl.constexpr, mask_n):
+    # 0 d | 2 dmin | 4 scales[12] | 16 qh[32] | 48 qs[128]. Chunk c = sub-block c: low bits
+    # nibble c % 2 of qs[32 (c // 2) + j], fifth bit bit c of qh[j].
+    # w = (d * sc) * q - (dmin * mn)
+    sc, mn = _k_scale_min(blk, c, mask_n)
+    ql = (_bytes(blk, 48 + (c // 2) * 32 + j, mask_n) >> (4 * (c % 2))) & 15
+    qh = (_bytes(blk, 16 + j, mask_n) >> c) & 1
+    dl = _f16(blk, 0, mask_n) * sc
+    ml = _f16(blk, 2, mask_n) * mn
+    return dl[None, :] * (ql | (qh << 4)).to(tl.float32) - ml[None, :]
+
+
+@triton.jit
+def _q6_k(blk, j, c: tl.constexpr, mask_n):
+    # 0 ql[128] | 128 qh[64] | 192 scales[16] int8 | 208 d. Chunk c: low nibble (c // 2) % 2
+    # of ql[64 (c // 4) + 32 (c % 2) + j], high 2 bits field c % 4 of qh[32 (c // 4) + j];
+    # sub-block 2c + j // 16.  w = (d * sc) * (q - 32)
+    ql = (_bytes(blk, (c // 4) * 64 + (c % 2) * 32 + j, mask_n) >> (4 * ((c // 2) % 2))) & 15
+    qh = (_bytes(blk, 128 + (c // 4) * 32 + j, mask_n) >> (2 * (c % 4))) & 3
+    s = tl.load(blk[None, :] + (192 + 2 * c + j // 16)[:, None], mask=mask_n[None, :], other=0)
+    dl = _f16(blk, 208, mask_n)[None, :] * s.to(tl.int8, bitcast=True).to(tl.float32)
+    return dl * ((ql | (qh << 4)) - 32).to(tl.float32)
+
+
+@triton.jit
+def _dequant_chunk(blk, j, c: tl.constexpr, mask_n, FORMAT: tl.constexpr):
+    """Inputs 32c + j of each row's block -> W chunk (32, BN) fp32, bit for bit ggml.py's."""
+    if FORMAT == "q5_0":
+        w = _q5_0(blk, j, c, mask_n)
+    elif FORMAT == "q5_1":
+        w = _q5_1(blk, j, c, mask_n)
+    elif FORMAT == "q2_k":
+        w = _q2_k(blk, j, c, mask_n)
+    elif FORMAT == "q3_k":
+        w = _q3_k(blk, j, c, mask_n)
+    elif FORMAT == "q4_k":
+        w = _q4_k(blk, j, c, mask_n)
+    elif FORMAT == "q5_k":
+        w = _q5_k(blk, j, c, mask_n)
+    else:
+        tl.static_assert(FORMAT == "q6_k")
+        w = _q6_k(blk, j, c, mask_n)
+    return w
+
+
+@triton.jit
+def _ggml_matmul_kernel(
+    # pointers
+    x_ptr, w_ptr, bias_ptr, out_ptr,
+    # sizes
+    M, N, n_blocks, blocks_per_split,
+    # strides
+    stride_xm, stride_xk,
+    stride_wn,  # bytes between rows of W
+    stride_os, stride_om, stride_on,  # out: (SPLIT_K, M, N)
+    # meta-parameters
+    FORMAT: tl.constexpr, QK: tl.constexpr, BLOCK_BYTES: tl.constexpr,
+    HAS_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    j = tl.arange(0, 32)
+    row_ptrs = w_ptr + offs_n.to(tl.int64) * stride_wn  # (BN,) a vocab-sized W passes 2^31 B
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+
+    b_lo = pid_k * blocks_per_split
+    b_hi = tl.minimum(b_lo + blocks_per_split, n_blocks)
+    for b in range(b_lo, b_hi):
+        blk = row_ptrs + b * BLOCK_BYTES
+        for c in tl.static_range(QK // 32):
+            w = _dequant_chunk(blk, j, c, mask_n, FORMAT)  # (32, BN) fp32
+            offs_k = b * QK + c * 32 + j
+            x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
+            x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)  # (BM, 32)
+            # w rounded to x's dtype is the weight F.linear(x, W.to(x.dtype)) multiplies
+            acc += tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE), input_precision=PRECISION)
+
+    if HAS_BIAS:
+        if pid_k == 0:
+            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om \
+        + offs_n[None, :] * stride_on
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def ggml_matmul(x: torch.Tensor, qt: QuantizedTensor, bias: torch.Tensor | None = None,
+                split_k: int | None = None) -> torch.Tensor:
+    """x (M, K) fp16/bf16/fp32, qt an (N, K) GGML in-place weight (q5_0 ... q6_k) with its
+    rows (N, K / block * block_bytes) uint8 -> (M, N) in x's dtype.
+
+    split_k: programs along K, in whole GGML blocks (None picks one: decode shapes split to
+    fill the GPU).
+    """
+    assert x.dim() == 2 and x.dtype in _TL_DTYPE, (x.shape, x.dtype)
+    assert qt.format in ggml.IN_PLACE, f"{qt.format} is not a GGML format read in place"
+    problem = qt.validate()
+    assert problem is None, problem
+    M, K = x.shape
+    N = qt.qweight.shape[0]
+    assert K == qt.in_features, f"x has {K} columns, the weight {qt.in_features}"
+    assert qt.qweight.stride(1) == 1, "a row's blocks must be contiguous bytes"
+    assert x.device == qt.qweight.device
+    assert bias is None or bias.shape == (N,), bias.shape
+    t = ggml.TYPES[qt.format]
+    n_blocks = K // t.block
+    if M == 0:
+        return x.new_empty(0, N)
+
+    if M <= 32:
+        BLOCK_M, BLOCK_N = (16 if M <= 16 else 32), 64
+    else:
+        BLOCK_M, BLOCK_N = 64, 64
+    grid_mn = triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N)
+    if split_k is None:
+        split_k = 1 if M > 32 else max(1, min(n_blocks, 2 * _num_sms(x.device) // grid_mn))
+    per_split = triton.cdiv(n_blocks, split_k)
+    split_k = triton.cdiv(n_blocks, per_split)  # no empty splits
+
+    if split_k == 1:
+        out = torch.empty(1, M, N, device=x.device, dtype=x.dtype)
+    else:
+        out = torch.empty(split_k, M, N, device=x.device, dtype=torch.float32)
+    grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N), split_k)
+    _ggml_matmul_kernel[grid](
+        x, qt.qweight, bias if bias is not None else x, out,
+        M, N, n_blocks, per_split,
+        x.stride(0), x.stride(1),
+        qt.qweight.stride(0),
+        out.stride(0), out.stride(1), out.stride(2),
+        FORMAT=qt.format, QK=t.block, BLOCK_BYTES=t.block_bytes,
+        HAS_BIAS=bias is not None, DOT_DTYPE=dot_dtype(x.dtype),
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 x: no tf32 rounding
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        enable_fp_fusion=False,  # no fma in (d * sc) * q - dmin * mn: the weights stay gguf-py's
+    )
+    return out[0] if split_k == 1 else out.sum(0).to(x.dtype)
