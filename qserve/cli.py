@@ -461,23 +461,39 @@ def eval_(model, ref, text_file, context, max_tokens, as_json, engine):
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
 @click.option("--api-key", envvar="QSERVE_API_KEY", metavar="KEY",
-              help="Require `Authorization: Bearer KEY` on /v1 (also $QSERVE_API_KEY).")
+              help="Require `Authorization: Bearer KEY` on /v1 and /metrics (also "
+                   "$QSERVE_API_KEY). Without a key only loopback clients are served.")
+@click.option("--allowed-origins", metavar="ORIGIN,...", default="",
+              help="Browser origins (e.g. http://localhost:3000, or *) allowed to call the "
+                   "server, with CORS  [default: loopback origins, without CORS]")
+@click.option("--max-request-bytes", metavar="SIZE", default="4MiB", show_default=True,
+              help="Larger request bodies are refused (413) before they are read.")
+@click.option("--shutdown-timeout", type=float, default=30.0, show_default=True,
+              metavar="SECONDS",
+              help="At Ctrl-C / SIGTERM, how long running requests get to finish.")
 @click.option("--served-model-name", metavar="NAME",
               help="The model id clients send  [default: MODEL, or the default model's alias]")
 @click.option("--max-waiting", type=click.IntRange(min=1), default=1024, show_default=True,
               help="Queued requests beyond this are refused with 503.")
 @speculative_flags
 @engine_flags
-def serve(model, host, port, api_key, served_model_name, max_waiting, engine):
+def serve(model, host, port, api_key, allowed_origins, max_request_bytes, shutdown_timeout,
+          served_model_name, max_waiting, engine):
     """An OpenAI-compatible HTTP server for MODEL (Ctrl-C or SIGTERM stops it)."""
+    from qserve.config import parse_size
     from qserve.loader.registry import DEFAULT_MODEL
-    from qserve.server.api import LOOPBACK, serve as run_server
+    from qserve.server.api import serve as run_server
+    from qserve.server.config import LOOPBACK, ServerConfig
 
+    config = ServerConfig(host, port, api_key,
+                          tuple(o.strip() for o in allowed_origins.split(",") if o.strip()),
+                          parse_size(max_request_bytes, "--max-request-bytes"),
+                          shutdown_timeout)
     if host not in LOOPBACK and not api_key:
         click.echo(f"warning: serving on {host} without an API key; anyone who can reach "
                    f"port {port} can use it (set --api-key or QSERVE_API_KEY)", err=True)
     eng = _build_engine(model, dict(engine, max_waiting=max_waiting))
-    run_server(eng, served_model_name or model or DEFAULT_MODEL, host, port, api_key)
+    run_server(eng, served_model_name or model or DEFAULT_MODEL, config)
 
 
 # ---- chat --------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ map onto these fields one to one; `EngineConfig` bundles them and is passed down
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from qserve.errors import ConfigError
@@ -63,6 +64,8 @@ class ModelArchConfig:
 def parse_size(text: str | int | float, what: str) -> int:
     """'4GiB', '512MiB', '1.5G', '1000000' -> bytes."""
     if isinstance(text, (int, float)):
+        if not math.isfinite(text):
+            raise ConfigError(f"{what}={text!r} is not a size; use e.g. 512MiB or 2GiB")
         return int(text)
     s = text.strip().lower().replace(" ", "")
     units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
@@ -78,6 +81,8 @@ def parse_size(text: str | int | float, what: str) -> int:
         value = float(num)
     except ValueError:
         raise ConfigError(f"{what}={text!r} is not a size; use e.g. 512MiB or 2GiB") from None
+    if not math.isfinite(value * mult):  # nan, inf, 1e400
+        raise ConfigError(f"{what}={text!r} is not a size; use e.g. 512MiB or 2GiB")
     if value < 0:
         raise ConfigError(f"{what}={text!r} must not be negative")
     return int(value * mult)

@@ -1,11 +1,26 @@
 """How to pick the next tokens of one request, and when to stop. Ranges follow vLLM / OpenAI."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from qserve.errors import QServeError
 
 MAX_LOGPROBS = 20
+# Below this temperature a row samples greedily: the argmax is the limit as T -> 0, and dividing
+# fp32 logits by a smaller T (1e-300 is 0 in fp32) would give inf / nan. vLLM's _SAMPLING_EPS.
+GREEDY_TEMPERATURE = 1e-5
+# repetition_penalty divides or multiplies fp32 logits; outside this range it over- or
+# underflows them (1e-308 is 0 in fp32: logits / 0 = inf).
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+
+
+class SamplingParamsError(QServeError):
+    """A bad sampling setting; `param` names the field (the HTTP error's `param`)."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
@@ -35,33 +50,48 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
-        _check(self.n >= 1, f"n={self.n} must be at least 1")
-        _check(self.temperature >= 0, f"temperature={self.temperature} must be >= 0")
-        _check(0 < self.top_p <= 1, f"top_p={self.top_p} must be in (0, 1]")
+        _check(self.n >= 1, f"n={self.n} must be at least 1", "n")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            value = getattr(self, name)
+            _check(math.isfinite(value), f"{name}={value} must be a finite number", name)
+        _check(self.temperature >= 0, f"temperature={self.temperature} must be >= 0",
+               "temperature")
+        _check(0 < self.top_p <= 1, f"top_p={self.top_p} must be in (0, 1]", "top_p")
         _check(self.top_k >= -1,
-               f"top_k={self.top_k} must be -1 or 0 (off) or a positive number of tokens")
-        _check(0 <= self.min_p <= 1, f"min_p={self.min_p} must be in [0, 1]")
+               f"top_k={self.top_k} must be -1 or 0 (off) or a positive number of tokens", "top_k")
+        _check(0 <= self.min_p <= 1, f"min_p={self.min_p} must be in [0, 1]", "min_p")
         _check(self.repetition_penalty > 0,
-               f"repetition_penalty={self.repetition_penalty} must be > 0 (1 = off)")
+               f"repetition_penalty={self.repetition_penalty} must be > 0 (1 = off)",
+               "repetition_penalty")
+        low, high = REPETITION_PENALTY_RANGE
+        _check(low <= self.repetition_penalty <= high,
+               f"repetition_penalty={self.repetition_penalty} must be in [{low}, {high:g}] "
+               f"(1 = off)", "repetition_penalty")
         _check(-2 <= self.presence_penalty <= 2,
-               f"presence_penalty={self.presence_penalty} must be in [-2, 2]")
+               f"presence_penalty={self.presence_penalty} must be in [-2, 2]", "presence_penalty")
         _check(-2 <= self.frequency_penalty <= 2,
-               f"frequency_penalty={self.frequency_penalty} must be in [-2, 2]")
-        _check(self.max_tokens >= 1, f"max_tokens={self.max_tokens} must be at least 1")
+               f"frequency_penalty={self.frequency_penalty} must be in [-2, 2]",
+               "frequency_penalty")
+        _check(self.max_tokens >= 1, f"max_tokens={self.max_tokens} must be at least 1",
+               "max_tokens")
         _check(0 <= self.min_tokens <= self.max_tokens,
-               f"min_tokens={self.min_tokens} must be in [0, max_tokens={self.max_tokens}]")
+               f"min_tokens={self.min_tokens} must be in [0, max_tokens={self.max_tokens}]",
+               "min_tokens")
         _check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
-               f"logprobs={self.logprobs} must be in [0, {MAX_LOGPROBS}] or None")
+               f"logprobs={self.logprobs} must be in [0, {MAX_LOGPROBS}] or None", "logprobs")
         for s in self.stop:
-            _check(isinstance(s, str) and s != "", f"stop={s!r} must be a non-empty string")
+            _check(isinstance(s, str) and s != "", f"stop={s!r} must be a non-empty string",
+                   "stop")
         for t in self.stop_token_ids:
-            _check(isinstance(t, int) and t >= 0,
-                   f"stop_token_ids entry {t!r} must be a token id >= 0")
+            _check(isinstance(t, int) and not isinstance(t, bool) and t >= 0,
+                   f"stop_token_ids entry {t!r} must be a token id >= 0", "stop_token_ids")
 
     @property
     def greedy(self) -> bool:
-        """True when sampling reduces to argmax: temperature 0, or only one token kept."""
-        return self.temperature == 0 or self.top_k == 1
+        """True when sampling reduces to argmax: temperature 0 (or below GREEDY_TEMPERATURE),
+        or only one token kept."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
     def has_penalties(self) -> bool:
@@ -69,6 +99,6 @@ class SamplingParams:
                 or self.frequency_penalty != 0)
 
 
-def _check(ok: bool, message: str) -> None:
+def _check(ok: bool, message: str, param: str) -> None:
     if not ok:
-        raise QServeError(message)
+        raise SamplingParamsError(message, param)

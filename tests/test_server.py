@@ -67,7 +67,8 @@ class Server:
         return self.log_path.read_text(errors="replace")
 
     def metrics(self) -> dict[str, float]:
-        text = httpx.get(self.url + "/metrics", timeout=10).text
+        text = httpx.get(self.url + "/metrics", timeout=10,
+                         headers={"Authorization": f"Bearer {KEY}"}).text  # ignored without a key
         return {m[1]: float(m[2]) for m in re.finditer(r"^(\w+) ([\d.e+-]+)$", text, re.M)}
 
     def stop(self) -> int:

@@ -1,15 +1,18 @@
 """The ASGI app: OpenAI's /v1 routes, /health and /metrics, over one AsyncEngine.
 
-Every HTTP request shares the engine thread's continuous batching. A handler validates the
-body (protocol.py), tokenizes in a worker thread, adds its prompts, then either waits for the
-final outputs or streams Server-Sent Events; a stream whose client goes away is aborted, which
-frees its KV blocks at the engine's next step boundary.
+Every HTTP request shares the engine thread's continuous batching. The RequestGuard (guard.py)
+checks its Host, Origin and size first; a handler validates the body (protocol.py), tokenizes
+in a worker thread, adds its prompts, then either waits for the final outputs or streams
+Server-Sent Events; a stream whose client goes away is aborted, which frees its KV blocks at
+the engine's next step boundary.
 """
 from __future__ import annotations
 
 import asyncio
 import hmac
 import json
+import logging
+import re
 import signal
 import uuid
 from contextlib import asynccontextmanager
@@ -18,45 +21,76 @@ import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from qserve.errors import QServeError, QueueFullError
 from qserve.server import protocol as P
 from qserve.server.async_engine import AsyncEngine, EngineStopped, Generation
+from qserve.server.config import ServerConfig
+from qserve.server.guard import RequestGuard
 from qserve.server.metrics import CONTENT_TYPE, Metrics
 
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
+log = logging.getLogger("qserve.server")
+# A lone UTF-16 surrogate can only come from a \uD800-\uDFFF escape (raw UTF-8 cannot hold one)
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
-def serve(engine, model_name: str, host: str = "127.0.0.1", port: int = 8000,
-          api_key: str | None = None, log_level: str = "info",
-          graceful_timeout_s: float = 30.0) -> None:
+def serve(engine, model_name: str, config: ServerConfig | None = None) -> None:
     """Serve `engine` (an LLMEngine) until SIGINT or SIGTERM, then return normally.
 
-    On a signal the server stops accepting connections, lets in-flight requests finish for up
-    to `graceful_timeout_s`, then cancels them (which aborts them in the engine).
+    On a signal the server stops accepting connections and lets in-flight requests finish for
+    up to `config.shutdown_timeout_s`; then each still running ends with an error.
     """
+    make_server(engine, model_name, config or ServerConfig()).run()
+
+
+def make_server(engine, model_name: str, config: ServerConfig) -> "_Server":
+    """The uvicorn server for `engine`, not started (`.run()` blocks until it stops)."""
     metrics = Metrics()
-    async_engine = AsyncEngine(engine, on_finished=metrics.observe)
+    async_engine = AsyncEngine(engine, on_finished=metrics.observe,
+                               on_aborted=metrics.observe_abort)
     metrics.watch(async_engine)
-    app = build_app(async_engine, model_name, metrics, api_key)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=graceful_timeout_s)
-    _Server(config).run()
+    app = build_app(async_engine, model_name, metrics, config)
+    # uvicorn's own limit is a backstop: _Server ends the requests at shutdown_timeout_s
+    uv_config = uvicorn.Config(app, host=config.host, port=config.port,
+                               log_level=config.log_level,
+                               timeout_graceful_shutdown=config.shutdown_timeout_s + 10)
+    return _Server(uv_config, async_engine, config.shutdown_timeout_s)
 
 
 class _Server(uvicorn.Server):
     """uvicorn's Server, except that SIGINT / SIGTERM is the normal way to stop, so the process
-    exits 0: uvicorn itself re-raises the signal after its graceful shutdown."""
+    exits 0 (uvicorn itself re-raises the signal after its graceful shutdown), and that requests
+    still running at the shutdown timeout end with an error rather than being cancelled: a
+    stream gets an error event, and no handler dies with a traceback."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, shutdown_timeout_s: float):
+        super().__init__(config)
+        self.engine = engine
+        self.shutdown_timeout_s = shutdown_timeout_s
 
     def handle_exit(self, sig, frame):
         if self.should_exit and sig == signal.SIGINT:  # a second Ctrl-C: stop waiting
             self.force_exit = True
         self.should_exit = True
 
+    async def _wait_tasks_to_complete(self) -> None:
+        # uvicorn.Server.shutdown calls this under its own timeout, then cancels what is left.
+        try:
+            await asyncio.wait_for(super()._wait_tasks_to_complete(), self.shutdown_timeout_s)
+        except asyncio.TimeoutError:
+            log.warning("shutdown timeout (%gs) reached: ending the requests still running",
+                        self.shutdown_timeout_s)
+            await asyncio.get_running_loop().run_in_executor(None, self.engine.shutdown)
+            await super()._wait_tasks_to_complete()
+
 
 def build_app(engine: AsyncEngine, model_name: str, metrics: Metrics,
-              api_key: str | None = None) -> FastAPI:
-    """The app; its lifespan starts the engine thread and, on shutdown, aborts what is left."""
+              config: ServerConfig | None = None) -> RequestGuard:
+    """The app (inside its RequestGuard); its lifespan starts the engine thread and, on
+    shutdown, aborts what is left."""
+    config = config or ServerConfig()
+    api_key = config.api_key
 
     @asynccontextmanager
     async def lifespan(app):
@@ -72,6 +106,11 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: Metrics,
     @app.exception_handler(P.APIError)
     async def _api_error(request, e: P.APIError):
         return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(Exception)
+    async def _bug(request, e: Exception):  # RequestGuard logs it
+        return JSONResponse(P.APIError(500, f"internal error: {type(e).__name__}",
+                                       "server_error").body(), status_code=500)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, e: StarletteHTTPException):
@@ -100,7 +139,7 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: Metrics,
             return JSONResponse({"status": "engine stopped"}, status_code=503)
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=[Depends(require_key)])
     async def prometheus():
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
@@ -128,14 +167,11 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: Metrics,
         req = P.parse_completion(await _json(request))
         check_model(req.model)
         tok = engine.tokenizer
-        loop = asyncio.get_running_loop()
-        prompts = await loop.run_in_executor(None, lambda: [
-            tok.encode(p) if isinstance(p, str) else p for p in req.prompts])
-        texts = None
-        if req.echo:
-            texts = await loop.run_in_executor(None, lambda: [
-                p if isinstance(p, str) else tok.decode(p) for p in req.prompts])
-        return await _run(request, req, prompts, "cmpl", "text_completion", texts)
+        texts = [p for p in req.prompts if isinstance(p, str)]
+        encoded = iter(await asyncio.get_running_loop().run_in_executor(
+            None, _encode, tok, texts, True))
+        prompts = [next(encoded) if isinstance(p, str) else p for p in req.prompts]
+        return await _run(request, req, prompts, "cmpl", "text_completion")
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request):
@@ -148,13 +184,13 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: Metrics,
                 text = tok.apply_chat_template(req.messages, add_generation_prompt=True)
             except QServeError as e:  # a template that refuses this conversation
                 raise P.bad(str(e), "messages") from None
-            return tok.encode(text, add_special_tokens=False)
+            return _encode(tok, [text], False)[0]
 
         ids = await asyncio.get_running_loop().run_in_executor(None, render)
-        return await _run(request, req, [ids], "chatcmpl", "chat.completion", None)
+        return await _run(request, req, [ids], "chatcmpl", "chat.completion")
 
     async def _run(request: Request, req: P.GenerateRequest, prompts: list[list[int]],
-                   prefix: str, kind: str, echo_texts: list[str] | None):
+                   prefix: str, kind: str):
         if not all(prompts):
             raise P.bad("the prompt is empty; give at least one token of text", "prompt")
         param = "messages" if kind == "chat.completion" else "prompt"
@@ -168,6 +204,10 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: Metrics,
             raise P.APIError(503, str(e), "server_error", code="shutting_down") from None
         except QServeError as e:
             raise P.bad(str(e), param) from None
+        echo_texts = None
+        if req.echo:  # token ids are decoded only now that the engine has checked them
+            echo_texts = [p if isinstance(p, str) else engine.tokenizer.decode(ids)
+                          for p, ids in zip(req.prompts, prompts)]
         response = _Response(gen.request_ids[0], kind, model_name, req, params.n, engine,
                              echo_texts)
         if req.stream:
@@ -181,17 +221,39 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: Metrics,
         return JSONResponse(response.whole(finals))
 
     app.include_router(v1)
-    return app
+    if config.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
+                           allow_methods=["GET", "POST"], allow_headers=["*"])
+    return RequestGuard(app, config)
 
 
 async def _json(request: Request) -> dict:
+    raw = await request.body()
     try:
-        body = json.loads(await request.body())
+        body = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
         raise P.bad("the request body is not valid JSON") from None
+    except RecursionError:
+        raise P.bad("the request body nests JSON too deeply") from None
     if not isinstance(body, dict):
         raise P.bad("the request body must be a JSON object")
+    if _SURROGATE_ESCAPE.search(raw):  # rare: only then pay for a second pass
+        try:
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise P.bad("the request body holds a lone UTF-16 surrogate escape (\\uD800-"
+                        "\\uDFFF without its pair), which is not text") from None
     return body
+
+
+def _encode(tokenizer, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+    """Tokenizer.encode for several texts, in a worker thread. The backend's encode_batch
+    releases the GIL while it works (encode holds it), so a long prompt being tokenized does
+    not stall the event loop, and with it every other request and /health."""
+    if not texts:
+        return []
+    encodings = tokenizer.backend.encode_batch(texts, add_special_tokens=add_special_tokens)
+    return [e.ids for e in encodings]
 
 
 async def _until_done(request: Request, gen: Generation):

@@ -42,9 +42,12 @@ class AsyncEngine:
     Args:
         engine: an LLMEngine; after `start()` only the engine thread touches it.
         on_finished: called on the output thread with every finished RequestOutput (metrics).
+        on_aborted: called on the output thread for every request aborted before it finished
+            (its client went away, or the engine step failed).
     """
 
-    def __init__(self, engine, on_finished: Callable[[RequestOutput], None] | None = None):
+    def __init__(self, engine, on_finished: Callable[[RequestOutput], None] | None = None,
+                 on_aborted: Callable[[], None] | None = None):
         self.engine = engine
         engine.detokenize = False  # the output thread does it
         self.processor = OutputProcessor(engine.tokenizer)  # only the output thread touches it
@@ -56,6 +59,7 @@ class AsyncEngine:
         self.max_model_len: int = engine.max_model_len
         self.stats: dict = engine.stats()  # a snapshot, replaced after every step
         self._on_finished = on_finished
+        self._on_aborted = on_aborted
         self._commands: collections.deque = collections.deque()  # appends are thread-safe
         self._wake = threading.Event()
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -166,6 +170,9 @@ class AsyncEngine:
             if kind == "add":
                 self.processor.add(*item[1:])
             elif kind == "drop":
+                # still known here: no finished output was processed, so it was cut short
+                if item[1] in self.processor.requests and self._on_aborted is not None:
+                    self._on_aborted()
                 self.processor.drop(item[1])
             else:
                 try:

@@ -97,5 +97,9 @@ class Metrics:
         if n > 1 and m.finished_time is not None:
             self.tpot.observe((m.finished_time - m.first_token_time) / (n - 1))
 
+    def observe_abort(self) -> None:
+        """A request that ended before it finished (its client went away)."""
+        self.finished.labels(finish_reason="abort").inc()
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -10,9 +10,8 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
-from qserve.errors import QServeError
 from qserve.outputs import CompletionOutput, RequestOutput
-from qserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from qserve.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
 
 MAX_N = 32
 CHAT_ROLES = ("system", "developer", "user", "assistant")
@@ -73,10 +72,11 @@ def parse_completion(body: dict) -> GenerateRequest:
     elif isinstance(prompt, list) and prompt and all(_is_ids(p) for p in prompt):
         prompts = [list(prompt)]
     elif isinstance(prompt, list) and prompt and all(
-            isinstance(p, list) and p and _is_ids(p) for p in prompt):
+            isinstance(p, list) and p and all(_is_ids(t) for t in p) for p in prompt):
         prompts = [list(p) for p in prompt]
     else:
-        raise bad("'prompt' must be a string, a list of strings, or token ids", "prompt")
+        raise bad("'prompt' must be a string, a list of strings, a list of token ids, or a "
+                  "list of token-id lists", "prompt")
     if any(p == "" for p in prompts):
         raise bad("'prompt' is empty; give at least one token of text", "prompt")
     logprobs = _get(body, "logprobs", (int,), "an integer from 0 to 20")
@@ -159,12 +159,14 @@ def _common(body: dict, prompts, messages, max_tokens: int | None, logprobs: int
         logprobs=logprobs,
     )
     _get(body, "user", (str,), "a string")
+    if max_tokens is not None and sampling["min_tokens"] > max_tokens:
+        raise bad(f"'min_tokens'={sampling['min_tokens']} must be at most 'max_tokens'="
+                  f"{max_tokens}", "min_tokens")
     try:  # validate now, before tokenizing; max_tokens is fixed once the prompt length is known
         params = SamplingParams(max_tokens=max(max_tokens or 1, sampling["min_tokens"], 1),
                                 **sampling)
-    except QServeError as e:
-        name = str(e).split("=", 1)[0]
-        raise bad(str(e), name if name in sampling else None) from None
+    except SamplingParamsError as e:
+        raise bad(str(e), e.param) from None
     return GenerateRequest(model, prompts, messages, params, max_tokens,
                            _get(body, "stream", (bool,), "a boolean", False),
                            bool(stream_options.get("include_usage")), echo, logprobs)
@@ -180,7 +182,13 @@ def fit_to_context(req: GenerateRequest, prompt_lens: list[int], max_model_len: 
                   f"has {longest} tokens. Shorten it to at most {max_model_len - 1} tokens.",
                   param, "context_length_exceeded")
     if req.max_tokens is None:
-        return dataclasses.replace(req.params, max_tokens=max_model_len - longest)
+        room = max_model_len - longest
+        if req.params.min_tokens > room:
+            raise bad(f"This model's maximum context length is {max_model_len} tokens; the "
+                      f"prompt has {longest} tokens, which leaves room for {room}, fewer than "
+                      f"min_tokens={req.params.min_tokens}. Lower min_tokens or shorten the "
+                      f"prompt.", "min_tokens", "context_length_exceeded")
+        return dataclasses.replace(req.params, max_tokens=room)
     if longest + req.max_tokens > max_model_len:
         raise bad(f"This model's maximum context length is {max_model_len} tokens; you asked "
                   f"for {longest + req.max_tokens} ({longest} in the prompt, {req.max_tokens} "
