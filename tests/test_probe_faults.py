@@ -424,3 +424,42 @@ def test_finished_requests_are_not_counted_as_aborts(tokenizer):
         engine.shutdown()
     asyncio.run(run())
     assert counts == {"finished": 1, "aborted": 0}
+
+
+# ---- 8, 9: a bad HF config.json is a one-line error -----------------------------------------
+GOOD_CONFIG = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32,
+               "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+               "num_key_value_heads": 2}
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"num_hidden_layers": -1}, "num_hidden_layers is -1; it must be a positive integer"),
+    ({"num_attention_heads": "nine"}, "num_attention_heads is 'nine'; it must be a positive"),
+    ({"num_key_value_heads": 0}, "num_key_value_heads is 0; it must be a positive integer"),
+    ({"vocab_size": 1.5}, "vocab_size is 1.5"),
+    ({"hidden_size": True}, "hidden_size is True"),
+    ({"hidden_size": 30}, "hidden_size 30 is not a multiple of num_attention_heads 4"),
+    ({"head_dim": -8}, "head_dim is -8"),
+    ({"rms_norm_eps": "tiny"}, "rms_norm_eps is 'tiny'; it must be a positive number"),
+    ({"rope_theta": 0}, "rope_theta is 0"),
+    ({"rope_scaling": [1, 2]}, "rope_scaling is [1, 2]; it must be an object"),
+    ({"max_position_embeddings": 0}, "max_position_embeddings is 0"),
+    ([GOOD_CONFIG], "must hold a JSON object, not a list"),
+])
+def test_bad_hf_config_values_are_one_line_errors(tmp_path, change, message):
+    from qserve.errors import ModelLoadError
+    from qserve.loader.hf_loader import read_config
+
+    cfg = {**GOOD_CONFIG, **change} if isinstance(change, dict) else change
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError) as e:
+        read_config(tmp_path)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_good_hf_config_still_reads(tmp_path):
+    from qserve.loader.hf_loader import read_config
+
+    (tmp_path / "config.json").write_text(json.dumps({**GOOD_CONFIG, "rope_theta": 5e5}))
+    arch = read_config(tmp_path)
+    assert (arch.num_layers, arch.num_kv_heads, arch.head_dim, arch.rope_theta) == (2, 2, 8, 5e5)

@@ -64,9 +64,12 @@ def _read_json(path: Path, required: bool = True) -> dict:
                                  f"needs config.json, *.safetensors and tokenizer files")
         return {}
     try:
-        return json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise ModelLoadError(f"{path}: not readable JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path}: must hold a JSON object, not a {type(data).__name__}")
+    return data
 
 
 def _as_list(value) -> list[int]:
@@ -87,28 +90,49 @@ def read_config(path: Path) -> ModelArchConfig:
             raise ModelLoadError(f"{cfg_path}: missing {name}")
         return cfg.get(name, default)
 
+    def count(name, default=None) -> int:
+        value = key(name, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ModelLoadError(f"{cfg_path}: {name} is {value!r}; it must be a positive "
+                                 f"integer")
+        return value
+
+    def positive(name, default) -> float:
+        value = key(name, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ModelLoadError(f"{cfg_path}: {name} is {value!r}; it must be a positive "
+                                 f"number")
+        return value
+
     # transformers >= 5 writes rope_theta and the scaling together as rope_parameters.
-    rope = dict(cfg.get("rope_scaling") or cfg.get("rope_parameters") or {})
-    theta = cfg.get("rope_theta", rope.pop("rope_theta", 10000.0))
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise ModelLoadError(f"{cfg_path}: rope_scaling is {rope!r}; it must be an object")
+    rope = dict(rope)
+    theta = rope.pop("rope_theta", 10000.0)
     rope_type = rope.setdefault("rope_type", rope.pop("type", "default"))
     use_window = model_type == "mistral" or cfg.get("use_sliding_window", False)
-    heads = key("num_attention_heads")
+    heads = count("num_attention_heads")
+    hidden = count("hidden_size")
+    if not cfg.get("head_dim") and hidden % heads:
+        raise ModelLoadError(f"{cfg_path}: hidden_size {hidden} is not a multiple of "
+                             f"num_attention_heads {heads}, and there is no head_dim")
     gen = _read_json(path / "generation_config.json", required=False)
     eos = _as_list(gen.get("eos_token_id")) + _as_list(cfg.get("eos_token_id"))
     try:
         return ModelArchConfig(
             architecture=model_type,
-            vocab_size=key("vocab_size"),
-            hidden_size=key("hidden_size"),
-            intermediate_size=key("intermediate_size"),
-            num_layers=key("num_hidden_layers"),
+            vocab_size=count("vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=count("intermediate_size"),
+            num_layers=count("num_hidden_layers"),
             num_heads=heads,
-            num_kv_heads=key("num_key_value_heads", heads),
-            head_dim=cfg.get("head_dim") or key("hidden_size") // heads,
-            rms_norm_eps=key("rms_norm_eps", 1e-6),
-            rope_theta=theta,
+            num_kv_heads=count("num_key_value_heads", heads),
+            head_dim=count("head_dim") if cfg.get("head_dim") else hidden // heads,
+            rms_norm_eps=positive("rms_norm_eps", 1e-6),
+            rope_theta=positive("rope_theta", theta),
             rope_scaling=None if rope_type == "default" else rope,
-            max_position_embeddings=key("max_position_embeddings", 4096),
+            max_position_embeddings=count("max_position_embeddings", 4096),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=model_type == "qwen2" or cfg.get("attention_bias", False),
             sliding_window=cfg.get("sliding_window") if use_window else None,
