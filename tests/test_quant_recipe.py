@@ -45,6 +45,9 @@ def test_recipe_by_path(tmp_path):
     ({"weights": {}, "kv_dtype": "fp8"}, "key 'kv_dtype' is 'fp8'"),
     ({"kv_dtype": "fp16"}, "key 'weights'"),
     (["not", "a", "mapping"], "YAML mapping"),
+    ({"weights": {"keep": ["{bogus}"]}}, "weights.keep' has the pattern '{bogus}'"),
+    ({"weights": {"keep": ["model.layers.{0}.*"]}}, "the only placeholders are {first}"),
+    ({"weights": {"keep": ["lm_head{"]}}, "weights.keep' has the pattern 'lm_head{'"),
 ])
 def test_bad_recipes_name_the_key(data, needle):
     with pytest.raises(ConfigError, match=None) as e:
@@ -62,6 +65,18 @@ def test_bad_yaml(tmp_path):
     p.write_text("weights: [unclosed\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_recipe(str(p))
+
+
+@pytest.mark.parametrize("data, needle", [
+    (bytes(range(256)) * 4, "is not UTF-8 text"),
+    (b"weights:\x00\x01\x02 binary\n", "not valid YAML"),
+])
+def test_binary_recipe_file(tmp_path, data, needle):
+    p = tmp_path / "binary.yaml"
+    p.write_bytes(data)
+    with pytest.raises(ConfigError, match=needle) as e:
+        load_recipe(str(p))
+    assert "\n" not in str(e.value)
 
 
 def _plans(**weights):

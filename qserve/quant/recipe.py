@@ -88,9 +88,11 @@ def load_recipe(spec: str | Path) -> Recipe:
             raise ConfigError(f"unknown recipe {str(spec)!r}; choose one of "
                               f"{', '.join(available())}, or pass a .yaml path")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except OSError as e:
         raise ConfigError(f"recipe {str(path)!r} cannot be read: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"recipe {str(path)!r} is not UTF-8 text") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"recipe {str(path)!r} is not valid YAML "
                           f"({str(e).splitlines()[0]})") from None
@@ -116,6 +118,13 @@ def parse_recipe(data, default_name: str = "custom", where: str = "recipe") -> R
     if not (isinstance(keep, list) and all(isinstance(k, str) for k in keep)):
         raise ConfigError(f"{where}: key 'weights.keep' must be a list of name patterns, "
                           f"e.g. [lm_head, 'model.layers.{{last}}.*']")
+    for pattern in keep:
+        try:
+            pattern.format(first=0, last=0)
+        except (KeyError, IndexError, ValueError, AttributeError):
+            raise ConfigError(f"{where}: key 'weights.keep' has the pattern {pattern!r}; the "
+                              f"only placeholders are {{first}} and {{last}} (write a literal "
+                              f"brace as {{{{ or }}}})") from None
     r.keep = keep
     if r.method == "gguf":
         extra = [k for k in ("bits", "group_size", "symmetric", "group_fallback") if k in weights]
