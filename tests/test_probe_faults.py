@@ -9,8 +9,10 @@ weights and take seconds; tests/test_server.py runs the real model behind a real
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
+import os
 import socket
 import threading
 import time
@@ -463,3 +465,119 @@ def test_good_hf_config_still_reads(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**GOOD_CONFIG, "rope_theta": 5e5}))
     arch = read_config(tmp_path)
     assert (arch.num_layers, arch.num_kv_heads, arch.head_dim, arch.rope_theta) == (2, 2, 8, 5e5)
+
+
+# ---- 2, 8, 10: quantize --force, a full or read-only disk, runs that were killed ------------
+def _checkpoint_dir(path):
+    from qserve.quant.checkpoint import QUANT_METHOD
+
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps(
+        {"model_type": "llama", "quantization_config": {"quant_method": QUANT_METHOD}}))
+    (path / "model.safetensors").write_bytes(b"old weights")
+    return path
+
+
+def _files(root) -> dict:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file()}
+
+
+def test_force_never_deletes_what_quantize_did_not_write(tmp_path, monkeypatch):
+    from qserve.quant.quantize import quantize
+
+    home = tmp_path / "home"
+    (home / "models" / "m").mkdir(parents=True)
+    (home / "models" / "m" / "m.gguf").write_bytes(b"cached model")
+    monkeypatch.setenv("QSERVE_HOME", str(home))
+    models = tmp_path / "models"
+    models.mkdir()
+    src = models / "src.gguf"
+    src.write_bytes(b"the source model")
+    (models / "other.gguf").write_bytes(b"another model")
+    keep = _checkpoint_dir(tmp_path / "ckpt-with-notes")
+    (keep / "notes.txt").write_text("mine")
+    (tmp_path / "a-file").write_text("not a directory")
+    before = _files(tmp_path)
+    for out, message in [
+        (models, "holds the source model"),
+        (tmp_path, "holds the source model"),
+        (home, "holds the model cache"),
+        (home / "models", "is not a qserve checkpoint"),
+        (keep, "holds notes.txt besides the checkpoint"),
+        (tmp_path / "a-file", "is not a qserve checkpoint"),
+    ]:
+        with pytest.raises(QServeError, match=message) as e:
+            quantize(str(src), out, force=True)
+        assert "\n" not in str(e.value)
+    assert _files(tmp_path) == before
+
+
+def test_force_on_the_cache_is_a_one_line_cli_error(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from qserve import cli
+
+    (tmp_path / "models").mkdir()
+    src = tmp_path / "models" / "src.gguf"
+    src.write_bytes(b"the source model")
+    monkeypatch.setenv("QSERVE_HOME", str(tmp_path))
+    result = CliRunner().invoke(cli.main, ["quantize", str(src), "-o", str(tmp_path), "--force"])
+    assert result.exit_code == 2 and result.output.startswith("error: ")
+    assert len(result.output.strip().splitlines()) == 1
+    assert src.read_bytes() == b"the source model"
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_killed_runs_leave_nothing_behind_the_next(tmp_path):
+    from qserve.quant.quantize import _write_atomically
+
+    out = tmp_path / "ckpt"
+    dead = _dead_pid()
+    stale = tmp_path / f".ckpt.tmp-{dead}"
+    (stale / "half").mkdir(parents=True)
+    (stale / "half" / "model.safetensors").write_bytes(b"x" * 1000)
+    running = tmp_path / f".ckpt.tmp-{os.getppid()}"  # a live process: maybe still writing
+    running.mkdir()
+    unrelated = tmp_path / f".other.tmp-{dead}"
+    unrelated.mkdir()
+    _write_atomically(out, lambda tmp: _checkpoint_dir(tmp))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["ckpt", running.name, unrelated.name])
+
+
+@pytest.mark.parametrize("error", [
+    OSError(errno.ENOSPC, "No space left on device"),
+    OSError(errno.EROFS, "Read-only file system"),
+    "safetensors",
+])
+def test_full_or_read_only_disk_is_a_one_line_error(tmp_path, error):
+    from safetensors import SafetensorError
+
+    from qserve.quant.quantize import _write_atomically
+
+    if error == "safetensors":  # what save_file raises on ENOSPC
+        error = SafetensorError("Error while serializing: I/O error: No space left on device "
+                                "(os error 28)")
+    out = _checkpoint_dir(tmp_path / "ckpt")
+    before = _files(tmp_path)
+
+    def write(tmp):
+        _checkpoint_dir(tmp)
+        (tmp / "tokenizer.json").write_text("{}")
+        raise error
+    with pytest.raises(QServeError) as e:
+        _write_atomically(out, write)
+    assert str(e.value).startswith(f"cannot write the checkpoint {out}: ")
+    assert ("No space left" in str(e.value) or "Read-only" in str(e.value))
+    assert "\n" not in str(e.value)
+    assert _files(tmp_path) == before  # no half-written directory, the old checkpoint intact
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]

@@ -233,8 +233,8 @@ def quantize(src: str | None, out: str | Path, recipe: str | Path | None = None,
     if out.exists() and not force:
         raise QServeError(f"{out} already exists; pass --force to replace it")
     src_path = resolve_model(src)
-    if out.exists() and out.resolve() == src_path.resolve():
-        raise QServeError(f"{out} is the source model; write the checkpoint somewhere else")
+    if out.exists() or out.is_symlink():
+        _check_replaceable(out, src_path)
     arch = load_arch(src_path)
     gguf_types = _gguf_types(src_path, arch)
     if recipe is None:
@@ -310,21 +310,77 @@ def _requantize(loaded, r: Recipe, src: Path):
     return dict(loaded.weights), plans, {}
 
 
+def _check_replaceable(out: Path, src: Path) -> None:
+    """Raise unless `--force` may delete `out`: only a checkpoint qserve wrote, holding only
+    the files it wrote, and neither the source model nor the model cache."""
+    from qserve.loader.registry import model_home
+    from qserve.quant.checkpoint import WEIGHTS_FILE, quantization_config
+
+    written = {"config.json", WEIGHTS_FILE, "tokenizer.json", "tokenizer_config.json",
+               "generation_config.json", "chat_template.jinja"}  # what save_checkpoint writes
+    target = out.resolve()
+    if src.resolve().is_relative_to(target):
+        raise QServeError(f"{out} holds the source model {src}; --force would delete it. "
+                          f"Write the checkpoint somewhere else")
+    if model_home().resolve().is_relative_to(target):
+        raise QServeError(f"{out} holds the model cache {model_home()}; --force would delete "
+                          f"it. Write the checkpoint somewhere else")
+    if not out.is_dir() or quantization_config(out) is None:
+        raise QServeError(f"{out} exists and is not a qserve checkpoint; --force only replaces "
+                          f"a checkpoint qserve wrote. Remove it yourself or choose another "
+                          f"directory")
+    others = sorted(p.name for p in out.iterdir() if p.name not in written)
+    if others:
+        raise QServeError(f"{out} holds {', '.join(others[:3])}{' ...' * (len(others) > 3)} "
+                          f"besides the checkpoint; --force would delete it. Move it out or "
+                          f"choose another directory")
+
+
 def _write_atomically(out: Path, write) -> None:
     """write(tmp) into a hidden sibling of `out`, then rename it into place; on any failure
-    or interrupt the temporary directory goes and `out` is as it was."""
-    out.parent.mkdir(parents=True, exist_ok=True)
+    or interrupt the temporary directory goes and `out` is as it was. A full or read-only
+    disk is a QServeError. Siblings a killed run left behind are removed first."""
+    from safetensors import SafetensorError
+
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     old = out.with_name(f".{out.name}.old-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale(out)
         write(tmp)
         if out.exists():
             out.rename(old)
         tmp.rename(out)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if old.exists() and not out.exists():
             old.rename(out)
+        if isinstance(e, (OSError, SafetensorError)):  # a full or read-only disk, ...
+            why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            raise QServeError(f"cannot write the checkpoint {out}: {why}") from None
         raise
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _remove_stale(out: Path) -> None:
+    """Remove `.OUT.tmp-PID` siblings (and `.OUT.old-PID` once OUT exists again) left by a run
+    that was killed, i.e. whose PID is no longer alive, so they do not pile up."""
+    pattern = re.compile(rf"\.{re.escape(out.name)}\.(tmp|old)-(\d+)")
+    for p in out.parent.iterdir():
+        m = pattern.fullmatch(p.name)
+        if m is None or not p.is_dir() or p.is_symlink() or _alive(int(m.group(2))):
+            continue
+        if m.group(1) == "tmp" or out.exists():
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False  # ours, from an earlier call in this process that was interrupted
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
