@@ -123,6 +123,11 @@ class ChatSession:
     def _on_sigint(self, signum, frame) -> None:
         self._interrupted = True
 
+    @property
+    def interrupted(self) -> bool:
+        """Whether Ctrl-C cut the last reply short."""
+        return self._interrupted
+
     def _note(self, message: str) -> None:
         self.err.write(message + "\n")
         self.err.flush()
@@ -220,12 +225,19 @@ def _format_stats(s: dict | None) -> str:
 
 # ---- the loop ----------------------------------------------------------------------------
 def run(session: ChatSession, stdin=None) -> None:
-    """Talk until /exit or end of input: interactively on a terminal, else line by line."""
+    """Talk until /exit or end of input: interactively on a terminal, else line by line.
+    Piped, Ctrl-C ends the whole run (KeyboardInterrupt), not just the reply it cut short."""
     stdin = stdin or sys.stdin
     if not stdin.isatty():
-        for line in stdin:
-            if not _handle(session, line.strip()):
-                return
+        try:
+            for line in stdin:
+                if not _handle(session, line.strip()):
+                    return
+                if session.interrupted:
+                    raise KeyboardInterrupt
+        except UnicodeDecodeError as e:
+            raise QServeError(f"stdin is not UTF-8 text (byte {e.object[e.start]:#04x}); "
+                              f"pipe in one message per line") from None
         return
     read = _line_reader()
     session._note(f"qserve chat with {session.model_name}: /help for commands, "

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import io
 import json
 import logging
 import os
+import signal
 import socket
 import threading
 import time
@@ -47,7 +49,8 @@ class FakeEngine:
         self.requests: dict[str, tuple[list[int], object, list[int], float]] = {}
 
     def stats(self) -> dict:
-        return {"running": len(self.requests), "kv_blocks_used": len(self.requests)}
+        return {"running": len(self.requests), "kv_blocks_used": len(self.requests),
+                "kv_blocks_total": 64}
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -581,3 +584,42 @@ def test_full_or_read_only_disk_is_a_one_line_error(tmp_path, error):
     assert "\n" not in str(e.value)
     assert _files(tmp_path) == before  # no half-written directory, the old checkpoint intact
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+# ---- 7, 8: piped `qserve chat`: Ctrl-C ends the run; binary stdin is a one-line error ------
+class InterruptingEngine(FakeEngine):
+    """Sends this process SIGINT, as Ctrl-C does, at the third step of each reply."""
+
+    def step(self):
+        self.steps = getattr(self, "steps", 0) + 1
+        if self.steps % 3 == 0:
+            os.kill(os.getpid(), signal.SIGINT)
+        return super().step()
+
+
+def test_piped_chat_stops_at_ctrl_c(tokenizer):
+    from qserve.chat import ChatSession, run
+    from qserve.sampling_params import SamplingParams
+
+    engine = InterruptingEngine(tokenizer)
+    added = []
+    engine.add_request = lambda rid, *a, **k: (added.append(rid),
+                                               FakeEngine.add_request(engine, rid, *a, **k))
+    out, err = io.StringIO(), io.StringIO()
+    session = ChatSession(engine, SamplingParams(max_tokens=100), out=out, err=err)
+    with pytest.raises(KeyboardInterrupt):
+        run(session, stdin=io.StringIO("first\nsecond\nthird\n"))
+    assert added == ["chat-0"] and engine.requests == {}
+    assert "(interrupted)" in err.getvalue()
+
+
+def test_piped_chat_with_binary_stdin_is_a_one_line_error(tokenizer):
+    from qserve.chat import ChatSession, run
+    from qserve.sampling_params import SamplingParams
+
+    session = ChatSession(FakeEngine(tokenizer), SamplingParams(max_tokens=2),
+                          out=io.StringIO(), err=io.StringIO())
+    stdin = io.TextIOWrapper(io.BytesIO(bytes(range(128, 256)) * 64), encoding="utf-8")
+    with pytest.raises(QServeError, match="stdin is not UTF-8 text") as e:
+        run(session, stdin=stdin)
+    assert "\n" not in str(e.value)
