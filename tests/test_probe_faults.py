@@ -623,3 +623,75 @@ def test_piped_chat_with_binary_stdin_is_a_one_line_error(tokenizer):
     with pytest.raises(QServeError, match="stdin is not UTF-8 text") as e:
         run(session, stdin=stdin)
     assert "\n" not in str(e.value)
+
+
+# ---- 11: checksums: the pinned hash wins; the cached file by path is checked too -----------
+@pytest.fixture
+def pinned_tiny(monkeypatch, tmp_path):
+    """A cached 'tiny' alias pinned to the sha256 of its good contents; returns its path."""
+    import hashlib
+
+    from qserve.loader import registry
+
+    good = b"GGUF good contents " * 1000
+    monkeypatch.setenv("QSERVE_HOME", str(tmp_path / "home"))
+    monkeypatch.setitem(registry.ALIASES, "tiny", registry.ModelSource(
+        "tiny-pkg", "tiny_pkg/tiny.gguf", hashlib.sha256(good).hexdigest()))
+    path = registry.cached_path("tiny")
+    path.parent.mkdir(parents=True)
+    path.write_bytes(good)
+    path.with_name("tiny.gguf.sha256").write_text(f"{hashlib.sha256(good).hexdigest()}  x\n")
+    return path
+
+
+def _corrupt(path) -> None:
+    import hashlib
+
+    bad = path.read_bytes().replace(b"good", b"evil")
+    path.write_bytes(bad)
+    path.with_name("tiny.gguf.sha256").write_text(f"{hashlib.sha256(bad).hexdigest()}  x\n")
+
+
+def test_pinned_hash_wins_over_a_rewritten_record(pinned_tiny):
+    from qserve.errors import ModelLoadError
+    from qserve.loader.registry import resolve_model
+
+    assert resolve_model("tiny") == pinned_tiny
+    _corrupt(pinned_tiny)  # the record now vouches for the changed file
+    for spec in ("tiny", str(pinned_tiny)):
+        with pytest.raises(ModelLoadError, match=r"tiny.gguf is corrupt \(sha256 does not match "
+                                                 r"the sha256 pinned for tiny\); re-run "
+                                                 r"`qserve pull tiny`"):
+            resolve_model(spec, download=False)
+
+
+def test_model_path_to_the_cached_file_is_checked(pinned_tiny, tmp_path):
+    from qserve.errors import ModelLoadError
+    from qserve.loader.registry import resolve_model
+
+    link = tmp_path / "link.gguf"
+    link.symlink_to(pinned_tiny)
+    assert resolve_model(str(link)) == link
+    pinned_tiny.write_bytes(pinned_tiny.read_bytes()[:-10])  # truncated in place
+    for path in (pinned_tiny, link):
+        with pytest.raises(ModelLoadError, match="is corrupt"):
+            resolve_model(str(path))
+
+
+def test_unchanged_cached_file_is_hashed_once(pinned_tiny, monkeypatch):
+    from qserve.errors import ModelLoadError
+    from qserve.loader import registry
+
+    hashed = []
+    real = registry.sha256_file
+    monkeypatch.setattr(registry, "sha256_file", lambda p: hashed.append(p) or real(p))
+    for _ in range(3):
+        registry.resolve_model("tiny")
+        registry.resolve_model(str(pinned_tiny))
+    assert len(hashed) == 1
+    st = pinned_tiny.stat()
+    _corrupt(pinned_tiny)
+    os.utime(pinned_tiny, ns=(st.st_atime_ns, st.st_mtime_ns + 1))  # same size, new mtime
+    with pytest.raises(ModelLoadError, match="is corrupt"):
+        registry.resolve_model("tiny")
+    assert len(hashed) == 2

