@@ -695,3 +695,16 @@ def test_unchanged_cached_file_is_hashed_once(pinned_tiny, monkeypatch):
     with pytest.raises(ModelLoadError, match="is corrupt"):
         registry.resolve_model("tiny")
     assert len(hashed) == 2
+
+
+# ---- 8: sizes that are not numbers ----------------------------------------------------------
+@pytest.mark.parametrize("size", ["nan", "inf", "1e400", "-inf", "infGiB", "1e308TiB"])
+def test_kv_cache_memory_that_is_not_a_size_is_a_one_line_error(size):
+    from click.testing import CliRunner
+
+    from qserve import cli
+
+    result = CliRunner().invoke(cli.main, ["info", "--kv-cache-memory", size])
+    assert result.exit_code == 2, result.output
+    assert result.output == f"error: --kv-cache-memory={size!r} is not a size; use e.g. " \
+                            f"512MiB or 2GiB\n"
