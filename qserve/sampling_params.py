@@ -54,7 +54,9 @@ class SamplingParams:
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty"):
             value = getattr(self, name)
-            _check(math.isfinite(value), f"{name}={value} must be a finite number", name)
+            if not _finite(value):
+                shown = value if isinstance(value, float) else f"{str(value)[:8]}...(huge)"
+                raise SamplingParamsError(f"{name}={shown} must be a finite number", name)
         _check(self.temperature >= 0, f"temperature={self.temperature} must be >= 0",
                "temperature")
         _check(0 < self.top_p <= 1, f"top_p={self.top_p} must be in (0, 1]", "top_p")
@@ -97,6 +99,13 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return (self.repetition_penalty != 1 or self.presence_penalty != 0
                 or self.frequency_penalty != 0)
+
+
+def _finite(x) -> bool:
+    try:
+        return math.isfinite(x)
+    except OverflowError:  # an int too large for a float
+        return False
 
 
 def _check(ok: bool, message: str, param: str) -> None:

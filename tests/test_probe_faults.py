@@ -335,6 +335,14 @@ def test_extreme_sampling_values_over_http(server):
         assert_openai_error(server.post("/v1/completions", body), 400, "repetition_penalty")
 
 
+@pytest.mark.parametrize("field", ["temperature", "top_p", "min_p", "repetition_penalty",
+                                   "presence_penalty", "frequency_penalty"])
+@pytest.mark.parametrize("value", ["1" + "0" * 400, "NaN", "-Infinity", "1e400"])
+def test_huge_or_non_finite_numbers_are_400s(server, field, value):
+    body = '{"model": "fake", "prompt": "hi", "%s": %s}' % (field, value)
+    assert_openai_error(server.post("/v1/completions", body), 400, field)
+
+
 @pytest.mark.parametrize("value", [[-1], ["7"], [True], [1.5]])
 def test_stop_token_ids_error_names_its_param(server, value):
     r = server.post("/v1/completions", {"model": MODEL, "prompt": "hi", "stop_token_ids": value})

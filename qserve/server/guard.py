@@ -58,9 +58,9 @@ class RequestGuard:
     def _refusal(self, headers: Headers) -> APIError | None:
         host = _hostname(headers.get("host", ""))
         if not (host in self.hosts or _is_ip(host)):
-            return APIError(403, f"Host {host!r} is not loopback; without an API key this "
-                                 f"server only answers requests to 127.0.0.1 or localhost "
-                                 f"(set --api-key to serve other names)",
+            return APIError(403, f"Host {host!r} is not allowed: without an API key this "
+                                 f"server answers only requests addressed to localhost or an "
+                                 f"IP address (set --api-key to serve other host names)",
                             code="host_not_allowed")
         origin = headers.get("origin")
         if origin is None or origin.rstrip("/") in self.origins or "*" in self.origins:

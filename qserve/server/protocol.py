@@ -60,6 +60,11 @@ def _get(body: dict, name: str, kinds: tuple, what: str, default=None):
         return default
     if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
         raise bad(f"'{name}' must be {what}, not {type(value).__name__} {value!r}"[:200], name)
+    if float in kinds and isinstance(value, int):
+        try:
+            return float(value)
+        except OverflowError:  # JSON integers have no bound
+            raise bad(f"'{name}' is too large a number", name) from None
     return value
 
 
