@@ -250,8 +250,6 @@ def _encode(tokenizer, texts: list[str], add_special_tokens: bool) -> list[list[
     """Tokenizer.encode for several texts, in a worker thread. The backend's encode_batch
     releases the GIL while it works (encode holds it), so a long prompt being tokenized does
     not stall the event loop, and with it every other request and /health."""
-    if not texts:
-        return []
     encodings = tokenizer.backend.encode_batch(texts, add_special_tokens=add_special_tokens)
     return [e.ids for e in encodings]
 
