@@ -192,7 +192,8 @@ def cache_bytes(cache, tokens: int) -> int:
 @section("Kernel tests")
 def run_tests(ctx: Ctx) -> None:
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-           str(REPO / "tests" / "test_triton_kernels.py")]
+           str(REPO / "tests" / "test_triton_kernels.py"),
+           str(REPO / "tests" / "test_triton_ggml.py")]
     if ctx.tiny:  # the whole file is CI's; here one test, to check the invocation
         cmd += ["-k", "split_k"]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
