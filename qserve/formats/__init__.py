@@ -2,7 +2,8 @@
 dequantize and validate it), with no kernel, model or engine in sight.
 
     qtensor.py    QuantizedTensor: one packed (out, in) matrix with an explicit format name
-    registry.py   WeightFormat: one row per format (llama.cpp's type-traits table), FORMATS
+    weight_format.py  WeightFormat: one row per format (llama.cpp's type-traits table), FORMATS
+    registry.py   the rows: int4, int8, f32/f16/bf16 and the GGML types
     ggml.py       GGML block types (Q4_0 ... Q6_K) read in place: layouts and the pure-torch
                   dequantize that is bit-exact with gguf-py
 
@@ -10,7 +11,8 @@ Kernels (qserve.kernels) look a format up by name and run its `kind` (the id cpu
 Triton dispatch switch on); nothing above this package guesses a format from a dtype.
 """
 from qserve.formats.qtensor import QuantizedTensor, pack_int4, unpack_int4
-from qserve.formats.registry import FORMATS, WeightFormat, format_for_ggml, get_format
+from qserve.formats.registry import format_for_ggml
+from qserve.formats.weight_format import FORMATS, WeightFormat, get_format
 
 __all__ = ["QuantizedTensor", "pack_int4", "unpack_int4", "WeightFormat", "FORMATS",
            "get_format", "format_for_ggml"]

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from qserve.formats.weight_format import get_format
+
 
 @dataclass
 class QuantizedTensor:
@@ -40,8 +42,6 @@ class QuantizedTensor:
 
     @property
     def fmt(self):
-        from qserve.formats.registry import get_format
-
         return get_format(self.format)
 
     @property

@@ -1,5 +1,5 @@
-"""The weight-format table: one WeightFormat row per format, as llama.cpp keeps one type-traits
-row per quantization type. Adding a format is one row here (plus its layout module) and its
+"""The rows of the weight-format table (weight_format.py), one per format, as llama.cpp keeps
+one type-traits row per quantization type. Adding a format is one row here (plus its layout module) and its
 kernels keyed by `kind`:
 
     kernels/cpu_ops.c        wmatmul / wdequant switch on `kind` (the C row kernels)
@@ -8,33 +8,12 @@ kernels keyed by `kind`:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
-
 import torch
 
-from qserve.formats import ggml
+import qserve.formats.ggml as ggml
 from qserve.formats.qtensor import QuantizedTensor, unpack_int4
-
-# C kinds (enum wkind in kernels/cpu_ops.c): dense fp32 is 0; GGML in-place types are
-# GGML_KIND_BASE + their GGML type id.
-KIND_F32, KIND_INT4, KIND_INT8, KIND_F16, KIND_BF16 = 0, 1, 2, 3, 4
-GGML_KIND_BASE = 16
-
-
-@dataclass(frozen=True)
-class WeightFormat:
-    name: str
-    kind: int  # the id the C and Triton kernels switch on
-    bits: float  # bits per weight, codes and scales counted (for display and planning)
-    block: int  # inputs per block/group; 0: chosen per tensor (int4/int8 group size)
-    dequantize: Callable[[QuantizedTensor], torch.Tensor]  # -> (out, in) fp32 reference
-    validate: Callable[[QuantizedTensor], str | None]  # a problem with the tensors, or None
-    ggml_type: int | None = None  # the GGML type it holds blocks of, in place
-    description: str = ""
-
-    def __str__(self) -> str:
-        return self.name
+from qserve.formats.weight_format import (GGML_KIND_BASE, KIND_BF16, KIND_F16, KIND_F32,
+                                          KIND_INT4, KIND_INT8, WeightFormat, register)
 
 
 def _grouped_dequantize(qt: QuantizedTensor) -> torch.Tensor:
@@ -96,15 +75,6 @@ def _ggml_validate(qt: QuantizedTensor) -> str | None:
     return None
 
 
-FORMATS: dict[str, WeightFormat] = {}
-
-
-def register(fmt: WeightFormat) -> WeightFormat:
-    assert fmt.name not in FORMATS and all(f.kind != fmt.kind for f in FORMATS.values())
-    FORMATS[fmt.name] = fmt
-    return fmt
-
-
 register(WeightFormat("int4", KIND_INT4, 4, 0, _grouped_dequantize, _grouped_validate,
                       description="qserve int4, groups of 32/64/128, sym or asym"))
 register(WeightFormat("int8", KIND_INT8, 8, 0, _grouped_dequantize, _grouped_validate,
@@ -120,13 +90,6 @@ for _name in ggml.IN_PLACE:
     register(WeightFormat(_name, GGML_KIND_BASE + _t.type_id, 8 * _t.block_bytes / _t.block,
                           _t.block, _ggml_dequantize, _ggml_validate, ggml_type=_t.type_id,
                           description=f"GGML {_name.upper()} blocks read in place"))
-
-
-def get_format(name: str) -> WeightFormat:
-    fmt = FORMATS.get(name)
-    if fmt is None:
-        raise KeyError(f"unknown weight format {name!r} (known: {', '.join(FORMATS)})")
-    return fmt
 
 
 def format_for_ggml(type_name: str) -> str | None:
