@@ -6,7 +6,7 @@ Hugging Face's order of operations, so fp32 outputs match it to rounding.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -14,16 +14,22 @@ from torch.nn import functional as F
 
 from qserve.config import ModelArchConfig
 from qserve.errors import ModelLoadError
+from qserve.formats import QuantizedTensor
+from qserve.formats.qtensor import cat_quantized
 from qserve.kernels.cpu_ops import CpuDecoder
 from qserve.kernels.dispatch import attention, output_logits
 from qserve.kernels.paged_attention import PagedAttentionMetadata
-from qserve.models.rope import RotaryEmbedding
-from qserve.formats import QuantizedTensor
-from qserve.formats.qtensor import cat_quantized
 from qserve.layers.quant_linear import QuantEmbedding, QuantLinear
+from qserve.models.rope import RotaryEmbedding
 
-if TYPE_CHECKING:
-    from qserve.engine.layerwise import StepLayers
+
+class LayerHooks(Protocol):
+    """What a step that moves KV blocks hands the model (engine/layerwise.py StepLayers): each
+    layer's cache and metadata, and a call once the layer is done."""
+
+    def before(self, i: int) -> tuple[dict[str, torch.Tensor], PagedAttentionMetadata]: ...
+
+    def after(self, i: int) -> None: ...
 
 
 class RMSNorm(nn.Module):
@@ -106,7 +112,7 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 caches: list[dict[str, torch.Tensor]], meta: PagedAttentionMetadata,
-                layers: StepLayers | None = None) -> torch.Tensor:
+                layers: LayerHooks | None = None) -> torch.Tensor:
         """input_ids, positions: (T,) -> final hidden states (T, hidden).
 
         `layers`, when the step moves KV blocks or stages layer-wise prefills
