@@ -157,7 +157,7 @@ def dequantize_packed(packed: torch.Tensor, scale: torch.Tensor, offset: torch.T
 # ---- int4 keys: calibrated per-channel widths ----------------------------------------------
 # A key channel's share of the q . k error is its energy times that of the queries reading
 # it, and on Llama keys that varies by orders of magnitude across channels (RoPE's slow
-# pairs carry most of it; qserve/quant/kv_codebook.py). So each (layer, kv head) has a
+# pairs carry most of it; qserve/engine/kv_codebook.py). So each (layer, kv head) has a
 # calibrated codebook: per channel j an RMS sigma_j and a width b_j in 0..MAX_KEY_WIDTH,
 # KEY_BITS on average. A key x is stored as one fp16 t and the codes
 #

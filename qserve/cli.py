@@ -136,9 +136,9 @@ def engine_flags(f):
 
 def _build_engine(model: str | None, engine: dict):
     from qserve.config import engine_config
-    from qserve.engine.llm_engine import LLMEngine
+    from qserve.llm import make_engine
 
-    return LLMEngine(engine_config(model, **engine))
+    return make_engine(engine_config(model, **engine))
 
 
 # ---- pull --------------------------------------------------------------------------------
@@ -204,7 +204,7 @@ def info(model, as_json, engine):
     }
     from qserve.engine.cache_engine import DTYPES, kv_torch_dtype, plan_num_blocks
     from qserve.engine.memory_plan import plan_memory
-    from qserve.quant.checkpoint import quantization_config
+    from qserve.loader.checkpoint import quantization_config
 
     quant = quantization_config(path) if path.is_dir() else None
     dtype = DTYPES[config.dtype]

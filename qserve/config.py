@@ -6,7 +6,9 @@ map onto these fields one to one; `EngineConfig` bundles them and is passed down
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from qserve.errors import ConfigError
 
@@ -269,3 +271,13 @@ def engine_config(model: str | None = None, **flat) -> EngineConfig:
     return EngineConfig(model=model, cache=CacheConfig(**cache),
                         scheduler=SchedulerConfig(**sched),
                         speculative=SpeculativeConfig(**spec) if spec else None, **engine)
+
+
+def model_home() -> Path:
+    """qserve's cache directory (models, kernel builds, KV codebooks): $QSERVE_HOME, else
+    $XDG_CACHE_HOME/qserve, else ~/.cache/qserve."""
+    if os.environ.get("QSERVE_HOME"):
+        return Path(os.environ["QSERVE_HOME"]).expanduser()
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "qserve"
+    return Path.home() / ".cache" / "qserve"

@@ -23,15 +23,8 @@ import torch
 from qserve.engine.llm_engine import LLMEngine
 from qserve.engine.sequence import Sequence
 from qserve.errors import QServeError
+from qserve.quant.calibration import default_text  # noqa: F401  (eval's default text)
 from qserve.sampling_params import SamplingParams
-
-
-def default_text() -> str:
-    """Python's own pydoc topics (the text `help('topics')` shows), in key order: ~465k
-    characters, ~120k tokens for a 49k-vocabulary tokenizer."""
-    from pydoc_data.topics import topics
-
-    return "\n\n".join(topics[key] for key in sorted(topics))
 
 
 def score(engine: LLMEngine, token_ids: list[int]) -> torch.Tensor:
@@ -162,7 +155,9 @@ def eval_engine(model: str | None, context: int, loaded=None, **engine) -> LLMEn
         bs = config.cache.block_size
         per_block = bytes_per_block(arch, bs, kv_torch_dtype(config.cache, DTYPES[config.dtype]))
         config.cache.kv_cache_memory = -(-context // bs) * per_block
-    return LLMEngine(config, loaded=loaded)
+    from qserve.llm import make_engine
+
+    return make_engine(config, loaded=loaded)
 
 
 def tokenize_for_eval(engine: LLMEngine, text: str, max_tokens: int | None,

@@ -4,11 +4,27 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence as Seq
 
-from qserve.config import engine_config
+from qserve.config import EngineConfig, engine_config
 from qserve.engine.llm_engine import LLMEngine
 from qserve.errors import QServeError
 from qserve.outputs import RequestOutput
 from qserve.sampling_params import SamplingParams
+
+
+def make_engine(config: EngineConfig, loaded=None) -> LLMEngine:
+    """The engine for `config`. A self-draft (--draft self:RECIPE) is the target's weights
+    quantized with RECIPE: made here, above the engine, which runs weights and never makes
+    them. Every command and the Python API build their engine through this."""
+    spec, draft_weights = config.speculative, None
+    if spec is not None and spec.kind == "self":
+        from qserve.loader import load_model
+        from qserve.quant.self_draft import self_draft_weights, self_recipe
+
+        self_recipe(spec.draft[5:])  # a bad recipe fails before any weights are read
+        if loaded is None:
+            loaded = load_model(config.model, native=config.weights == "native")
+        draft_weights = self_draft_weights(spec.draft[5:], loaded)
+    return LLMEngine(config, loaded=loaded, draft_weights=draft_weights)
 
 
 class LLM:
@@ -18,7 +34,7 @@ class LLM:
     default model, pulled on first use."""
 
     def __init__(self, model: str | None = None, *, loaded=None, **options):
-        self.engine = LLMEngine(engine_config(model, **options), loaded=loaded)
+        self.engine = make_engine(engine_config(model, **options), loaded=loaded)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

@@ -122,12 +122,12 @@ def weight_bytes(w) -> int:
 @functools.lru_cache(maxsize=None)
 def synthetic_key_codebook(kv_heads: int, head_dim: int) -> dict:
     """An int4 key codebook (kv_quant.CODEBOOK, tensors (kv_heads, head_dim)) that looks
-    calibrated: the calibrator's own allocation (qserve/quant/kv_codebook.py) over RoPE-like
+    calibrated: the calibrator's own allocation (qserve/engine/kv_codebook.py) over RoPE-like
     energies, most of them in the slowly rotating pairs, with per-head jitter. Widths then
     run from 0 to 8, as on a real model."""
     import torch
 
-    from qserve.quant.kv_codebook import codebook_from_energy
+    from qserve.engine.kv_codebook import codebook_from_energy
 
     g = torch.Generator().manual_seed(0)
     half = head_dim // 2

@@ -24,7 +24,7 @@ width, b on average, by the calibrated energy of the keys times that of the quer
 them (transform coding: bits go where q . k errors are largest), then quantizes each channel
 over +-t sigma_j, sigma_j its calibrated RMS and t the token's largest |k_j| / sigma_j over
 coded channels, stored as one fp16 (d b / 8 + 2 bytes). "KA4-V4-clip" is the cache's int4
-(qserve/quant/kv_codebook.py). Calibration here: the last 4 windows of the text, never scored
+(qserve/engine/kv_codebook.py). Calibration here: the last 4 windows of the text, never scored
 (the cache calibrates on other text).
 The same allocation for values, weighted by the output projection's columns, measured worse
 than the rotation in a one-off run (4 windows, values alone at 4 bits: +0.81% vs +0.60%), so
@@ -50,7 +50,7 @@ from qserve.kernels import kv_quant  # noqa: E402
 from qserve.loader import load_model  # noqa: E402
 from qserve.models import llama  # noqa: E402
 from qserve.quant.calibration import build_model  # noqa: E402
-from qserve.quant.kv_codebook import allocate  # noqa: E402
+from qserve.engine.kv_codebook import allocate  # noqa: E402
 
 DEFAULT = ("fp32,K4-V4,K4-V4-clip,K5-V3,K5-V3-clip,K5-V3-clip-sink1,K5-V4-clip,Kfp-V3-clip,"
            "K5-Vfp-clip")

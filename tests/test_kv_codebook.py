@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from qserve.kernels import kv_quant
-from qserve.quant import kv_codebook
+from qserve.engine import kv_codebook
 from qserve.quant.calibration import build_model
 
 

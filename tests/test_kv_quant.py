@@ -11,7 +11,7 @@ from qserve.engine.cache_engine import (CacheEngine, KV_STORAGE, bytes_per_block
                                         cache_tensor_specs, plan_num_blocks)
 from qserve.kernels import kv_quant
 from qserve.kernels.paged_attention import PagedAttentionMetadata, paged_attention, write_kv
-from qserve.quant.kv_codebook import codebook_from_energy
+from qserve.engine.kv_codebook import codebook_from_energy
 
 from kv_codebooks import random_key_codebook
 

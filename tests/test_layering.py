@@ -1,6 +1,7 @@
 """Imports run one way, from the bottom up:
 
-    formats -> kernels -> layers -> models -> engine -> {eval, quant tooling, server, cli}
+    formats -> kernels -> layers -> models -> loader -> engine
+            -> {eval, quant tooling, server, cli, chat, the Python API}
 
 Each lower package, with every one of its modules, must import with the packages above it
 blocked (a meta-path hook that refuses them), so an upward import fails here rather than
@@ -14,9 +15,11 @@ import textwrap
 
 import pytest
 
-LAYERS = ["qserve.formats", "qserve.kernels", "qserve.layers", "qserve.models"]
-ABOVE_MODELS = ["qserve.engine", "qserve.eval", "qserve.quant", "qserve.server", "qserve.cli",
-                "qserve.chat", "qserve.llm", "qserve.bench"]
+LAYERS = ["qserve.formats", "qserve.kernels", "qserve.layers", "qserve.models",
+          "qserve.loader", "qserve.engine"]
+# the tools: offline quantization and evaluation, the server, the CLI and the Python API
+TOOLS = ["qserve.eval", "qserve.quant", "qserve.server", "qserve.cli", "qserve.chat",
+         "qserve.llm", "qserve.bench"]
 
 _PROBE = textwrap.dedent("""
     import importlib, pkgutil, sys
@@ -39,7 +42,7 @@ _PROBE = textwrap.dedent("""
 
 def _blocked_above(package: str) -> list[str]:
     i = LAYERS.index(package)
-    return LAYERS[i + 1:] + ABOVE_MODELS
+    return LAYERS[i + 1:] + TOOLS
 
 
 @pytest.mark.parametrize("package", LAYERS)

@@ -480,7 +480,7 @@ def test_good_hf_config_still_reads(tmp_path):
 
 # ---- 2, 8, 10: quantize --force, a full or read-only disk, runs that were killed ------------
 def _checkpoint_dir(path):
-    from qserve.quant.checkpoint import QUANT_METHOD
+    from qserve.loader.checkpoint import QUANT_METHOD
 
     path.mkdir(parents=True)
     (path / "config.json").write_text(json.dumps(

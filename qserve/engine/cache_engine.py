@@ -11,7 +11,7 @@ per-(token, head) scales and offsets beside them, so swap / copy move values and
     int4            (bs, hkv, d / 2) uint8 packed       k_scale, v_scale, v_offset
 
 int4 keys also need their layer's codebook (kv_quant.CODEBOOK: per-channel RMS and code
-widths, calibrated per model by qserve/quant/kv_codebook.py). It is per layer, not per block,
+widths, calibrated per model by qserve/engine/kv_codebook.py). It is per layer, not per block,
 so it sits outside the pools and no block move touches it; `layer(i)` hands it out with
 layer i's blocks.
 

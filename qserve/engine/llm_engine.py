@@ -35,7 +35,7 @@ from qserve.engine.spec_decode import Speculator
 from qserve.errors import ConfigError, QServeError, QueueFullError
 from qserve.models.llama import LlamaForCausalLM
 from qserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from qserve.quant import kv_codebook
+from qserve.engine import kv_codebook
 from qserve.sampling_params import SamplingParams
 
 
@@ -55,10 +55,13 @@ class _Request:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, loaded=None):
+    def __init__(self, config: EngineConfig, loaded=None, draft_weights=None):
+        """loaded: a LoadedModel (else the engine loads config.model); draft_weights: a
+        self-draft's quantized weights (qserve.llm.make_engine makes them)."""
         self.config = config
         from qserve.loader import load_arch, load_model, resolve_model
-        from qserve.quant.checkpoint import quantization_config
+        from qserve.loader.weights import LazyWeights
+        from qserve.loader.checkpoint import quantization_config
 
         # Plan the KV pools from the architecture alone, so a budget too small for one
         # sequence is refused before any weights are read.
@@ -86,15 +89,17 @@ class LLMEngine:
         num_blocks, num_host_blocks = plan_num_blocks(
             arch, cache, self.kv_dtype, self.device, self.max_model_len)
         native = config.weights == "native"
-        if loaded is None:
+        self.memory_plan = None
+        if loaded is None or isinstance(loaded.weights, LazyWeights):  # nothing read yet
             per_block = bytes_per_block(arch, cache.block_size, self.kv_dtype)
             self.memory_plan = plan_memory(
-                resolve_model(config.model), arch, device=self.device, dtype=self.dtype,
-                native=native, kv_bytes=num_blocks * per_block,
-                host_kv_bytes=num_host_blocks * per_block,
+                loaded.path if loaded else resolve_model(config.model), arch,
+                device=self.device, dtype=self.dtype, native=native,
+                kv_bytes=num_blocks * per_block, host_kv_bytes=num_host_blocks * per_block,
                 max_num_batched_tokens=sched.max_num_batched_tokens,
                 max_num_seqs=sched.max_num_seqs)
             self.memory_plan.check()  # before any weight is read
+        if loaded is None:
             loaded = load_model(config.model, native=native)
         self.arch, self.tokenizer = loaded.arch, loaded.tokenizer
         self.model_path = loaded.path
@@ -120,7 +125,8 @@ class LLMEngine:
         if spec is not None:
             proposer = build_proposer(spec, loaded, max_model_len=self.max_model_len,
                                       dtype=self.dtype, device=self.device, cache=config.cache,
-                                      kv_dtype=self.kv_dtype, num_blocks=num_blocks)
+                                      kv_dtype=self.kv_dtype, num_blocks=num_blocks,
+                                      draft_weights=draft_weights)
             self.speculator = Speculator(spec, proposer, self.max_model_len)
         self.requests: dict[str, _Request] = {}
         # False: token ids only; text and stop strings are the caller's (OutputProcessor), so

@@ -143,7 +143,7 @@ def resident_weights(path: Path, arch: ModelArchConfig, dtype: torch.dtype, nati
             else:
                 add(fmt, info.nbytes)
         return out
-    from qserve.quant.checkpoint import WEIGHTS_FILE, quantization_config
+    from qserve.loader.checkpoint import WEIGHTS_FILE, quantization_config
 
     quant = quantization_config(path)
     for name, dt, shape in _safetensors_tensors(path):

@@ -22,13 +22,14 @@ import torch
 
 from qserve.config import CacheConfig, ModelArchConfig, SpeculativeConfig
 from qserve.engine.block_manager import BlockManager
+from qserve.engine import kv_codebook
 from qserve.engine.cache_engine import CacheEngine
 from qserve.engine.model_runner import ModelRunner
 from qserve.engine.sampler import race, sampling_probs
 from qserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 from qserve.engine.sequence import Sequence
 from qserve.errors import ConfigError
-from qserve.quant import kv_codebook
+from qserve.models.build import build_model
 
 
 # ---- n-gram prompt lookup ----------------------------------------------------------------------
@@ -160,7 +161,6 @@ def draft_arch(config: SpeculativeConfig, target: ModelArchConfig) -> ModelArchC
     if config.kind == "ngram":
         return None
     if config.kind == "self":
-        _self_recipe(config.draft[5:])  # a bad recipe fails before any weights are read
         return target
     from qserve.loader import load_arch
 
@@ -169,12 +169,18 @@ def draft_arch(config: SpeculativeConfig, target: ModelArchConfig) -> ModelArchC
 
 def build_proposer(config: SpeculativeConfig, target_loaded, *, max_model_len: int,
                    dtype: torch.dtype, device: torch.device, cache: CacheConfig,
-                   kv_dtype: torch.dtype, num_blocks: int):
-    """The proposer for `config.draft`; a draft model gets a KV pool of `num_blocks`."""
+                   kv_dtype: torch.dtype, num_blocks: int, draft_weights=None):
+    """The proposer for `config.draft`; a draft model gets a KV pool of `num_blocks`.
+    A self-draft (self:RECIPE) runs `draft_weights`, the target's weights quantized by the
+    caller (qserve/quant/self_draft.py via qserve.llm.make_engine): the engine never
+    quantizes."""
     if config.kind == "ngram":
         return NgramProposer(config)
     if config.kind == "self":
-        arch, weights = target_loaded.arch, _self_draft_weights(config.draft[5:], target_loaded)
+        if draft_weights is None:
+            raise ConfigError(f"--draft {config.draft}: the draft's weights were not made; "
+                              f"build the engine with qserve.llm.make_engine")
+        arch, weights = target_loaded.arch, draft_weights
     else:
         from qserve.loader import load_model
 
@@ -185,16 +191,12 @@ def build_proposer(config: SpeculativeConfig, target_loaded, *, max_model_len: i
         raise ConfigError(f"the draft {config.draft} handles {arch.max_position_embeddings} "
                           f"tokens of context, fewer than --max-model-len {max_model_len}; "
                           f"lower --max-model-len")
-    from qserve.models.llama import LlamaForCausalLM
-
-    with torch.device("meta"):
-        model = LlamaForCausalLM(arch, max_model_len, dtype, device)
-    model.load_weights(weights)
+    model = build_model(arch, weights, max_model_len, dtype, device)
     codebook = kv_codebook.for_cache(model, target_loaded.tokenizer, kv_dtype)
     cache_engine = CacheEngine(arch, cache, num_blocks, 0, device, kv_dtype, codebook)
     block_manager = BlockManager(num_blocks, cache.block_size, 0, 0.0,
                                  cache.enable_prefix_caching)
-    return DraftModelProposer(model.eval(), cache_engine, block_manager, device)
+    return DraftModelProposer(model, cache_engine, block_manager, device)
 
 
 def _check_vocabulary(name: str, draft, target) -> None:
@@ -205,35 +207,3 @@ def _check_vocabulary(name: str, draft, target) -> None:
             f"the draft {name} has a vocabulary of {len(d_vocab)} tokens ({draft.arch.vocab_size} "
             f"logits) that differs from the target's {len(t_vocab)} ({target.arch.vocab_size}); "
             f"a draft model must use the target's tokenizer")
-
-
-def _self_recipe(name: str):
-    from qserve.quant.recipe import load_recipe
-
-    try:
-        recipe = load_recipe(name)
-    except ConfigError as e:
-        raise ConfigError(f"--draft self:{name}: {e}") from None
-    if recipe.method == "gguf":
-        raise ConfigError(f"--draft self:{name} imports GGUF blocks, which is the target "
-                          f"itself; choose an rtn or awq recipe, e.g. self:w4g64")
-    return recipe
-
-
-def _self_draft_weights(recipe_name: str, loaded) -> dict[str, torch.Tensor]:
-    """The target's weights quantized with a recipe, as a qserve checkpoint would hold them."""
-    from qserve.quant.quantize import CALIB_TOKENS, plan_layers, quantize_weights
-
-    recipe = _self_recipe(recipe_name)
-    if loaded.quant is not None:
-        raise ConfigError(f"--draft self:{recipe_name} quantizes the target's weights, but "
-                          f"{loaded.path} is already quantized; give the original model, or use "
-                          f"--draft ngram")
-    ids = None
-    if recipe.method == "awq":
-        from qserve.quant.calibration import read_text
-
-        ids = loaded.tokenizer.encode(read_text(None)[:CALIB_TOKENS * 20],
-                                      add_special_tokens=False)[:CALIB_TOKENS]
-    tensors, _ = quantize_weights(loaded, recipe, plan_layers(loaded.arch, recipe), ids)
-    return tensors

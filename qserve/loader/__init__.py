@@ -3,7 +3,7 @@
     spec (alias | .gguf file | HF directory | ORG/NAME) --registry--> local path
         .gguf -> gguf_loader      directory -> hf_loader
         qserve checkpoint (a directory whose config.json says quant_method "qserve")
-              -> hf_loader for config and tokenizer, quant.checkpoint for packed weights
+              -> hf_loader for config and tokenizer, checkpoint.py for packed weights
     -> LoadedModel(arch, weights under Hugging Face Llama names, tokenizer)
 
 Weights are read lazily, tensor by tensor (loader/weights.py), and by default keep the file's
@@ -56,7 +56,7 @@ def _locate(spec: str | Path | None) -> tuple[Path, str]:
         if not (path / "config.json").exists():
             raise ModelLoadError(f"{path}: no config.json; qserve reads a .gguf file or a Hugging Face "
                                  f"model directory (config.json + *.safetensors + tokenizer)")
-        from qserve.quant.checkpoint import quantization_config
+        from qserve.loader.checkpoint import quantization_config
 
         return path, "qserve" if quantization_config(path) is not None else "hf"
     return path, "gguf"  # GGUFFile rejects anything without the GGUF magic
@@ -77,7 +77,7 @@ def load_model(spec: str | Path | None = None, native: bool = True) -> LoadedMod
         arch = hf_loader.read_config(path)
         tokenizer = hf_loader.read_tokenizer(path)
         if fmt == "qserve":
-            from qserve.quant.checkpoint import quantization_config, read_checkpoint
+            from qserve.loader.checkpoint import quantization_config, read_checkpoint
 
             quant = quantization_config(path)
             weights = read_checkpoint(path, arch, quant)

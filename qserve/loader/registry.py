@@ -25,6 +25,7 @@ import zipfile
 from pathlib import Path
 from typing import NamedTuple
 
+from qserve.config import model_home
 from qserve.errors import ModelLoadError
 
 
@@ -44,15 +45,6 @@ ALIASES: dict[str, ModelSource] = {
 }
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _CHUNK = 1 << 20
-
-
-def model_home() -> Path:
-    """$QSERVE_HOME, else $XDG_CACHE_HOME/qserve, else ~/.cache/qserve."""
-    if os.environ.get("QSERVE_HOME"):
-        return Path(os.environ["QSERVE_HOME"]).expanduser()
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "qserve"
-    return Path.home() / ".cache" / "qserve"
 
 
 def cached_path(alias: str) -> Path:

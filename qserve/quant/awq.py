@@ -37,7 +37,7 @@ def calibrate(arch, weights: dict[str, torch.Tensor], ids: list[int], fake_quant
         the new weights (same names; untouched tensors shared) and the chosen alpha per group,
         keyed "<layer prefix>.<qkv|o|gate_up|down>".
     """
-    from qserve.quant.calibration import build_model, prefill
+    from qserve.models.build import build_model, prefill
 
     w = {k: v.float() for k, v in weights.items()}
     inputs = _capture_inputs(build_model(arch, w, len(ids)), ids, prefill)

@@ -123,7 +123,7 @@ def quantize_weights(loaded, recipe: Recipe, plans: list[LayerPlan], calib_ids=N
     weights, info = loaded.weights, {}
     by_name = {p.name: p for p in plans}
     if recipe.method == "awq":
-        from qserve.quant import awq
+        import qserve.quant.awq as awq
 
         def fake_quant(name: str, w: torch.Tensor) -> torch.Tensor:
             p = by_name[name]
@@ -201,7 +201,7 @@ def resident_bytes(path: Path, arch) -> dict:
     alone (no tensor data read): packed tensors as stored, dense ones at 2 bytes a value."""
     from safetensors import safe_open
 
-    from qserve.quant.checkpoint import WEIGHTS_FILE
+    from qserve.loader.checkpoint import WEIGHTS_FILE
 
     itemsize = {"U8": 1, "I8": 1, "F16": 2, "BF16": 2, "F32": 4}
     resident = embed = 0
@@ -273,7 +273,7 @@ def quantize(src: str | None, out: str | Path, recipe: str | Path | None = None,
 
 
 def _save(tmp: Path, loaded, tensors, quant) -> None:
-    from qserve.quant.checkpoint import save_checkpoint
+    from qserve.loader.checkpoint import save_checkpoint
 
     save_checkpoint(tmp, loaded.arch, loaded.tokenizer, tensors, quant)
 
@@ -314,7 +314,7 @@ def _check_replaceable(out: Path, src: Path) -> None:
     """Raise unless `--force` may delete `out`: only a checkpoint qserve wrote, holding only
     the files it wrote, and neither the source model nor the model cache."""
     from qserve.loader.registry import model_home
-    from qserve.quant.checkpoint import WEIGHTS_FILE, quantization_config
+    from qserve.loader.checkpoint import WEIGHTS_FILE, quantization_config
 
     written = {"config.json", WEIGHTS_FILE, "tokenizer.json", "tokenizer_config.json",
                "generation_config.json", "chat_template.jinja"}  # what save_checkpoint writes

@@ -118,7 +118,7 @@ class _Recorder:
 def calibrate(model, tokenizer) -> dict[str, torch.Tensor]:
     """Run `model` over the calibration text and allocate: codebook tensors (L, hkv, d)."""
     from qserve.models.rope import RotaryEmbedding
-    from qserve.quant.calibration import prefill
+    from qserve.models.build import prefill
 
     arch = model.arch
     # the windows depend on the model alone, not on the context length it was built for (its
@@ -163,7 +163,7 @@ def for_model(model, tokenizer) -> dict[str, torch.Tensor]:
     calibrated now and cached (written to a temporary file, then renamed)."""
     from safetensors.torch import load_file, save_file
 
-    from qserve.loader.registry import model_home
+    from qserve.config import model_home
 
     path = model_home() / "kv-codebooks" / f"{fingerprint(model)}.safetensors"
     if path.exists():
