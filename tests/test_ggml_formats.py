@@ -83,3 +83,13 @@ def test_validate_reports_a_wrong_row_width(name):
     assert msg is not None and str(2 * t.block_bytes) in msg
     msg = QuantizedTensor(name, rows, None, None, 2 * t.block + 1).validate()
     assert msg is not None and str(t.block) in msg
+
+
+def test_type_table_matches_gguf():
+    """The loader reads headers without the gguf package: its table of every GGML type's name
+    and block geometry must agree with gguf-py's."""
+    import gguf
+
+    for qtype in gguf.GGMLQuantizationType:
+        assert ggml.ALL_TYPES[qtype.value] == (qtype.name, *gguf.GGML_QUANT_SIZES[qtype])
+        assert ggml.GGMLTypeId(qtype.value).name == qtype.name and ggml.GGMLTypeId(qtype.value) == qtype

@@ -21,8 +21,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from gguf.quants import dequantize
 
 from qserve.config import ModelArchConfig
 from qserve.errors import ConfigError, ModelLoadError
@@ -51,7 +49,7 @@ _BIAS_NAMES = {"attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn
 class GGUFTensorInfo:
     name: str
     shape: tuple[int, ...]  # numpy / HF order: dims reversed
-    ggml_type: GGMLQuantizationType
+    ggml_type: ggml.GGMLTypeId  # .name: 'Q4_K', ...
     offset: int  # absolute byte offset in the file
     nbytes: int
 
@@ -75,7 +73,6 @@ class GGUFFile:
             raise self.error("is truncated or corrupt (the header runs past the end)") from None
         except UnicodeDecodeError:
             raise self.error(f"is corrupt (a string near byte {self._pos} is not UTF-8)") from None
-        self._data: np.ndarray | None = None
 
     def error(self, problem: str) -> ModelLoadError:
         return ModelLoadError(f"{self.path}: {problem}")
@@ -99,11 +96,10 @@ class GGUFFile:
         data_start = -(-self._pos // align) * align
         self.tensors: dict[str, GGUFTensorInfo] = {}
         for name, dims, type_id, offset in infos:
-            try:
-                qtype = GGMLQuantizationType(type_id)
-            except ValueError:
-                raise self.error(f"tensor {name} has unknown type id {type_id}") from None
-            block, block_bytes = GGML_QUANT_SIZES[qtype]
+            if type_id not in ggml.ALL_TYPES:
+                raise self.error(f"tensor {name} has unknown type id {type_id}")
+            qtype = ggml.GGMLTypeId(type_id)
+            block, block_bytes = ggml.ALL_TYPES[type_id][1:]
             if dims[0] % block:
                 raise self.error(f"tensor {name} has {dims[0]} columns, not a multiple of "
                                  f"{qtype.name}'s block of {block}")
@@ -164,26 +160,23 @@ class GGUFFile:
         return buf
 
     def tensor(self, name: str) -> torch.Tensor:
-        """One tensor in HF (out, in) order: quantized types dequantized to fp32, F32/F16/BF16 as
-        stored (zero-copy views of a copy-on-write map of the file)."""
+        """One tensor as stored, in HF (out, in) order but rows not un-permuted: F32/F16/BF16
+        in their dtype, quantized types dequantized to fp32 (qserve/formats)."""
         info = self.tensors.get(name)
         if info is None:
             raise self.error(f"missing tensor {name}")
-        if self._data is None:  # copy-on-write: writable for torch, the file is never changed
-            self._data = np.memmap(self.path, mode="c")
-        raw = self._data[info.offset:info.offset + info.nbytes]
-        qt = GGMLQuantizationType
-        if info.ggml_type in (qt.F32, qt.F16):
-            return torch.from_numpy(raw.view(np.float32 if info.ggml_type == qt.F32 else np.float16)
-                                    .reshape(info.shape))
-        if info.ggml_type == qt.BF16:
-            return torch.from_numpy(raw.view(np.int16).reshape(info.shape)).view(torch.bfloat16)
-        byte_shape = info.shape[:-1] + (-1,)
+        raw = self.read(name)
+        type_name = info.ggml_type.name
+        if type_name in ("F32", "F16", "BF16"):
+            dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+            return raw.view(dtype[type_name]).view(info.shape)
         try:
-            return torch.from_numpy(dequantize(raw.reshape(byte_shape), info.ggml_type))
-        except NotImplementedError:
-            raise self.error(f"tensor {name} has type {info.ggml_type.name}, which qserve cannot "
+            fmt = format_for_ggml(type_name)
+        except KeyError:
+            raise self.error(f"tensor {name} has type {type_name}, which qserve cannot "
                              f"dequantize") from None
+        rows = raw.view(int(np.prod(info.shape[:-1], dtype=np.int64)), -1)
+        return _as_qtensor(rows, fmt, info.shape[-1]).dequantize().view(info.shape)
 
 
 def read_arch(gguf: GGUFFile) -> ModelArchConfig:
