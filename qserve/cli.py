@@ -233,6 +233,7 @@ def info(model, as_json, engine):
         from qserve.quant.quantize import resident_bytes
 
         res = resident_bytes(path, arch)
+        report["weight_bytes"]["resident_fp16_engine"] = res["resident_bytes_fp16_engine"]
         report["resident_vs_fp16"] = {
             "with_embedding": round(res["resident_ratio"], 4),
             "without_embedding": round(res["resident_ratio_without_embedding"], 4)}

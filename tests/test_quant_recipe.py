@@ -164,7 +164,10 @@ def test_resident_bytes_from_the_header(w4g128):
     out = CliRunner().invoke(main, ["info", str(path), "--json", "--kv-cache-memory", "8MiB"])
     assert out.exit_code == 0, out.output
     info = json.loads(out.output)
-    assert info["weight_bytes"]["resident"] == summary["resident_bytes_fp16_engine"]
+    assert info["weight_bytes"]["resident_fp16_engine"] == summary["resident_bytes_fp16_engine"]
+    # this engine (fp32 activations) keeps the same bytes but for the norms, in fp32 here
+    norms = (2 * load_arch(path).num_layers + 1) * load_arch(path).hidden_size
+    assert info["weight_bytes"]["resident"] == summary["resident_bytes_fp16_engine"] + 2 * norms
     assert info["resident_vs_fp16"]["without_embedding"] == round(
         summary["resident_ratio_without_embedding"], 4)
     assert (info["recipe"], info["recipe_kv_dtype"]) == ("w4g128", "fp16")

@@ -161,4 +161,15 @@ def read_checkpoint(path: Path, arch: ModelArchConfig, quant: dict
     except Exception as e:  # safetensors raises its own SafetensorError, not an OSError
         raise ModelLoadError(f"{file}: not a readable safetensors file "
                              f"({type(e).__name__}: {e})".splitlines()[0]) from None
+    shapes = expected_shapes(arch)
+    for name, layer in layers.items():
+        if name + ".weight" not in shapes:
+            continue
+        qt = QuantizedTensor(layer_format(layer), weights.pop(name + ".qweight"),
+                             weights.pop(name + ".scales"), weights.pop(name + ".offsets", None),
+                             shapes[name + ".weight"][1])
+        problem = qt.validate()
+        if problem:
+            raise ModelLoadError(f"{file}: {name}: {problem}")
+        weights[name + ".weight"] = qt
     return weights
