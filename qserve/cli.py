@@ -315,7 +315,11 @@ def _read_prompts(prompts: tuple[str, ...], prompts_file: str | None) -> list[st
     texts = list(prompts)
     source = None
     if prompts_file == "-" or (prompts_file is None and not texts and not sys.stdin.isatty()):
-        source = sys.stdin.read()
+        try:
+            source = sys.stdin.read()
+        except UnicodeDecodeError:
+            raise QServeError("stdin is not UTF-8 text; give prompts as text, one per "
+                              "line") from None
     elif prompts_file is not None:
         try:
             source = Path(prompts_file).read_text(encoding="utf-8")

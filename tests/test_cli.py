@@ -66,6 +66,11 @@ def test_no_prompt_at_all():
     assert_user_error(invoke("generate", input=""), "no prompt")
 
 
+def test_binary_stdin_is_a_one_line_error():
+    result = CliRunner().invoke(cli.main, ["generate"], input=bytes(range(128, 256)) * 8)
+    assert_user_error(result, "stdin is not UTF-8 text")
+
+
 def test_missing_prompts_file(tmp_path):
     missing = str(tmp_path / "nope.txt")
     assert_user_error(invoke("generate", "--prompts-file", missing), "nope.txt")
