@@ -1,79 +1,160 @@
 #!/usr/bin/env python3
-"""qserve against its peers on the same machine, in one run, printed as one table.
+"""qserve against its peers on the same machine and GGUF file, in one run, printed as one table.
 
-    python scripts/bench_vs_peers.py [--repeats 3] [--input-len 128] [--output-len 128]
-                                     [--only qserve-gguf-native,llama.cpp] [--json [FILE]]
+    python scripts/bench_vs_peers.py [--model FILE.gguf] [--repeats 3] [--threads N]
+                                     [--input-len 128] [--output-len 128]
+                                     [--only qserve,llama.cpp] [--json [FILE]]
 
-Rows: decode tokens/s at batch 1; throughput with 32 concurrent requests of 128 prompt + 128
-new tokens (32 x 128 generated tokens / wall time, prefill included); prefill tokens/s
-(32 x 128 prompt tokens). Columns, each measured in this run on the default model:
+Rows: decode tokens/s at batch 1; prefill tokens/s of one prompt; throughput with 32 concurrent
+requests of 128 prompt + 128 new tokens (32 x 128 generated tokens / wall time, prefill
+included); prefill tokens/s of those 32 prompts; each column's peak resident memory. Columns
+(--only picks; default: qserve,llama.cpp), each measured in this run on --model (default: the
+default model):
 
-    qserve-fp32         qserve, the model's weights dequantized to dense fp32
-    qserve-gguf-native  qserve, int4 g32 asym layers + int8 g32 embedding imported losslessly
-                        from the GGUF (the very weights llama.cpp runs)
+    qserve              qserve on the GGUF as it loads it by default
+    qserve-gguf-native  qserve, a `qserve quantize --recipe gguf-native` checkpoint of the GGUF
     qserve-w8           qserve, recipe w8
     transformers        Hugging Face transformers `generate`, fp32
-    llama.cpp           llama.cpp on the GGUF's own Q4_1 weights, through llama-cpp-python's
-                        low-level API: the 32 sequences share one context, and each decode
-                        step is one llama_decode over all of them (scripts/llama_cpp_batched.py)
+    llama.cpp           native llama.cpp built for this CPU (scripts/peer.py builds it once):
+                        llama-bench -p/-n for batch-1 decode and one-prompt prefill,
+                        llama-batched-bench -npl 32 for the concurrent rows
+    llama-cpp-python    llama.cpp through the llama-cpp-python wheel's low-level API, 32
+                        sequences in one context (scripts/llama_cpp_batched.py)
 
-The quantized checkpoints are made once with `qserve quantize` into .cache/bench-ckpt/
-(delete a directory there to remake it after a checkpoint format change).
-Each cell is the median of --repeats runs; ratio columns are qserve / peer. Below the table,
-each target of issues #2 and #4 is checked against the measured numbers.
+Every column runs in its own child process (this script again, or the llama.cpp binaries), so
+one column's memory never counts toward another's: peak RSS is the child's own ru_maxrss (from
+wait4; for llama.cpp the larger of llama-bench's and llama-batched-bench's). Linux counts the
+parent's resident memory at fork into a child's peak too, so this process imports neither torch
+nor qserve. Each cell is the median of --repeats runs (llama-bench's per-repetition samples);
+ratio columns are qserve / peer. Below the table each target is checked against these numbers.
 
-Needs the `bench` extra (transformers, accelerate) and llama-cpp-python for the llama.cpp
-column (skipped, with a note, when it is not installed).
+Not quite like for like: llama-bench generates its 128 tokens from an empty context (qserve
+decodes after a 128-token prompt), and llama-batched-bench feeds random tokens instead of
+sampling; both favour llama.cpp slightly. The quantized checkpoints are made once with
+`qserve quantize` into .cache/bench-ckpt/<model>/<recipe>/ (delete one to remake it).
+transformers needs the `bench` extra; llama-cpp-python its wheel.
 """
 from __future__ import annotations
 
 import argparse
-import gc
 import importlib.util
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO), str(REPO / "tests")]  # run from a checkout, installed or not
+sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "scripts")]
 os.environ.setdefault("QSERVE_HOME", str(REPO / ".cache" / "qserve"))
 CKPT_DIR = REPO / ".cache" / "bench-ckpt"
 N_CONCURRENT = 32
 
 COLUMNS = {  # --only name -> table header
-    "qserve-fp32": "qserve fp32",
+    "qserve": "qserve",
     "qserve-gguf-native": "qserve gguf-native",
     "qserve-w8": "qserve w8",
     "transformers": "transformers fp32",
-    "llama.cpp": "llama.cpp Q4_1",
+    "llama.cpp": "llama.cpp",
+    "llama-cpp-python": "llama-cpp-python",
 }
-QSERVE_RECIPES = {"qserve-fp32": None, "qserve-gguf-native": "gguf-native", "qserve-w8": "w8"}
-PEERS = ["transformers", "llama.cpp"]
+DEFAULT_COLUMNS = ("qserve", "llama.cpp")
+QSERVE_RECIPES = {"qserve": None, "qserve-gguf-native": "gguf-native", "qserve-w8": "w8"}
+PEERS = ["transformers", "llama.cpp", "llama-cpp-python"]
 ROWS = [("decode tok/s, batch 1", "decode_b1"),
+        ("prefill tok/s, 1 x {len}", "prefill_b1"),
         (f"throughput tok/s, {N_CONCURRENT} concurrent", "throughput_b32"),
-        ("prefill tok/s, {n} x {len}", "prefill")]
-TARGETS = [  # (label, qserve column, peer column, row key, minimum ratio); issues #4 and #2
-    ("int4 (gguf-native) batch-1 decode", "qserve-gguf-native", "llama.cpp", "decode_b1", 0.8),
-    ("int4 (gguf-native) 32-concurrent", "qserve-gguf-native", "llama.cpp", "throughput_b32",
-     1.5),
-    ("int4 (gguf-native) prefill", "qserve-gguf-native", "llama.cpp", "prefill", 1.0),
-    ("int8 (w8) batch-1 decode", "qserve-w8", "transformers", "decode_b1", 3.0),
-    ("fp32 batch-1 decode", "qserve-fp32", "transformers", "decode_b1", 1.1),
-    ("fp32 32-concurrent", "qserve-fp32", "transformers", "throughput_b32", 1.5),
+        ("prefill tok/s, {n} x {len}", "prefill"),
+        ("peak RSS MiB", "peak_rss_mib")]
+TARGETS = [  # (label, qserve column, peer column, row key, minimum ratio)
+    ("batch-1 decode", "qserve", "llama.cpp", "decode_b1", 1.0),
+    (f"{N_CONCURRENT}-concurrent throughput", "qserve", "llama.cpp", "throughput_b32", 1.5),
+    ("prefill, one prompt", "qserve", "llama.cpp", "prefill_b1", 1.0),
+    (f"prefill, {N_CONCURRENT} prompts", "qserve", "llama.cpp", "prefill", 1.0),
+    ("batch-1 decode", "qserve-w8", "transformers", "decode_b1", 3.0),
 ]
+
+
+def run_child(cmd: list, quiet: bool = False, **popen) -> tuple[str, float]:
+    """Run `cmd` to completion. Returns its stdout and its own peak RSS in MiB. `quiet` keeps
+    its stderr (shown only if it fails); otherwise stderr passes through."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen([str(c) for c in cmd], stdout=out,
+                                stderr=err if quiet else None, **popen)
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)
+        except BaseException:  # Ctrl-C: take the child down too
+            proc.kill()
+            proc.wait()
+            raise
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        if proc.returncode:
+            tail = "\n".join(err.read().strip().splitlines()[-10:])
+            sys.exit(f"{tail}\nerror: {Path(str(cmd[0])).name} failed with exit status "
+                     f"{proc.returncode}: {' '.join(map(str, cmd))}")
+        return out.read(), usage.ru_maxrss / 1024  # Linux: KiB
+
+
+def default_model() -> Path:
+    """The default model's GGUF, resolved (and pulled) in a child: qserve imports torch."""
+    out, _ = run_child([sys.executable, "-c", "from qserve.loader.registry import "
+                        "resolve_model; print(resolve_model(None))"])
+    return Path(out.strip().splitlines()[-1])
+
+
+# --- llama.cpp, native: its own benchmark binaries, run from this process ---
+
+def bench_llama_cpp(args, gguf: Path) -> tuple[dict[str, list[float]], str]:
+    """llama-bench for batch 1, llama-batched-bench (--repeats runs) for N_CONCURRENT. Returns
+    the runs and a description of the build."""
+    import peer
+
+    n_in, n_out, threads = args.input_len, args.output_len, args.threads
+    out, rss = run_child([peer.binary("llama-bench"), "-m", gguf, "-p", n_in, "-n", n_out,
+                          "-t", threads, "-r", args.repeats, "-o", "json"], quiet=True)
+    tests = json.loads(out)
+    pp = next(t for t in tests if t["n_prompt"] == n_in and t["n_gen"] == 0)
+    tg = next(t for t in tests if t["n_prompt"] == 0 and t["n_gen"] == n_out)
+    runs = {"decode_b1": tg["samples_ts"], "prefill_b1": pp["samples_ts"],
+            "throughput_b32": [], "prefill": [], "peak_rss_mib": [rss]}
+    for _ in range(args.repeats):
+        out, rss = run_child([
+            peer.binary("llama-batched-bench"), "-m", gguf,
+            "-c", N_CONCURRENT * (n_in + n_out),  # exactly the 32 sequences (it skips a
+            "-npp", n_in, "-ntg", n_out, "-npl", N_CONCURRENT,  # case that does not fit)
+            "-t", threads, "--output-format", "jsonl"], quiet=True)
+        rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        if len(rows) != 1:
+            sys.exit(f"error: llama-batched-bench printed {len(rows)} result lines, not 1")
+        runs["throughput_b32"].append(N_CONCURRENT * n_out / rows[0]["t"])
+        runs["prefill"].append(rows[0]["speed_pp"])
+        runs["peak_rss_mib"][0] = max(runs["peak_rss_mib"][0], rss)
+    return runs, f"llama.cpp {tg['build_commit']} ({peer.SDIST}) on {tg['model_type']}"
+
+
+# --- the Python columns: each in a child process running this script with --worker ---
+
+def prepare(name: str, gguf: Path) -> Path:
+    """What column `name` loads: made here, in its own children, so that making it (a
+    `qserve quantize`, a conversion to HF) never counts toward the measured child's peak RSS."""
+    if QSERVE_RECIPES.get(name):
+        return checkpoint(gguf, QSERVE_RECIPES[name])
+    if name == "transformers":  # converted once, cached; the worker finds it there
+        run_child([sys.executable, "-c", "import pathlib, sys; from hf_reference import "
+                   "hf_reference_dir; hf_reference_dir(pathlib.Path(sys.argv[1]))", gguf],
+                  cwd=REPO / "tests")
+    return gguf
 
 
 def checkpoint(gguf: Path, recipe: str) -> Path:
     """The qserve checkpoint of `gguf` under `recipe`, made with `qserve quantize` if missing
     (quantize writes the directory only once it has succeeded)."""
-    out = CKPT_DIR / recipe
+    out = CKPT_DIR / gguf.stem / recipe
     if not out.exists():
         print(f"making {out} (qserve quantize --recipe {recipe}) ...", file=sys.stderr)
         subprocess.run([sys.executable, "-m", "qserve", "quantize", str(gguf), "-o", str(out),
@@ -81,25 +162,60 @@ def checkpoint(gguf: Path, recipe: str) -> Path:
     return out
 
 
-def bench_qserve(args, model: Path | None) -> dict[str, list[float]]:
-    """qserve through qserve.bench.run_bench; `model` None is the default model in fp32."""
+def measure_in_child(name: str, args, gguf: Path) -> tuple[dict[str, list[float]], dict]:
+    """Run column `name` in a child; returns its runs (with its peak RSS) and what the child
+    reports about itself (torch version and threads)."""
+    model = prepare(name, gguf)
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        _, rss = run_child([sys.executable, __file__, "--worker", name, "--worker-out", f.name,
+                            "--model", model, "--repeats", args.repeats, "--threads", args.threads,
+                            "--input-len", args.input_len, "--output-len", args.output_len],
+                           env=os.environ | {"OMP_NUM_THREADS": str(args.threads)})
+        result = json.loads(Path(f.name).read_text())
+    return result.pop("runs") | {"peak_rss_mib": [rss]}, result
+
+
+def worker(args) -> None:
+    """The body of a --worker child: measure one Python column, write its numbers as JSON."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    if args.worker in QSERVE_RECIPES:
+        runs = bench_qserve(args, args.model)
+    elif args.worker == "transformers":
+        runs = bench_transformers(args, args.model)
+    else:
+        runs = bench_llama_cpp_python(args, args.model)
+    Path(args.worker_out).write_text(json.dumps(
+        {"runs": runs, "torch": torch.__version__, "torch_threads": torch.get_num_threads()}))
+
+
+def bench_qserve(args, model: Path) -> dict[str, list[float]]:
+    """qserve through qserve.bench.run_bench, with a KV pool just big enough for the run."""
     from qserve.bench import run_bench
     from qserve.config import engine_config
     from qserve.engine.llm_engine import LLMEngine
+    from qserve.loader import load_arch
 
+    arch = load_arch(model)
+    block = 16  # CacheConfig's default block size; one spare block per sequence
+    tokens = N_CONCURRENT * (-(-(args.input_len + args.output_len) // block) + 1) * block
+    kv_bytes = tokens * 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * 4  # K+V, fp32
     engine = LLMEngine(engine_config(
-        None if model is None else str(model), kv_cache_memory="1GiB",
+        str(model), kv_cache_memory=kv_bytes,
         max_model_len=max(1024, args.input_len + args.output_len),
         max_num_batched_tokens=max(4096, args.input_len)))
     runs = [run_bench(engine, [1, N_CONCURRENT], args.input_len, args.output_len, seed=r,
                       warmup=r == 0) for r in range(args.repeats)]
     return {"decode_b1": [b1["decode_tokens_per_s"] for b1, _ in runs],
+            "prefill_b1": [b1["prefill_tokens_per_s"] for b1, _ in runs],
             "throughput_b32": [N_CONCURRENT * args.output_len / b32["total_s"]
                                for _, b32 in runs],
             "prefill": [b32["prefill_tokens_per_s"] for _, b32 in runs]}
 
 
 def bench_transformers(args, gguf: Path) -> dict[str, list[float]]:
+    import torch
     from hf_reference import hf_reference_dir
     from transformers import AutoModelForCausalLM
 
@@ -118,51 +234,48 @@ def bench_transformers(args, gguf: Path) -> dict[str, list[float]]:
         return time.perf_counter() - t
 
     gen(2, 2, 0)  # warm-up
-    b1, b32, pre = [], [], []
+    runs = {"decode_b1": [], "prefill_b1": [], "throughput_b32": [], "prefill": []}
     for r in range(args.repeats):
         first = gen(1, 1, r)
-        b1.append((args.output_len - 1) / (gen(1, args.output_len, r) - first))
-        pre.append(N_CONCURRENT * args.input_len / gen(N_CONCURRENT, 1, r))
-        b32.append(N_CONCURRENT * args.output_len / gen(N_CONCURRENT, args.output_len, r))
-    return {"decode_b1": b1, "throughput_b32": b32, "prefill": pre}
+        runs["prefill_b1"].append(args.input_len / first)
+        runs["decode_b1"].append((args.output_len - 1) / (gen(1, args.output_len, r) - first))
+        runs["prefill"].append(N_CONCURRENT * args.input_len / gen(N_CONCURRENT, 1, r))
+        runs["throughput_b32"].append(
+            N_CONCURRENT * args.output_len / gen(N_CONCURRENT, args.output_len, r))
+    return runs
 
 
-def bench_llama_cpp(args, gguf: Path) -> dict[str, list[float]]:
-    """llama.cpp with real batching: batch 1 and 32 sequences through one context."""
+def bench_llama_cpp_python(args, gguf: Path) -> dict[str, list[float]]:
+    """llama.cpp through the wheel: batch 1 and 32 sequences through one context."""
+    import random
+
     from llama_cpp_batched import BatchedLlama
 
     seq_len = -(-max(256, args.input_len + args.output_len) // 256) * 256
     llm = BatchedLlama(gguf, n_seq=N_CONCURRENT, max_seq_len=seq_len,
-                       max_prompt_tokens=N_CONCURRENT * args.input_len,
-                       n_threads=os.cpu_count())
+                       max_prompt_tokens=N_CONCURRENT * args.input_len, n_threads=args.threads)
 
     def prompts(n: int, seed: int) -> list[list[int]]:
         rng = random.Random(seed)
         return [[rng.randrange(100, llm.n_vocab) for _ in range(args.input_len)]
                 for _ in range(n)]
 
+    runs = {"decode_b1": [], "prefill_b1": [], "throughput_b32": [], "prefill": []}
     try:
         llm.generate(prompts(N_CONCURRENT, -1), 2)  # warm-up at the largest shape
-        b1, b32, pre = [], [], []
         for r in range(args.repeats):
             one = llm.generate(prompts(1, r), args.output_len)
-            b1.append((args.output_len - 1) / one["decode_s"])
+            runs["decode_b1"].append((args.output_len - 1) / one["decode_s"])
+            runs["prefill_b1"].append(args.input_len / one["prefill_s"])
             many = llm.generate(prompts(N_CONCURRENT, r), args.output_len)
-            pre.append(N_CONCURRENT * args.input_len / many["prefill_s"])
-            b32.append(N_CONCURRENT * args.output_len / many["total_s"])
+            runs["prefill"].append(N_CONCURRENT * args.input_len / many["prefill_s"])
+            runs["throughput_b32"].append(N_CONCURRENT * args.output_len / many["total_s"])
     finally:
         llm.close()
-    return {"decode_b1": b1, "throughput_b32": b32, "prefill": pre}
+    return runs
 
 
-def measure(name: str, args, gguf: Path) -> dict[str, list[float]]:
-    if name in QSERVE_RECIPES:
-        recipe = QSERVE_RECIPES[name]
-        return bench_qserve(args, None if recipe is None else checkpoint(gguf, recipe))
-    if name == "transformers":
-        return bench_transformers(args, gguf)
-    return bench_llama_cpp(args, gguf)
-
+# --- the table ---
 
 def markdown(header: list[str], rows: list[list[str]]) -> str:
     """A Markdown table: the first column left-aligned, numbers right-aligned."""
@@ -179,63 +292,78 @@ def report(args, medians: dict[str, dict[str, float]]) -> str:
     ours = [n for n in medians if n in QSERVE_RECIPES]
     peers = [n for n in PEERS if n in medians]
     pairs = [(q, p) for q in ours for p in peers]
-    header = ["metric", *(COLUMNS[n] for n in medians),
-              *(f"{COLUMNS[q].removeprefix('qserve ')} / {p}" for q, p in pairs)]
+    header = ["metric", *(COLUMNS[n] for n in medians), *(f"{q} / {p}" for q, p in pairs)]
+
+    def ratio(q: str, p: str, key: str) -> float | None:
+        a, b = medians[q].get(key), medians[p].get(key)
+        return a / b if a is not None and b else None
+
     rows = []
     for label, key in ROWS:
-        label = label.format(n=N_CONCURRENT, len=args.input_len)
-        rows.append([label, *(f"{medians[n][key]:.1f}" for n in medians),
-                     *(f"{medians[q][key] / medians[p][key]:.2f}x" for q, p in pairs)])
-    lines = [markdown(header, rows), "",
-             "targets (issues #4, #2; qserve / peer, this run):"]
+        cells = [f"{medians[n][key]:.1f}" if key in medians[n] else "-" for n in medians]
+        ratios = [ratio(q, p, key) for q, p in pairs]
+        rows.append([label.format(n=N_CONCURRENT, len=args.input_len), *cells,
+                     *("-" if r is None else f"{r:.2f}x" for r in ratios)])
+    lines = [markdown(header, rows), "", "targets (qserve / peer, this run):"]
     for label, q, p, key, need in TARGETS:
-        if q in medians and p in medians:
-            ratio = medians[q][key] / medians[p][key]
-            verdict = f"{ratio:.2f}x {'PASS' if ratio >= need else 'MISS'}"
-        else:
-            verdict = "not measured"
-        lines.append(f"- {label} >= {need:g}x {COLUMNS[p]}: {verdict}")
+        r = ratio(q, p, key) if q in medians and p in medians else None
+        verdict = "not measured" if r is None else f"{r:.2f}x {'PASS' if r >= need else 'MISS'}"
+        lines.append(f"- {COLUMNS[q]} {label} >= {need:g}x {COLUMNS[p]}: {verdict}")
     return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, help="a GGUF file  [default: the default model]")
     ap.add_argument("--repeats", type=int, default=3, help="runs per cell; the median is shown")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                    help="CPU threads for every column  [default: all]")
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--only", metavar="COL,...",
-                    help=f"columns to measure, of {','.join(COLUMNS)}  [default: all]")
+                    help=f"columns to measure, of {','.join(COLUMNS)}  "
+                         f"[default: {','.join(DEFAULT_COLUMNS)}]")
     ap.add_argument("--json", nargs="?", const="-", metavar="FILE",
                     help="also write every run's numbers as JSON to FILE (stdout without one)")
+    ap.add_argument("--worker", choices=[n for n in COLUMNS if n != "llama.cpp"],
+                    help=argparse.SUPPRESS)  # internal: measure one column in this process
+    ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.repeats < 1 or args.input_len < 1 or args.output_len < 2:
-        ap.error("--repeats and --input-len must be >= 1 and --output-len >= 2 "
+    if args.worker:
+        return worker(args)
+    if args.repeats < 1 or args.threads < 1 or args.input_len < 1 or args.output_len < 2:
+        ap.error("--repeats, --threads and --input-len must be >= 1 and --output-len >= 2 "
                  "(batch-1 decode needs a token after the first)")
-    names = list(COLUMNS) if args.only is None else [n.strip() for n in args.only.split(",")]
-    if bad := [n for n in names if n not in COLUMNS]:
+    if args.model is not None and (args.model.suffix != ".gguf" or not args.model.is_file()):
+        ap.error(f"--model {args.model}: give an existing .gguf file")
+    only = DEFAULT_COLUMNS if args.only is None else [n.strip() for n in args.only.split(",")]
+    if bad := [n for n in only if n not in COLUMNS]:
         ap.error(f"--only: unknown column {', '.join(bad)}; choose from {', '.join(COLUMNS)}")
-    names = [n for n in COLUMNS if n in names]  # table order
-    if "llama.cpp" in names and importlib.util.find_spec("llama_cpp") is None:
-        print("llama-cpp-python is not installed: no llama.cpp column", file=sys.stderr)
-        names.remove("llama.cpp")
-    from qserve.loader.registry import resolve_model
+    names = [n for n in COLUMNS if n in only]  # table order
+    if "llama-cpp-python" in names and importlib.util.find_spec("llama_cpp") is None:
+        print("llama-cpp-python is not installed: no llama-cpp-python column", file=sys.stderr)
+        names.remove("llama-cpp-python")
+    gguf = args.model.resolve() if args.model else default_model()
 
-    gguf = resolve_model(None)
-    runs = {}
+    runs, about = {}, []
     for name in names:
-        print(f"measuring {COLUMNS[name]} ...", file=sys.stderr)
-        runs[name] = measure(name, args, gguf)
-        gc.collect()  # the previous column's model goes before the next one loads
+        print(f"measuring {COLUMNS[name]} on {gguf.name} ...", file=sys.stderr)
+        if name == "llama.cpp":
+            runs[name], build = bench_llama_cpp(args, gguf)
+            about.append(build)
+        else:
+            runs[name], child = measure_in_child(name, args, gguf)
+            about.append(f"torch {child['torch']} ({child['torch_threads']} threads)")
     medians = {n: {k: statistics.median(v) for k, v in r.items()} for n, r in runs.items()}
-    print(f"\nmodel: {gguf.name}, {os.cpu_count()} CPU threads, torch {torch.__version__} "
-          f"({torch.get_num_threads()} threads), {args.input_len} prompt + {args.output_len} "
+    print(f"\nmodel: {gguf.name}; {args.threads} threads of {os.cpu_count()} CPUs; "
+          f"{'; '.join(dict.fromkeys(about))}; {args.input_len} prompt + {args.output_len} "
           f"new tokens, median of {args.repeats}\n")
     print(report(args, medians))
     if args.json:
-        dump = json.dumps({"model": gguf.name, "cpu_threads": os.cpu_count(),
-                           "input_len": args.input_len, "output_len": args.output_len,
-                           "concurrent": N_CONCURRENT, "runs": runs, "median": medians},
-                          indent=2)
+        dump = json.dumps({"model": str(gguf), "cpu_threads": os.cpu_count(),
+                           "threads": args.threads, "input_len": args.input_len,
+                           "output_len": args.output_len, "concurrent": N_CONCURRENT,
+                           "about": about, "runs": runs, "median": medians}, indent=2)
         if args.json == "-":
             print(dump)
         else:
