@@ -134,6 +134,20 @@ def engine_flags(f):
     return wrapper
 
 
+def model_argument(f):
+    """MODEL as a positional argument (as `ollama run MODEL`), with -m/--model accepted as the
+    same thing, so every command names a model one way."""
+    @functools.wraps(f)
+    def wrapper(model, model_opt, **kw):
+        if model is not None and model_opt is not None and model != model_opt:
+            raise click.UsageError(f"MODEL {model!r} and --model {model_opt!r} disagree; "
+                                   f"give one")
+        return f(model=model if model is not None else model_opt, **kw)
+    wrapper = click.option("--model", "-m", "model_opt", metavar="MODEL",
+                           help="The same as the MODEL argument.")(wrapper)
+    return click.argument("model", required=False)(wrapper)
+
+
 def _build_engine(model: str | None, engine: dict):
     from qserve.config import engine_config
     from qserve.llm import make_engine
@@ -143,7 +157,7 @@ def _build_engine(model: str | None, engine: dict):
 
 # ---- pull --------------------------------------------------------------------------------
 @main.command()
-@click.argument("model", required=False)
+@model_argument
 @click.option("--force", is_flag=True, help="Download again even if cached.")
 def pull(model, force):
     """Download MODEL (an alias or ORG/NAME; default: the default model); print its path."""
@@ -161,7 +175,7 @@ def pull(model, force):
 
 # ---- info --------------------------------------------------------------------------------
 @main.command()
-@click.argument("model", required=False)
+@model_argument
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @engine_flags
 def info(model, as_json, engine):
@@ -394,7 +408,7 @@ def _batch_sizes(ctx, param, value: str) -> list[int]:
 
 
 @main.command()
-@click.argument("model", required=False)
+@model_argument
 @click.option("--batch-sizes", default="1,8,32", show_default=True, callback=_batch_sizes,
               help="Comma-separated batch sizes to measure.")
 @click.option("--input-len", type=click.IntRange(min=1), default=128, show_default=True)
@@ -418,7 +432,7 @@ def bench(model, batch_sizes, input_len, output_len, seed, as_json, engine):
 
 # ---- eval --------------------------------------------------------------------------------
 @main.command("eval")
-@click.argument("model", required=False)
+@model_argument
 @click.option("--ref", metavar="MODEL",
               help="Reference model (same tokenizer): adds mean KL(ref || MODEL) and top-1 "
                    "agreement. It runs with --kv-dtype auto.")
@@ -462,7 +476,7 @@ def eval_(model, ref, text_file, context, max_tokens, as_json, engine):
 
 # ---- serve -------------------------------------------------------------------------------
 @main.command()
-@click.argument("model", required=False)
+@model_argument
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
 @click.option("--api-key", envvar="QSERVE_API_KEY", metavar="KEY",
@@ -523,7 +537,7 @@ def _chat_sampling_flags(f):
 
 
 @main.command()
-@click.argument("model", required=False)
+@model_argument
 @click.option("--system", help="System prompt.")
 @_chat_sampling_flags
 @speculative_flags

@@ -145,7 +145,7 @@ def test_ctrl_c_aborts_requests_and_exits_130(fake):
 def real(monkeypatch, loaded_model):
     import qserve.loader
 
-    monkeypatch.setattr(qserve.loader, "load_model", lambda spec=None: loaded_model)
+    monkeypatch.setattr(qserve.loader, "load_model", lambda spec=None, native=True: loaded_model)
 
 
 @pytest.mark.slow
