@@ -12,7 +12,6 @@ from pathlib import Path
 
 from qserve.errors import ConfigError
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 KV_DTYPES = ("auto", "fp32", "fp16", "bf16", "int8", "int4")
 PREEMPTION_MODES = ("recompute", "swap")
 KV_OFFLOAD_MODES = ("off", "layerwise")
@@ -21,9 +20,10 @@ DEVICES = ("auto", "cpu", "cuda")
 
 @dataclass
 class ModelArchConfig:
-    """The shape of a Llama-family decoder, read from config.json or GGUF metadata."""
+    """The shape of a decoder, read from config.json or GGUF metadata. Which model family runs
+    it is `architecture`'s entry in qserve/models/registry.py."""
 
-    architecture: str  # "llama" | "mistral" | "qwen2"
+    architecture: str  # Hugging Face model_type: "llama", "mistral", "qwen2", "qwen3", "phi3", ...
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -42,25 +42,57 @@ class ModelArchConfig:
     sliding_window: int | None = None  # Mistral v0.1; None means full attention
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # Per layer, as transformers' config.layer_types: "sliding_attention" layers see the last
+    # `sliding_window` positions, "full_attention" layers all of them (Gemma 2/3 alternate).
+    # None: every layer alike, windowed when sliding_window is set.
+    layer_types: list[str] | None = None
+    rope_local_theta: float | None = None  # sliding layers' rope base, unscaled (Gemma 3)
+    partial_rotary_factor: float = 1.0  # rope turns the first head_dim * this dims (Phi-4-mini)
+    hidden_act: str = "silu"  # the MLP gate's activation: silu or gelu_pytorch_tanh (Gemma)
+    query_pre_attn_scalar: float | None = None  # scores scale by its -1/2 power; None: head_dim
+    attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
+    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
 
     def __post_init__(self):
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ConfigError(
-                f"unsupported architecture {self.architecture!r}; qserve runs "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)}")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers:
+                raise ConfigError(f"layer_types lists {len(self.layer_types)} layers, but the "
+                                  f"model has num_layers={self.num_layers}")
+            bad = set(self.layer_types) - set(LAYER_TYPES)
+            if bad:
+                raise ConfigError(f"layer type {sorted(bad)[0]!r} is not supported; qserve runs "
+                                  f"{' and '.join(LAYER_TYPES)} layers")
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ConfigError(f"hidden activation {self.hidden_act!r} is not supported; qserve "
+                              f"runs {', '.join(HIDDEN_ACTS)}")
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
+            raise ConfigError(f"partial_rotary_factor={self.partial_rotary_factor} must give an "
+                              f"even number of rotated dims out of head_dim={self.head_dim}")
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of one layer (None: it attends to the whole context)."""
+        if self.layer_types is not None and self.layer_types[layer] == "full_attention":
+            return None
+        return self.sliding_window
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def num_params(self) -> int:
-        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
-        if self.attention_bias:
-            per_layer += q + 2 * kv
-        embed = v * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + embed + h
+        # counted on the model itself, built on the meta device (models sit above config, but
+        # this is a property of the model, not of a layer that config serves)
+        from qserve.models.registry import num_params
+
+        return num_params(self)
+
+
+LAYER_TYPES = ("sliding_attention", "full_attention")
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 
 
 def parse_size(text: str | int | float, what: str) -> int:

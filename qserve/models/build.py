@@ -8,23 +8,26 @@ import torch
 
 from qserve.config import ModelArchConfig
 from qserve.kernels.paged_attention import PagedAttentionMetadata
-from qserve.models.llama import LlamaForCausalLM
+from qserve.models.base import CausalLM
+from qserve.models.registry import model_class
 
 
 def build_model(arch: ModelArchConfig, weights: Mapping, max_positions: int,
                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
-                ) -> LlamaForCausalLM:
-    """The model of `arch` from HF-named weights (dense tensors or QuantizedTensors), built on
-    the meta device so no parameter is allocated twice."""
+                ) -> CausalLM:
+    """The model of `arch` (its family's class, models/registry.py) from HF-named weights
+    (dense tensors or QuantizedTensors), built on the meta device so no parameter is
+    allocated twice."""
     device = torch.device(device)
+    family = model_class(arch.architecture)
     with torch.device("meta"):
-        model = LlamaForCausalLM(arch, max_positions, dtype, device)
+        model = family(arch, max_positions, dtype, device)
     model.load_weights(weights)
     return model.eval()
 
 
 @torch.inference_mode()
-def prefill(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
+def prefill(model: CausalLM, ids: list[int]) -> torch.Tensor:
     """Run one sequence through the model in one step, with a KV cache of its own in the
     model's dtype (blocks of 16 in order) -> final hidden states (T, hidden)."""
     arch, dev = model.arch, model.device

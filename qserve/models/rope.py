@@ -1,17 +1,22 @@
-"""Rotary position embeddings (rotate-half layout, as Hugging Face Llama), with llama3 scaling."""
+"""Rotary position embeddings (rotate-half layout, as Hugging Face), with linear, llama3 and
+longrope scaling, and partial rotation (only the first `rotary_dim` dims of a head turn)."""
 from __future__ import annotations
 
 import math
 
 import torch
 
+from qserve.kernels.paged_attention import PagedAttentionMetadata
 
-def inv_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    """(head_dim // 2,) fp32 angular frequencies, adjusted by the config's rope scaling."""
+
+def inv_frequencies(head_dim: int, theta: float, scaling: dict | None,
+                    long: bool = False) -> torch.Tensor:
+    """(head_dim // 2,) fp32 angular frequencies, adjusted by the config's rope scaling.
+    `head_dim` is the rotated width. long: longrope's long factors instead of its short ones."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
     inv_freq = 1.0 / (theta ** exponents)
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
-    if kind in (None, "default"):
+    kind = rope_type(scaling)
+    if kind == "default":
         return inv_freq
     if kind == "linear":
         return inv_freq / scaling["factor"]
@@ -28,31 +33,80 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.
         mid = (1 - smooth) * scaled / factor + smooth * scaled
         is_mid = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
         return torch.where(is_mid, mid, scaled)
-    raise ValueError(f"unsupported rope scaling type {kind!r}; qserve supports linear and llama3")
+    if kind == "longrope":
+        # Phi-3: each frequency divided by its own factor, one list for sequences within the
+        # original context and one for longer ones; in transformers' order of operations.
+        factors = torch.tensor(scaling["long_factor" if long else "short_factor"],
+                               dtype=torch.float32, device="cpu")
+        return 1.0 / (factors * theta ** exponents)
+    raise ValueError(f"unsupported rope scaling type {kind!r}; qserve supports linear, llama3 "
+                     f"and longrope")
+
+
+def rope_type(scaling: dict | None) -> str:
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type")) or "default"
+    return "longrope" if kind == "su" else kind
+
+
+def attention_factor(scaling: dict | None) -> float:
+    """The factor cos and sin are multiplied by: longrope's sqrt(1 + ln(s) / ln(original))
+    for a context stretched s times, unless the config gives it; 1 otherwise."""
+    if rope_type(scaling) != "longrope":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return scaling["attention_factor"]
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
 class RotaryEmbedding:
-    """Precomputed cos/sin tables indexed by absolute position."""
+    """Precomputed cos/sin tables indexed by absolute position.
+
+    With longrope the tables hold the short factors' rows 0 .. P-1, then the long factors'
+    rows P .. 2P-1; `table_rows` picks a token's row.
+    """
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None,
-                 dtype: torch.dtype, device: torch.device):
-        inv_freq = inv_frequencies(head_dim, theta, scaling)  # computed on the CPU, in fp32
-        pos = torch.arange(max_positions, dtype=torch.int64, device="cpu").float()
-        freqs = pos[:, None] * inv_freq[None, :]  # (P, d/2)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (P, d)
-        self.cos = emb.cos().to(dtype=dtype, device=device)
-        self.sin = emb.sin().to(dtype=dtype, device=device)
+                 dtype: torch.dtype, device: torch.device, rotary_dim: int | None = None):
+        self.rotary_dim = rotary_dim or head_dim
         self.max_positions = max_positions
+        pos = torch.arange(max_positions, dtype=torch.int64, device="cpu").float()
+        longrope = rope_type(scaling) == "longrope"
+        tables = []
+        for long in ((False, True) if longrope else (False,)):
+            inv_freq = inv_frequencies(self.rotary_dim, theta, scaling, long)  # CPU, fp32
+            freqs = pos[:, None] * inv_freq[None, :]  # (P, r/2)
+            tables.append(torch.cat((freqs, freqs), dim=-1))  # (P, r)
+        emb = torch.cat(tables)  # (P or 2P, r)
+        factor = attention_factor(scaling)
+        self.cos = (emb.cos() * factor).to(dtype=dtype, device=device)
+        self.sin = (emb.sin() * factor).to(dtype=dtype, device=device)
+        # longrope: a sequence takes the long factors once it is longer than this
+        self.original_max = scaling["original_max_position_embeddings"] if longrope else None
+
+    def table_rows(self, positions: torch.Tensor, meta: PagedAttentionMetadata) -> torch.Tensor:
+        """(T,) positions -> (T,) rows of the tables. Longrope, as transformers decides per
+        forward pass: every token of a sequence whose length after this step exceeds the
+        original context takes the long factors (rows shifted by P)."""
+        if self.original_max is None:
+            return positions
+        query_lens = meta.query_start_loc.diff()
+        seq_len = torch.repeat_interleave(meta.seq_lens, query_lens,
+                                          output_size=positions.shape[0])  # (T,)
+        return positions + self.max_positions * (seq_len > self.original_max)
 
     def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions (T,); q (T, Hq, d); k (T, Hkv, d) -> rotated q, k."""
-        cos = self.cos[positions].unsqueeze(1)  # (T, 1, d)
+        """positions (T,) (table rows); q (T, Hq, d); k (T, Hkv, d) -> rotated q, k."""
+        cos = self.cos[positions].unsqueeze(1)  # (T, 1, r)
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
+    r = cos.shape[-1]
+    if r < x.shape[-1]:  # partial rotation: the last head_dim - r dims pass through
+        return torch.cat((_rotate(x[..., :r], cos, sin), x[..., r:]), dim=-1)
+    half = r // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
