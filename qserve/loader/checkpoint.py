@@ -26,6 +26,7 @@ import torch
 from qserve.config import ModelArchConfig
 from qserve.errors import ModelLoadError
 from qserve.formats import QuantizedTensor
+from qserve.models.registry import hf_architecture
 
 QUANT_METHOD, FORMAT_VERSION = "qserve", 1
 WEIGHTS_FILE = "model.safetensors"
@@ -44,7 +45,7 @@ def quantization_config(path: Path) -> dict | None:
 def hf_config(arch: ModelArchConfig) -> dict:
     """config.json fields that hf_loader.read_config reads back into the same arch."""
     cfg = {
-        "model_type": arch.architecture, "architectures": ["LlamaForCausalLM"],
+        "model_type": arch.architecture, "architectures": [hf_architecture(arch.architecture)],
         "vocab_size": arch.vocab_size, "hidden_size": arch.hidden_size,
         "intermediate_size": arch.intermediate_size, "num_hidden_layers": arch.num_layers,
         "num_attention_heads": arch.num_heads, "num_key_value_heads": arch.num_kv_heads,
@@ -53,10 +54,20 @@ def hf_config(arch: ModelArchConfig) -> dict:
         "max_position_embeddings": arch.max_position_embeddings,
         "tie_word_embeddings": arch.tie_word_embeddings, "attention_bias": arch.attention_bias,
         "bos_token_id": arch.bos_token_id, "eos_token_id": list(arch.eos_token_ids),
-        "torch_dtype": "float16",
+        "torch_dtype": "float16", "hidden_act": arch.hidden_act,
+        "partial_rotary_factor": arch.partial_rotary_factor,
+        # written even when None: a family's default (Gemma 2 caps at 50 / 30) must not apply
+        "query_pre_attn_scalar": arch.query_pre_attn_scalar,
+        "attn_logit_softcapping": arch.attn_logit_softcapping,
+        "final_logit_softcapping": arch.final_logit_softcapping,
     }
     if arch.sliding_window is not None:
-        cfg |= {"sliding_window": arch.sliding_window, "use_sliding_window": True}
+        cfg |= {"sliding_window": arch.sliding_window, "use_sliding_window": True,
+                "layer_types": arch.layer_types or ["sliding_attention"] * arch.num_layers}
+    else:
+        cfg |= {"sliding_window": None, "use_sliding_window": False}
+    if arch.rope_local_theta is not None:
+        cfg["rope_local_base_freq"] = arch.rope_local_theta
     return cfg
 
 

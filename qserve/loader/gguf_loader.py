@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,21 +29,11 @@ from qserve.formats import QuantizedTensor, format_for_ggml, ggml
 from qserve.loader.hf_loader import check_shapes
 from qserve.loader.weights import LazyWeights
 from qserve.loader.tokenizer import Tokenizer, byte_level_bpe, sentencepiece_bpe
+from qserve.models import registry
+from qserve.models.rope import attention_factor
 
-GGUF_ARCHITECTURES = ("llama", "qwen2")  # Mistral GGUFs say "llama"
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
-# GGUF name -> HF name; "{i}" is the layer index.
-_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
-                 "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight"}
-_BIAS_NAMES = {"attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
-               "attn_v.bias": "self_attn.v_proj.bias"}
 
 
 @dataclass
@@ -180,12 +171,13 @@ class GGUFFile:
 
 
 def read_arch(gguf: GGUFFile) -> ModelArchConfig:
-    """ModelArchConfig from the metadata (no tensor data is read)."""
+    """ModelArchConfig from the metadata (no tensor data is read, but for rope tables)."""
     md = gguf.metadata
-    arch = md.get("general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise gguf.error(f"architecture {arch!r} is not supported; qserve reads "
-                         f"{', '.join(GGUF_ARCHITECTURES)} GGUFs (Mistral files say llama)")
+    try:
+        family, model_type = registry.gguf_family(md.get("general.architecture"))
+    except ConfigError as e:
+        raise gguf.error(str(e)) from None
+    arch = md["general.architecture"]
 
     def key(name, default=None):
         value = md.get(f"{arch}.{name}", default)
@@ -196,26 +188,52 @@ def read_arch(gguf: GGUFFile) -> ModelArchConfig:
     hidden, heads = key("embedding_length"), key("attention.head_count")
     if "token_embd.weight" not in gguf.tensors:
         raise gguf.error("missing tensor token_embd.weight")
+    layers = key("block_count")
+    head_dim = key("attention.key_length", hidden // heads)
+    window = md.get(f"{arch}.attention.sliding_window") or None  # 0: none (Phi-4)
+    fields = dict(
+        architecture=model_type,
+        vocab_size=gguf.tensors["token_embd.weight"].shape[0],
+        hidden_size=hidden,
+        intermediate_size=key("feed_forward_length"),
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=key("attention.head_count_kv", heads),
+        head_dim=head_dim,
+        rms_norm_eps=key("attention.layer_norm_rms_epsilon", 1e-5),
+        rope_theta=key("rope.freq_base", 10000.0),
+        rope_scaling=_rope_scaling(gguf, arch),
+        max_position_embeddings=key("context_length", 4096),
+        tie_word_embeddings="output.weight" not in gguf.tensors,
+        attention_bias="blk.0.attn_q.bias" in gguf.tensors,
+        sliding_window=window,
+        layer_types=_layer_types(gguf, arch, family, layers) if window else None,
+        partial_rotary_factor=key("rope.dimension_count", head_dim) / head_dim,
+        attn_logit_softcapping=md.get(f"{arch}.attn_logit_softcapping"),
+        final_logit_softcapping=md.get(f"{arch}.final_logit_softcapping"),
+        bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=_eos_ids(md))
+    fields |= family.gguf_config(fields, key, gguf.tensor)
     try:
-        return ModelArchConfig(
-            architecture=arch,
-            vocab_size=gguf.tensors["token_embd.weight"].shape[0],
-            hidden_size=hidden,
-            intermediate_size=key("feed_forward_length"),
-            num_layers=key("block_count"),
-            num_heads=heads,
-            num_kv_heads=key("attention.head_count_kv", heads),
-            head_dim=key("attention.key_length", hidden // heads),
-            rms_norm_eps=key("attention.layer_norm_rms_epsilon", 1e-5),
-            rope_theta=key("rope.freq_base", 10000.0),
-            rope_scaling=_rope_scaling(gguf, arch),
-            max_position_embeddings=key("context_length", 4096),
-            tie_word_embeddings="output.weight" not in gguf.tensors,
-            attention_bias=arch == "qwen2",
-            bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=_eos_ids(md))
+        return ModelArchConfig(**fields)
     except ConfigError as e:
         raise gguf.error(str(e)) from None
+
+
+def _layer_types(gguf: GGUFFile, arch: str, family, num_layers: int) -> list[str] | None:
+    """Which layers slide, as llama.cpp reads them: `attention.sliding_window_pattern`, a list
+    (true: sliding) or n (every n-th layer global), else the family's n; None: all slide."""
+    pattern = gguf.metadata.get(f"{arch}.attention.sliding_window_pattern",
+                                family.sliding_window_pattern)
+    if isinstance(pattern, list):
+        if len(pattern) != num_layers:
+            raise gguf.error(f"{arch}.attention.sliding_window_pattern lists {len(pattern)} "
+                             f"layers, but the model has {num_layers}")
+        return ["sliding_attention" if s else "full_attention" for s in pattern]
+    if not pattern:
+        return None
+    return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+            for i in range(num_layers)]
 
 
 def _eos_ids(md: dict) -> list[int]:
@@ -234,8 +252,24 @@ def _rope_scaling(gguf: GGUFFile, arch: str) -> dict | None:
         return {"rope_type": "linear", "factor": factor}
     if kind == "yarn":
         return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original}
+    if kind == "longrope" or "rope_factors_long.weight" in gguf.tensors:  # Phi-3: factors
+        # per frequency, as tensors (the converter writes no scaling type for Phi-3)
+        for name in ("rope_factors_long.weight", "rope_factors_short.weight"):
+            if name not in gguf.tensors:
+                raise gguf.error(f"longrope rope scaling without tensor {name}")
+        context = md.get(f"{arch}.context_length", 4096)
+        scaling = {"rope_type": "longrope",
+                   "long_factor": gguf.tensor("rope_factors_long.weight").float().tolist(),
+                   "short_factor": gguf.tensor("rope_factors_short.weight").float().tolist(),
+                   "original_max_position_embeddings": original, "factor": context / original}
+        stored = md.get(f"{arch}.rope.scaling.attn_factor")
+        # the file keeps the attention factor in fp32: recompute it in double unless it differs
+        if stored is not None and abs(stored - attention_factor(scaling)) > 1e-6:
+            scaling["attention_factor"] = stored
+        return scaling
     if kind not in (None, "none", "linear"):
-        raise gguf.error(f"rope scaling {kind!r} is not supported (linear, yarn, llama3)")
+        raise gguf.error(f"rope scaling {kind!r} is not supported (linear, yarn, llama3, "
+                         f"longrope)")
     if "rope_freqs.weight" not in gguf.tensors:
         return None
     divisors = gguf.tensor("rope_freqs.weight").float()  # (head_dim // 2,)
@@ -262,20 +296,26 @@ def llama3_rope_divisors(s: dict, theta: float, head_dim: int) -> torch.Tensor:
 
 
 def hf_names(arch: ModelArchConfig) -> dict[str, str]:
-    """GGUF tensor name -> Hugging Face name, for every tensor the model needs."""
-    names = dict(_GLOBAL_NAMES)
-    if arch.tie_word_embeddings:
-        del names["output.weight"]
-    per_layer = _LAYER_NAMES | (_BIAS_NAMES if arch.attention_bias else {})
-    for i in range(arch.num_layers):
-        names |= {f"blk.{i}.{g}": f"model.layers.{i}.{h}" for g, h in per_layer.items()}
+    """GGUF tensor name -> Hugging Face name, for every tensor the model needs (the family's
+    gguf_names applied to its checkpoint names)."""
+    gguf_names = registry.model_class(arch.architecture).gguf_names
+    names = {}
+    for hf in registry.checkpoint_shapes(arch):
+        module, _, param = hf.removeprefix("model.").rpartition(".")
+        layer = re.match(r"layers\.(\d+)\.", module)
+        if layer:
+            module = module[layer.end():]
+        assert module in gguf_names, f"no GGUF name for {module}"
+        prefix = f"blk.{layer[1]}." if layer else ""
+        names[f"{prefix}{gguf_names[module]}.{param}"] = hf
     return names
 
 
 def unpermute_rows(gguf_name: str, arch: ModelArchConfig) -> int | None:
     """The head count to `_unpermute` a tensor's rows by, or None if it is in HF order
-    (llama.cpp permutes llama's q/k, and leaves qwen2's in HF order)."""
-    if arch.architecture != "llama":
+    (llama.cpp permutes llama's q/k for its adjacent-pair rope, and leaves the rotate-half
+    families' in HF order)."""
+    if arch.architecture not in registry.model_class(arch.architecture).gguf_permuted_qk:
         return None
     if ".attn_q." in gguf_name:
         return arch.num_heads
@@ -310,6 +350,9 @@ def read_tensor(gguf: GGUFFile, gguf_name: str, arch: ModelArchConfig, native: b
         w = _as_qtensor(raw.view(info.shape[0], -1), fmt, info.shape[1])
         if not native:
             w = w.dequantize()
+    offset = registry.model_class(arch.architecture).gguf_norm_offset
+    if offset and gguf_name.endswith("norm.weight"):  # llama.cpp stored 1 + w (Gemma)
+        w = w - offset
     n_head = unpermute_rows(gguf_name, arch)
     if n_head is None:
         return w
@@ -331,7 +374,7 @@ def _as_qtensor(rows: torch.Tensor, fmt: str, in_features: int) -> QuantizedTens
 
 
 def read_weights(gguf: GGUFFile, arch: ModelArchConfig, native: bool = True) -> LazyWeights:
-    """Every weight the model needs under Hugging Face Llama names, shapes (out, in): a lazy
+    """Every weight the model needs under Hugging Face names, shapes (out, in): a lazy
     mapping that reads each tensor from the file when it is looked up (see read_tensor)."""
     names = {h: g for g, h in hf_names(arch).items()}
     missing = [g for g in names.values() if g not in gguf.tensors]

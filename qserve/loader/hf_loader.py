@@ -1,6 +1,6 @@
 """Hugging Face model directory -> ModelArchConfig, weights and Tokenizer.
 
-    config.json                         architecture (model_type llama / mistral / qwen2)
+    config.json                         architecture (model_type: models/registry.py)
     model.safetensors                   weights, or shards listed in model.safetensors.index.json
     tokenizer.json | tokenizer.model    vocabulary (tokenizers / sentencepiece)
     tokenizer_config.json               bos/eos, add_bos_token, chat_template (optional)
@@ -21,28 +21,13 @@ from qserve.config import ModelArchConfig
 from qserve.errors import ConfigError, ModelLoadError
 from qserve.loader.weights import LazyWeights
 from qserve.loader.tokenizer import BYTE, CONTROL, NORMAL, UNKNOWN, UNUSED, Tokenizer, sentencepiece_bpe
-
-HF_MODEL_TYPES = ("llama", "mistral", "qwen2")
+from qserve.models import registry
 
 
 def expected_shapes(arch: ModelArchConfig) -> dict[str, tuple[int, ...]]:
-    """Hugging Face Llama weight names -> shapes, (out_features, in_features) for linears."""
-    h, i, v = arch.hidden_size, arch.intermediate_size, arch.vocab_size
-    q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
-    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
-    if not arch.tie_word_embeddings:
-        shapes["lm_head.weight"] = (v, h)
-    for layer in range(arch.num_layers):
-        p = f"model.layers.{layer}."
-        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                   p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-                   p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-                   p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
-                   p + "mlp.down_proj.weight": (h, i)}
-        if arch.attention_bias:
-            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                       p + "self_attn.v_proj.bias": (kv,)}
-    return shapes
+    """Hugging Face weight names -> shapes, (out_features, in_features) for linears: what the
+    architecture's model (models/registry.py) needs, read off it built on the meta device."""
+    return registry.checkpoint_shapes(arch)
 
 
 def check_shapes(shapes: dict[str, tuple[int, ...]], arch: ModelArchConfig, source: Path) -> None:
@@ -77,13 +62,15 @@ def _as_list(value) -> list[int]:
 
 
 def read_config(path: Path) -> ModelArchConfig:
-    """ModelArchConfig from config.json (+ generation_config.json's eos ids)."""
+    """ModelArchConfig from config.json (+ generation_config.json's eos ids), read as the
+    model_type's family (models/registry.py) fills in its defaults."""
     cfg_path = path / "config.json"
     cfg = _read_json(cfg_path)
-    model_type = cfg.get("model_type")
-    if model_type not in HF_MODEL_TYPES:
-        raise ModelLoadError(f"{cfg_path}: model_type {model_type!r} is not supported; qserve runs "
-                             f"{', '.join(HF_MODEL_TYPES)}")
+    try:
+        family = registry.model_class(cfg.get("model_type"))
+    except ConfigError as e:
+        raise ModelLoadError(f"{cfg_path}: {e}") from None
+    cfg = family.fill_hf_config(cfg)
 
     def key(name, default=None):
         if cfg.get(name, default) is None:
@@ -97,49 +84,108 @@ def read_config(path: Path) -> ModelArchConfig:
                                  f"integer")
         return value
 
-    def positive(name, default) -> float:
-        value = key(name, default)
+    def positive(name, default, value=None) -> float:
+        value = key(name, default) if value is None else value
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise ModelLoadError(f"{cfg_path}: {name} is {value!r}; it must be a positive "
                                  f"number")
         return value
 
-    # transformers >= 5 writes rope_theta and the scaling together as rope_parameters.
+    def optional(name):  # None (or absent) stays None
+        return None if cfg.get(name) is None else positive(name, None)
+
+    # transformers >= 5 writes rope_theta and the scaling together as rope_parameters, one
+    # per layer type where they differ (Gemma 3: {"full_attention": ..., "sliding_attention"})
     rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     if not isinstance(rope, dict):
         raise ModelLoadError(f"{cfg_path}: rope_scaling is {rope!r}; it must be an object")
+    local_theta = cfg.get("rope_local_base_freq")
+    if "full_attention" in rope or "sliding_attention" in rope:
+        local = rope.get("sliding_attention") or {}
+        if local.get("rope_type", "default") != "default":
+            raise ModelLoadError(f"{cfg_path}: sliding layers' rope {local!r} is not supported "
+                                 f"(only the global layers' may be scaled)")
+        local_theta = local.get("rope_theta", local_theta)
+        rope = rope.get("full_attention") or {}
     rope = dict(rope)
-    theta = rope.pop("rope_theta", 10000.0)
+    theta = rope.pop("rope_theta", None)
+    partial = rope.pop("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
     rope_type = rope.setdefault("rope_type", rope.pop("type", "default"))
-    use_window = model_type == "mistral" or cfg.get("use_sliding_window", False)
+    max_positions = count("max_position_embeddings", 4096)
+    if rope_type in ("longrope", "su"):  # Phi-3: factors over the original context
+        rope["rope_type"] = "longrope"
+        original = count("original_max_position_embeddings",
+                         rope.get("original_max_position_embeddings"))
+        rope["original_max_position_embeddings"] = original
+        if rope.get("factor") is None:
+            rope["factor"] = max_positions / original
     heads = count("num_attention_heads")
     hidden = count("hidden_size")
+    layers = count("num_hidden_layers")
     if not cfg.get("head_dim") and hidden % heads:
         raise ModelLoadError(f"{cfg_path}: hidden_size {hidden} is not a multiple of "
                              f"num_attention_heads {heads}, and there is no head_dim")
+    window, layer_types = _windows(cfg, family, layers, cfg_path)
     gen = _read_json(path / "generation_config.json", required=False)
     eos = _as_list(gen.get("eos_token_id")) + _as_list(cfg.get("eos_token_id"))
     try:
         return ModelArchConfig(
-            architecture=model_type,
+            architecture=cfg["model_type"],
             vocab_size=count("vocab_size"),
             hidden_size=hidden,
             intermediate_size=count("intermediate_size"),
-            num_layers=count("num_hidden_layers"),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=count("num_key_value_heads", heads),
             head_dim=count("head_dim") if cfg.get("head_dim") else hidden // heads,
             rms_norm_eps=positive("rms_norm_eps", 1e-6),
-            rope_theta=positive("rope_theta", theta),
+            rope_theta=positive("rope_theta", None, theta or cfg.get("rope_theta", 10000.0)),
             rope_scaling=None if rope_type == "default" else rope,
-            max_position_embeddings=count("max_position_embeddings", 4096),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=model_type == "qwen2" or cfg.get("attention_bias", False),
-            sliding_window=cfg.get("sliding_window") if use_window else None,
+            attention_bias=cfg.get("attention_bias", False),
+            sliding_window=window,
             bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=list(dict.fromkeys(eos)))
+            eos_token_ids=list(dict.fromkeys(eos)),
+            layer_types=layer_types,
+            rope_local_theta=(None if local_theta is None else
+                              positive("rope_local_base_freq", None, local_theta)),
+            partial_rotary_factor=positive("partial_rotary_factor", None, partial),
+            hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu",
+            query_pre_attn_scalar=optional("query_pre_attn_scalar"),
+            attn_logit_softcapping=optional("attn_logit_softcapping"),
+            final_logit_softcapping=optional("final_logit_softcapping"))
     except ConfigError as e:
         raise ModelLoadError(f"{cfg_path}: {e}") from None
+
+
+def _windows(cfg: dict, family, num_layers: int, cfg_path: Path
+             ) -> tuple[int | None, list[str] | None]:
+    """(sliding_window, layer_types) as ModelArchConfig holds them: layer_types only where
+    layers differ. transformers >= 5 lists the layers; older configs say use_sliding_window
+    (Qwen2), or the family alternates them (Gemma: sliding_window_pattern)."""
+    layer_types = cfg.get("layer_types")
+    window = cfg.get("sliding_window")
+    if layer_types is None:
+        if not cfg.get("use_sliding_window", True):
+            window = None
+        pattern = cfg.get("sliding_window_pattern", family.sliding_window_pattern)
+        if window and pattern:  # every pattern-th layer global
+            layer_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                           for i in range(num_layers)]
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                               or window < 1):
+        raise ModelLoadError(f"{cfg_path}: sliding_window is {window!r}; it must be a positive "
+                             f"integer or null")
+    if not isinstance(layer_types, (list, type(None))):
+        raise ModelLoadError(f"{cfg_path}: layer_types is {layer_types!r}; it must be a list")
+    if layer_types is not None:
+        kinds = set(layer_types)
+        if window is None or kinds == {"full_attention"}:
+            window, layer_types = None, None
+        elif kinds == {"sliding_attention"}:
+            layer_types = None
+    return window, layer_types
 
 
 def read_weights(path: Path, arch: ModelArchConfig) -> LazyWeights:
