@@ -1,15 +1,19 @@
-/* CPU fast path: fused dequant-matmul over packed int4/int8 weights, and decode-time paged
- * attention and KV writes over fp32/fp16/bf16/int8/int4 KV blocks (int4 KV: keys coded per
- * channel through the layer's calibrated codebook, values as rotated 4-bit codes;
- * kernels/kv_quant.py).
+/* CPU fast path: matmuls over weights in every format of the registry (qserve/formats: dense
+ * fp32/fp16/bf16, qserve's packed int4/int8, GGML blocks read in place; the GGML kernels are in
+ * kernels/cpu_formats.c, included below), decode-time paged attention and KV writes over
+ * fp32/fp16/bf16/int8/int4 KV blocks (int4 KV: keys coded per channel through the layer's
+ * calibrated codebook, values as rotated 4-bit codes; kernels/kv_quant.py), and the fused decode
+ * step over all layers.
  *
- * Plain C99 + OpenMP, written so that gcc/clang vectorize the inner loops for whatever the
- * build machine has (-march=native: AVX2 on the Zen 3 dev box, AVX-512 or NEON elsewhere). No torch headers:
- * kernels/cpu_ops.py compiles this file once per machine and calls it through ctypes. Every
- * function has a pure-torch reference (qserve/quant/schemes.py, kernels/paged_attention.py,
- * kernels/kv_quant.py) that tests/test_cpu_ops.py compares it against.
+ * GNU C11 (-std=gnu11: _Float16, __attribute__) + OpenMP. Hot loops are written with AVX2/
+ * FMA/F16C intrinsics where the build machine has them (-march=native), with portable loops for
+ * gcc/clang to vectorize elsewhere (#else branches). No torch headers: kernels/cpu_ops.py
+ * compiles this file once per machine and calls it through ctypes. Every function has a
+ * pure-torch reference (qserve/formats, kernels/paged_attention.py, kernels/kv_quant.py) that
+ * tests/test_cpu_ops.py and tests/test_cpu_formats.py compare it against.
  *
- * Weight layouts are those of qserve/quant/schemes.py:
+ * A weight matrix is passed as one wdesc (below; kernels/cpu_ops.py WDesc). qserve's own layouts
+ * (qserve/formats/qtensor.py):
  *   int4  qweight uint8 (N, Kp / 2): byte j of a row holds input 2j (low nibble) and 2j + 1
  *         (high nibble); w = q * scale + offset (asymmetric) or (q - 8) * scale (symmetric)
  *   int8  qweight int8 (N, Kp): w = q * scale
@@ -27,6 +31,27 @@ typedef _Float16 half;
 #define MT 4     /* activation rows that share one dequantized weight chunk (fp32 activations) */
 #define MTI 8    /* the same with int8 activations, whose per-row state is one register */
 #define NR 4     /* fp32 weight rows that share each activation load (f32_rows) */
+
+/* Weight kinds: qserve/formats/registry.py KIND_* and GGML_KIND_BASE + the GGML type id. */
+enum {
+    KIND_F32 = 0, KIND_INT4 = 1, KIND_INT8 = 2, KIND_F16 = 3, KIND_BF16 = 4,
+    KIND_Q5_0 = 16 + 6, KIND_Q5_1 = 16 + 7, KIND_Q2_K = 16 + 10, KIND_Q3_K = 16 + 11,
+    KIND_Q4_K = 16 + 12, KIND_Q5_K = 16 + 13, KIND_Q6_K = 16 + 14,
+};
+
+/* One weight matrix W (N, K), y = x W^T + bias (kernels/cpu_ops.py WDesc, same field order). */
+typedef struct {
+    int64_t kind;
+    const void *w;       /* f32/f16/bf16 (N, K); int4/int8 qweight; GGML rows (N, row_bytes) */
+    const half *scales;  /* int4/int8 (N, Kp / group_size), else NULL */
+    const half *offsets; /* int4 asymmetric, else NULL */
+    const float *bias;   /* (N,) or NULL */
+    int64_t N, K;
+    int64_t Kp;          /* int4/int8: K padded to whole groups; others K */
+    int64_t group_size;  /* int4/int8: inputs per scale; GGML: inputs per block; dense 1 */
+    int64_t row_bytes;   /* bytes from one row of w to the next */
+} wdesc;
+_Static_assert(sizeof(wdesc) == 10 * sizeof(int64_t), "wdesc is WDesc's 10 8-byte fields");
 
 /* CALL(k) with k the constant 1, 2, 3 or MT equal to mt: each row kernel is then specialized
  * for its row count and keeps its accumulators in registers. */
@@ -190,10 +215,12 @@ f32_rows(const float *w, int64_t K, const float *x, const int nr, float *res)
  * _mm256_maddubs_epi16 multiplies unsigned codes (0..15, or |int8|) by signed int8 activations
  * and adds pairs into int16 without overflow (2 * 15 * 127, 2 * 127 * 127 < 32767). */
 typedef struct {
-    int8_t *q;     /* (M, Kp), chunk-permuted like the fp32 path when int4 */
-    int64_t Mp;    /* M rounded up to MTI */
-    float *d;      /* (Kp / 32, Mp) chunk scales, transposed: one chunk's rows are adjacent */
-    float *dsum;   /* (Kp / 32, Mp) d * sum(q_x) of the chunk */
+    int8_t *q;      /* (M, Kp), chunk-permuted like the fp32 path when int4 */
+    int64_t Mp;     /* M rounded up to MTI */
+    float *d;       /* (Kp / block, Mp) block scales, transposed: one block's rows are adjacent */
+    float *dsum;    /* (Kp / 32, Mp) d * sum(q_x) of the chunk (32-input blocks) */
+    int16_t *bsum;  /* (M, Kp / 16) sum(q_x) of each 16 inputs (256-input blocks, GGML K-quants:
+                     * quantize_superblocks in cpu_formats.c) */
 } qacts;
 
 static qacts quantize_activations(const float *x, int64_t M, int64_t K, int64_t ldx, int64_t Kp,
@@ -202,7 +229,7 @@ static qacts quantize_activations(const float *x, int64_t M, int64_t K, int64_t 
     const int64_t nchunk = Kp / CHUNK, Mp = (M + MTI - 1) / MTI * MTI;
     qacts a = {aligned_alloc(64, (size_t)((M * Kp + 63) / 64 * 64)), Mp,
                calloc((size_t)(nchunk * Mp), sizeof(float)),
-               calloc((size_t)(nchunk * Mp), sizeof(float))};
+               calloc((size_t)(nchunk * Mp), sizeof(float)), NULL};
     float *xp = pack_activations(x, M, K, ldx, Kp, permute);
     const __m256 sign = _mm256_set1_ps(-0.f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -246,6 +273,7 @@ static void free_activations(qacts a)
     free(a.q);
     free(a.d);
     free(a.dsum);
+    free(a.bsum);
 }
 
 /* Lane i of v in all 8 lanes (i a constant once inlined). */
@@ -377,10 +405,10 @@ static inline void f32_rows(const float *w, int64_t K, const float *x, const int
 /* y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) for int4 weights: x (M, K) fp32 with row
  * stride ldx, K <= Kp, y (M, N) with row stride ldy. Parallel over weight rows; each row is
  * read once per MT activation rows. */
-void q4_matmul(const float *x, int64_t M, int64_t K, int64_t ldx,
-               const uint8_t *qw, const half *scales, const half *offsets,
-               int64_t N, int64_t Kp, int64_t group_size,
-               const float *bias, float *y, int64_t ldy, int i8, int nthreads)
+static void q4_matmul(const float *x, int64_t M, int64_t K, int64_t ldx,
+                      const uint8_t *qw, const half *scales, const half *offsets,
+                      int64_t N, int64_t Kp, int64_t group_size,
+                      const float *bias, float *y, int64_t ldy, int i8, int nthreads)
 {
     const int64_t nchunk = Kp / CHUNK, G = Kp / group_size, per_group = group_size / CHUNK;
 #ifdef HAVE_I8_PATH
@@ -424,10 +452,10 @@ void q4_matmul(const float *x, int64_t M, int64_t K, int64_t ldx,
 }
 
 /* The same for int8 weights (symmetric, w = q * scale, groups of group_size along K). */
-void q8_matmul(const float *x, int64_t M, int64_t K, int64_t ldx,
-               const int8_t *qw, const half *scales,
-               int64_t N, int64_t Kp, int64_t group_size,
-               const float *bias, float *y, int64_t ldy, int i8, int nthreads)
+static void q8_matmul(const float *x, int64_t M, int64_t K, int64_t ldx,
+                      const int8_t *qw, const half *scales,
+                      int64_t N, int64_t Kp, int64_t group_size,
+                      const float *bias, float *y, int64_t ldy, int i8, int nthreads)
 {
     const int64_t G = Kp / group_size, nchunk = Kp / CHUNK;
 #ifdef HAVE_I8_PATH
@@ -473,8 +501,8 @@ void q8_matmul(const float *x, int64_t M, int64_t K, int64_t ldx,
 
 /* Dequantize rows [0, N) of a packed matrix into w (N, K) fp32: the prefill path then runs one
  * dense GEMM, which at many rows beats re-dequantizing per row tile. */
-void q4_dequant(const uint8_t *qw, const half *scales, const half *offsets,
-                int64_t N, int64_t K, int64_t Kp, int64_t group_size, float *w, int nthreads)
+static void q4_dequant(const uint8_t *qw, const half *scales, const half *offsets,
+                       int64_t N, int64_t K, int64_t Kp, int64_t group_size, float *w, int nthreads)
 {
     const int64_t G = Kp / group_size;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
@@ -493,8 +521,8 @@ void q4_dequant(const uint8_t *qw, const half *scales, const half *offsets,
     }
 }
 
-void q8_dequant(const int8_t *qw, const half *scales, int64_t N, int64_t K, int64_t Kp,
-                int64_t group_size, float *w, int nthreads)
+static void q8_dequant(const int8_t *qw, const half *scales, int64_t N, int64_t K, int64_t Kp,
+                       int64_t group_size, float *w, int nthreads)
 {
     const int64_t G = Kp / group_size;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
@@ -1171,6 +1199,76 @@ void f32_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const float *
     }
 }
 
+#include "cpu_formats.c"
+
+/* ---- one entry for every weight kind ---------------------------------------------------------
+ * y (M, N), row stride ldy, = x (M, K), row stride ldx, times W^T (+ W's bias). i8: quantize the
+ * activations to int8 (int4/int8/GGML kinds; dense kinds keep fp32). Returns 0, or -1 for a kind
+ * this build does not know. */
+int wmatmul(const wdesc *W, const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy, int i8,
+            int nthreads)
+{
+    switch (W->kind) {
+    case KIND_F32:
+        f32_matmul(x, M, W->K, ldx, W->w, W->N, W->bias, y, ldy, nthreads);
+        return 0;
+    case KIND_INT4:
+        q4_matmul(x, M, W->K, ldx, W->w, W->scales, W->offsets, W->N, W->Kp, W->group_size,
+                  W->bias, y, ldy, i8, nthreads);
+        return 0;
+    case KIND_INT8:
+        q8_matmul(x, M, W->K, ldx, W->w, W->scales, W->N, W->Kp, W->group_size, W->bias, y, ldy,
+                  i8, nthreads);
+        return 0;
+    case KIND_F16:
+    case KIND_BF16:
+        half_matmul(W, x, M, ldx, y, ldy, nthreads);
+        return 0;
+    default: {
+        const ggml_type *t = ggml_type_of(W->kind);
+        if (!t)
+            return -1;
+        ggml_matmul(t, W, x, M, ldx, y, ldy, i8, nthreads);
+        return 0;
+    }
+    }
+}
+
+/* out (N, K) fp32 = W, for the prefill path (many rows: dequantize once, then one dense GEMM).
+ * Returns 0, or -1 for an unknown kind. */
+int wdequant(const wdesc *W, float *out, int nthreads)
+{
+    switch (W->kind) {
+    case KIND_F32:
+        memcpy(out, W->w, sizeof(float) * (size_t)(W->N * W->K));
+        return 0;
+    case KIND_INT4:
+        q4_dequant(W->w, W->scales, W->offsets, W->N, W->K, W->Kp, W->group_size, out, nthreads);
+        return 0;
+    case KIND_INT8:
+        q8_dequant(W->w, W->scales, W->N, W->K, W->Kp, W->group_size, out, nthreads);
+        return 0;
+    case KIND_F16:
+    case KIND_BF16:
+        half_dequant(W, out, nthreads);
+        return 0;
+    default: {
+        const ggml_type *t = ggml_type_of(W->kind);
+        if (!t)
+            return -1;
+        ggml_dequant(t, W, out, nthreads);
+        return 0;
+    }
+    }
+}
+
+/* Whether wmatmul/wdequant know this kind (kernels/cpu_ops.py supports asks). */
+int wkind_known(int64_t kind)
+{
+    return kind == KIND_F32 || kind == KIND_INT4 || kind == KIND_INT8 || kind == KIND_F16 ||
+           kind == KIND_BF16 || ggml_type_of(kind) != NULL;
+}
+
 /* ---- the fused decode step -------------------------------------------------------------------
  * Every decoder layer of a Llama-family model for one decode step (T tokens, one per sequence),
  * in one call, so Python is not on the per-layer path:
@@ -1178,26 +1276,30 @@ void f32_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const float *
  *     h = rmsnorm(x) * w_in;  qkv = h Wqkv^T;  rope(q, k);  write k, v;  a = attention(q)
  *     x += a Wo^T;  h = rmsnorm(x) * w_post;  g, u = h Wgu^T;  x += (silu(g) * u) Wdown^T
  *
- * Each layer is described by LAYER_SLOTS int64 values (pointers and sizes; see
- * kernels/cpu_ops.py CpuDecoder, which builds them once from the model's tensors). */
-enum { LIN_DENSE = 0, LIN_Q4 = 1, LIN_Q8 = 2 };
-#define LIN_SLOTS 9 /* kind, weight/qweight, scales, offsets, bias, N, K, Kp, group_size */
-/* norm weights, the 4 linears, then the layer's kv_layer */
-#define LAYER_SLOTS (2 + 4 * LIN_SLOTS + (int64_t)(sizeof(kv_layer) / sizeof(int64_t)))
+ * Each layer is one dlayer (kernels/cpu_ops.py DLayer, built once from the model's tensors by
+ * CpuDecoder). A linear's output rows may come in up to MAX_SEGMENTS row blocks of different
+ * kinds (a Q4_K_M file's q/k in q4_k and v in q6_k), each writing its own columns:
+ *
+ *     y (T, N):  [ seg 0: N0 columns | seg 1: N1 columns | ... ]     N = N0 + N1 + ...
+ */
+#define MAX_SEGMENTS 3
+typedef struct {
+    int64_t nseg;
+    wdesc seg[MAX_SEGMENTS]; /* in output order, each with its slice of the bias */
+} wlinear;
 
-static void linear(const int64_t *L, const float *x, int64_t M, float *y, int i8, int nthreads)
+typedef struct {
+    const float *norm_in, *norm_post; /* (hidden,) */
+    wlinear qkv, o, gate_up, down;
+    kv_layer cache;
+} dlayer;
+
+/* y (M, N) = x (M, K) W^T, W the linear's segments side by side. */
+static void linear(const wlinear *L, const float *x, int64_t M, int64_t K, float *y, int64_t N,
+                   int i8, int nthreads)
 {
-    const int kind = (int)L[0];
-    const void *w = (const void *)L[1];
-    const half *sc = (const half *)L[2], *of = (const half *)L[3];
-    const float *bias = (const float *)L[4];
-    const int64_t N = L[5], K = L[6], Kp = L[7], gs = L[8];
-    if (kind == LIN_DENSE)
-        f32_matmul(x, M, K, K, (const float *)w, N, bias, y, N, nthreads);
-    else if (kind == LIN_Q4)
-        q4_matmul(x, M, K, K, (const uint8_t *)w, sc, of, N, Kp, gs, bias, y, N, i8, nthreads);
-    else
-        q8_matmul(x, M, K, K, (const int8_t *)w, sc, N, Kp, gs, bias, y, N, i8, nthreads);
+    for (int64_t s = 0, col = 0; s < L->nseg; col += L->seg[s].N, s++)
+        wmatmul(&L->seg[s], x, M, K, y + col, N, i8, nthreads);
 }
 
 /* HF LlamaRMSNorm: w * (x / sqrt(mean(x^2) + eps)), fp32. */
@@ -1250,7 +1352,7 @@ static void silu_mul(const float *gu, int64_t T, int64_t inter, float *act, int 
     }
 }
 
-void decode_layers(const int64_t *layers, int64_t num_layers, float *x, int64_t T,
+void decode_layers(const dlayer *layers, int64_t num_layers, float *x, int64_t T,
                    int64_t hidden, int64_t H, int64_t hkv, int d, int64_t inter, float eps,
                    const int64_t *positions, const float *cos_table, const float *sin_table,
                    int kv_kind, const int64_t *slots, const int64_t *tables, int64_t max_blocks,
@@ -1268,12 +1370,9 @@ void decode_layers(const int64_t *layers, int64_t num_layers, float *x, int64_t 
     float *act = malloc(sizeof(float) * (size_t)(T * inter));
     float *o = malloc(sizeof(float) * (size_t)(T * hidden));
     for (int64_t l = 0; l < num_layers; l++) {
-        const int64_t *L = layers + l * LAYER_SLOTS;
-        const int64_t *lin = L + 2;
-        kv_layer cache;
-        memcpy(&cache, L + 2 + 4 * LIN_SLOTS, sizeof cache);
-        rmsnorm(x, (const float *)L[0], T, hidden, eps, h);
-        linear(lin, h, T, qkv, i8, nthreads);
+        const dlayer *L = layers + l;
+        rmsnorm(x, L->norm_in, T, hidden, eps, h);
+        linear(&L->qkv, h, T, hidden, qkv, qkv_n, i8, nthreads);
         for (int64_t t = 0; t < T; t++) {
             const float *row = qkv + t * qkv_n;
             memcpy(q + t * qs, row, sizeof(float) * qs);
@@ -1283,16 +1382,16 @@ void decode_layers(const int64_t *layers, int64_t num_layers, float *x, int64_t 
             rope(q + t * qs, H, d, c, s);
             rope(k + t * kvs, hkv, d, c, s);
         }
-        kv_write(kv_kind, k, v, slots, T, hkv, d, &cache, nthreads);
-        paged_decode(kv_kind, q, att, T, H, hkv, d, &cache, tables, max_blocks, seq_lens,
+        kv_write(kv_kind, k, v, slots, T, hkv, d, &L->cache, nthreads);
+        paged_decode(kv_kind, q, att, T, H, hkv, d, &L->cache, tables, max_blocks, seq_lens,
                      block_size, scale, window, nthreads);
-        linear(lin + LIN_SLOTS, att, T, o, i8, nthreads);
+        linear(&L->o, att, T, qs, o, hidden, i8, nthreads);
         for (int64_t j = 0; j < T * hidden; j++)
             x[j] += o[j];
-        rmsnorm(x, (const float *)L[1], T, hidden, eps, h);
-        linear(lin + 2 * LIN_SLOTS, h, T, gu, i8, nthreads);
+        rmsnorm(x, L->norm_post, T, hidden, eps, h);
+        linear(&L->gate_up, h, T, hidden, gu, 2 * inter, i8, nthreads);
         silu_mul(gu, T, inter, act, nthreads);
-        linear(lin + 3 * LIN_SLOTS, act, T, o, i8, nthreads);
+        linear(&L->down, act, T, inter, o, hidden, i8, nthreads);
         for (int64_t j = 0; j < T * hidden; j++)
             x[j] += o[j];
     }

@@ -1,10 +1,16 @@
-"""The CPU fast path: kernels/cpu_ops.c, compiled once per machine and called through ctypes.
+"""The CPU fast path: kernels/cpu_ops.c (with kernels/cpu_formats.c), compiled once per machine
+and called through ctypes.
 
-The C file is built at first use with the system C compiler and CFLAGS (`-O3 -march=native
--fopenmp` ...) into $QSERVE_HOME/build/, keyed by a hash of the source, the flags and the
+The C source is built at first use with the system C compiler and CFLAGS (`-O3 -march=native
+-fopenmp` ...) into $QSERVE_HOME/build/, keyed by a hash of the sources, the flags and the
 machine, so an upgrade or a different CPU rebuilds it. Without a compiler, or if the build
 fails, `lib()` returns None once and the model keeps the pure-torch reference path
-(kernels/paged_attention.py, QuantizedTensor.dequantize); the reason is logged, never raised.
+(kernels/paged_attention.py, QuantizedTensor.dequantize); the reason is logged, never raised,
+unless QSERVE_REQUIRE_KERNELS=1 (CI), which makes a failed build an error.
+
+A weight matrix crosses into C as one WDesc (wdesc in cpu_ops.c): its format's kind from the
+registry (qserve/formats/registry.py), pointers and sizes. `weight_matmul` runs any format
+`supports` accepts; `CpuDecoder` runs a whole decode step over layers whose linears mix formats.
 
 OpenMP: the library links libgomp.so.1 by soname, so inside a process where torch has loaded
 its own libgomp the loader reuses that one: one thread pool, sized from torch.get_num_threads().
@@ -24,11 +30,14 @@ from pathlib import Path
 
 import torch
 
+from qserve.formats import QuantizedTensor
+from qserve.formats.registry import KIND_INT4, KIND_INT8
 from qserve.kernels.kv_quant import CODEBOOK, KEY_BITS
 
 log = logging.getLogger("qserve.kernels")
 
 SOURCE = Path(__file__).with_name("cpu_ops.c")
+SOURCES = (SOURCE, SOURCE.with_name("cpu_formats.c"))  # cpu_ops.c #includes the second
 # Above this many rows, dequantize once and run one dense GEMM (prefill); at or below it, the
 # fused kernel reads the packed weight once for all rows (decode).
 FUSED_MAX_ROWS = 32
@@ -41,23 +50,53 @@ MAX_HEAD_DIM = 1024
 
 _lib: ctypes.CDLL | None = None
 _tried = False
+_error: str | None = None  # why the build failed
 _disabled = 0  # > 0 inside `disabled()`
 
 _i64, _int, _flt, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
-_SIGNATURES = {
-    "q4_matmul": [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _i64,
-                  _int, _int],
-    "q8_matmul": [_ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _int,
-                  _int],
-    "q4_dequant": [_ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _int],
-    "q8_dequant": [_ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _int],
-    "kv_write": [_int, _ptr, _ptr, _ptr, _i64, _i64, _int, _ptr, _int],
-    "f32_matmul": [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _int],
-    "decode_layers": [_ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _int, _i64, _flt, _ptr, _ptr,
-                      _ptr, _int, _ptr, _ptr, _i64, _ptr, _i64, _i64, _flt, _int, _int],
-    "copy_rows": [_ptr, _ptr, _ptr, _ptr, _i64, _i64],
-    "paged_decode": [_int, _ptr, _ptr, _i64, _i64, _i64, _int, _ptr, _ptr, _i64, _ptr, _i64,
-                     _flt, _i64, _int],
+
+
+class WDesc(ctypes.Structure):
+    """One weight matrix W (N, K) as the C kernels take it (wdesc in cpu_ops.c, same order)."""
+
+    _fields_ = [("kind", _i64),  # qserve/formats/registry.py WeightFormat.kind
+                ("w", _ptr),  # dense (N, K), int4/int8 qweight, or GGML rows
+                ("scales", _ptr), ("offsets", _ptr),  # int4/int8 fp16 (N, G), else NULL
+                ("bias", _ptr),  # fp32 (N,) or NULL
+                ("N", _i64), ("K", _i64),
+                ("Kp", _i64),  # int4/int8: K padded to whole groups; others K
+                ("group_size", _i64),  # int4/int8 group, GGML block, dense 1
+                ("row_bytes", _i64)]
+
+
+MAX_SEGMENTS = 3  # row blocks per linear in the fused decode step (wlinear in cpu_ops.c)
+
+
+class WLinear(ctypes.Structure):
+    """A linear's output rows as up to MAX_SEGMENTS row blocks, each in its own format."""
+
+    _fields_ = [("nseg", _i64), ("seg", WDesc * MAX_SEGMENTS)]
+
+
+class DLayer(ctypes.Structure):
+    """One decoder layer as decode_layers reads it (dlayer in cpu_ops.c)."""
+
+    _fields_ = [("norm_in", _ptr), ("norm_post", _ptr), ("qkv", WLinear), ("o", WLinear),
+                ("gate_up", WLinear), ("down", WLinear), ("cache", _i64 * len(KV_TENSORS))]
+
+
+_WDESC = ctypes.POINTER(WDesc)
+_SIGNATURES = {  # name: (argtypes, restype)
+    "wmatmul": ([_WDESC, _ptr, _i64, _i64, _ptr, _i64, _int, _int], _int),
+    "wdequant": ([_WDESC, _ptr, _int], _int),
+    "wkind_known": ([_i64], _int),
+    "kv_write": ([_int, _ptr, _ptr, _ptr, _i64, _i64, _int, _ptr, _int], None),
+    "f32_matmul": ([_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _int], None),
+    "decode_layers": ([_ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _int, _i64, _flt, _ptr, _ptr,
+                       _ptr, _int, _ptr, _ptr, _i64, _ptr, _i64, _i64, _flt, _int, _int], None),
+    "copy_rows": ([_ptr, _ptr, _ptr, _ptr, _i64, _i64], None),
+    "paged_decode": ([_int, _ptr, _ptr, _i64, _i64, _i64, _int, _ptr, _ptr, _i64, _ptr, _i64,
+                      _flt, _i64, _int], None),
 }
 
 
@@ -72,7 +111,7 @@ CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fno-trapping-math", "-
 def _build_path() -> Path:
     from qserve.loader.registry import model_home
 
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(CFLAGS).encode()
                          + platform.machine().encode() + platform.node().encode()).hexdigest()[:16]
     return model_home() / "build" / f"cpu_ops-{key}.so"
 
@@ -98,26 +137,30 @@ def _compile(out: Path) -> None:
 
 def lib() -> ctypes.CDLL | None:
     """The compiled library, building it on first use; None where it cannot be built or is
-    switched off (QSERVE_KERNELS=reference)."""
-    global _lib, _tried
+    switched off (QSERVE_KERNELS=reference). With QSERVE_REQUIRE_KERNELS=1 a failed build
+    raises RuntimeError (with the compiler's message) instead, on every call."""
+    global _lib, _tried, _error
     if _disabled:
         return None
-    if _tried:
-        return _lib
-    _tried = True
-    if os.environ.get("QSERVE_KERNELS", "auto") == "reference":
-        return None
-    try:
-        path = _build_path()
-        if not path.exists():
-            _compile(path)
-        handle = ctypes.CDLL(str(path))
-        for name, argtypes in _SIGNATURES.items():
-            fn = getattr(handle, name)
-            fn.argtypes, fn.restype = argtypes, None
-        _lib = handle
-    except Exception as e:  # any failure leaves the reference path, which is always correct
-        log.warning("CPU kernels unavailable, using the pure-torch path: %s", e)
+    if not _tried:
+        _tried = True
+        if os.environ.get("QSERVE_KERNELS", "auto") == "reference":
+            return None
+        try:
+            path = _build_path()
+            if not path.exists():
+                _compile(path)
+            handle = ctypes.CDLL(str(path))
+            for name, (argtypes, restype) in _SIGNATURES.items():
+                fn = getattr(handle, name)
+                fn.argtypes, fn.restype = argtypes, restype
+            _lib = handle
+        except Exception as e:  # any failure leaves the reference path, which is always correct
+            _error = str(e)
+            log.warning("CPU kernels unavailable, using the pure-torch path: %s", e)
+    if _lib is None and _error is not None and os.environ.get("QSERVE_REQUIRE_KERNELS") == "1":
+        raise RuntimeError(f"the CPU kernels are required (QSERVE_REQUIRE_KERNELS=1) but did "
+                           f"not build: {_error}")
     return _lib
 
 
@@ -147,43 +190,67 @@ def _threads() -> int:
     return torch.get_num_threads()
 
 
-# ---- dequant-matmul --------------------------------------------------------------------------
-def dequant_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                   offsets: torch.Tensor | None, in_features: int,
-                   bias: torch.Tensor | None = None, int8_activations: bool = False
-                   ) -> torch.Tensor:
-    """x (M, K) fp32 @ W^T for a packed W (N, K) -> (M, N) fp32 (+ bias).
+# ---- weight matmul ---------------------------------------------------------------------------
+def _desc(qt: QuantizedTensor, bias: torch.Tensor | None = None) -> WDesc:
+    """The WDesc of qt (N, K) with this bias (N,); the caller keeps both alive meanwhile."""
+    w = qt.qweight
+    grouped = qt.fmt.kind in (KIND_INT4, KIND_INT8)
+    return WDesc(qt.fmt.kind, _p(w), _p(qt.scales), _p(qt.offsets), _p(bias), w.shape[0],
+                 qt.in_features, qt.padded_in, qt.group_size if grouped else qt.fmt.block,
+                 w.stride(0) * w.element_size())
 
-    The layout is qserve/quant/schemes.py's; the reference is
-    F.linear(x, QuantizedTensor(qweight, scales, offsets, in_features).dequantize(), bias).
+
+def supports(qt: QuantizedTensor) -> bool:
+    """Whether weight_matmul runs this matrix: a format the C kernels know, its tensors on the
+    CPU, contiguous and shaped as the format says (int4: groups a multiple of 32 inputs)."""
+    L = lib()
+    if L is None or not L.wkind_known(qt.fmt.kind):
+        return False
+    if any(t.device.type != "cpu" or not t.is_contiguous() for t in qt.tensors().values()):
+        return False
+    return qt.validate() is None and (qt.format != "int4" or qt.group_size % 32 == 0)
+
+
+def weight_matmul(x: torch.Tensor, qt: QuantizedTensor, bias: torch.Tensor | None = None,
+                  int8_activations: bool = False, out: torch.Tensor | None = None
+                  ) -> torch.Tensor:
+    """x (M, K) fp32 @ W^T (+ bias) for W = qt (N, K) in any format `supports` accepts
+    -> (M, N) fp32; the reference is F.linear(x, qt.dequantize(), bias).
+
+    Args:
+        x: activations, stride(1) == 1 (rows may be strided).
+        bias: fp32 (N,), contiguous, or None.
+        int8_activations: quantize x to int8 (per 32 inputs; per 256 for the GGML K-quants)
+            for the packed formats' integer dot products, as llama.cpp does; dense formats
+            ignore it.
+        out: where to write, an (M, N) fp32 view with stride(1) == 1, e.g. a column slice
+            y[:, n0:n1] of a wider output that several segments fill.
+    Returns:
+        out, or a new (M, N) tensor.
     """
     L = lib()
     assert L is not None
     M, K = x.shape
-    N = qweight.shape[0]
-    bits = 4 if qweight.dtype == torch.uint8 else 8
-    Kp = qweight.shape[1] * (2 if bits == 4 else 1)
-    gs = Kp // scales.shape[1]
-    assert K == in_features and x.dtype == torch.float32 and x.stride(1) == 1, (x.shape, x.dtype)
-    assert qweight.is_contiguous() and scales.is_contiguous() and scales.dtype == torch.float16
-    assert offsets is None or (offsets.is_contiguous() and offsets.dtype == torch.float16)
-    assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())
-    assert bits == 8 or gs % 32 == 0, f"int4 group size {gs} is not a multiple of 32"
+    N = qt.shape[0]
+    assert K == qt.in_features and x.dtype == torch.float32 and x.stride(1) == 1, (x.shape, x.dtype)
+    assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()
+                            and bias.shape == (N,))
+    if out is None:
+        out = torch.empty(M, N, dtype=torch.float32)
+    assert out.shape == (M, N) and out.dtype == torch.float32 and out.stride(1) == 1
+    if M == 0:
+        return out
+    desc = _desc(qt, bias)
     if M > FUSED_MAX_ROWS:  # prefill: dequantize once, one dense GEMM
-        w = torch.empty(N, K, dtype=torch.float32)
-        if bits == 4:
-            L.q4_dequant(_p(qweight), _p(scales), _p(offsets), N, K, Kp, gs, _p(w), _threads())
-        else:
-            L.q8_dequant(_p(qweight), _p(scales), N, K, Kp, gs, _p(w), _threads())
-        return torch.nn.functional.linear(x, w, bias)
-    y = torch.empty(M, N, dtype=torch.float32)
-    if bits == 4:
-        L.q4_matmul(_p(x), M, K, x.stride(0), _p(qweight), _p(scales), _p(offsets), N, Kp, gs,
-                    _p(bias), _p(y), N, int(int8_activations), _threads())
-    else:
-        L.q8_matmul(_p(x), M, K, x.stride(0), _p(qweight), _p(scales), N, Kp, gs, _p(bias),
-                    _p(y), N, int(int8_activations), _threads())
-    return y
+        w = qt.qweight
+        if qt.format != "f32":
+            w = torch.empty(N, K, dtype=torch.float32)
+            assert L.wdequant(ctypes.byref(desc), _p(w), _threads()) == 0
+        out.copy_(torch.nn.functional.linear(x, w, bias))
+        return out
+    assert L.wmatmul(ctypes.byref(desc), _p(x), M, x.stride(0), _p(out), out.stride(0),
+                     int(int8_activations), _threads()) == 0
+    return out
 
 
 # ---- KV cache --------------------------------------------------------------------------------
@@ -265,42 +332,38 @@ def paged_decode(q: torch.Tensor, cache: dict[str, torch.Tensor], block_tables: 
 
 
 # ---- the fused decode step -------------------------------------------------------------------
-LIN_DENSE, LIN_Q4, LIN_Q8 = 0, 1, 2
-
-
-def _linear_slots(module: torch.nn.Module) -> list[int] | None:
-    """kind, weight, scales, offsets, bias, N, K, Kp, group_size of one linear, as
-    decode_layers reads them; None if the C code cannot run it."""
-    from qserve.quant.linear import QuantLinear
-
+def _linear(module: torch.nn.Module) -> WLinear | None:
+    """One linear as decode_layers reads it: a QuantLinear's row segments (`module.segments`,
+    any mix of formats, up to MAX_SEGMENTS) or an nn.Linear's fp32 weight, each segment with its
+    slice of the bias; None if the C code cannot run it."""
     bias = getattr(module, "bias", None)
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         return None
-    if isinstance(module, QuantLinear):
-        qw, sc, of = module.qweight, module.scales, module.offsets
-        bits = 4 if qw.dtype == torch.uint8 else 8
-        Kp = qw.shape[1] * (2 if bits == 4 else 1)
-        gs = Kp // sc.shape[1]
-        if bits == 4 and gs % 32 or sc.dtype != torch.float16:
-            return None
-        return [LIN_Q4 if bits == 4 else LIN_Q8, _p(qw), _p(sc), _p(of) or 0, _p(bias) or 0,
-                qw.shape[0], module.in_features, Kp, gs]
-    w = module.weight
-    if w.dtype != torch.float32 or not w.is_contiguous():
+    segments = getattr(module, "segments", None)
+    if segments is None:  # a dense nn.Linear
+        w = module.weight
+        segments = [QuantizedTensor("f32", w, None, None, w.shape[1])]
+    if not 0 < len(segments) <= MAX_SEGMENTS or not all(supports(s) for s in segments):
         return None
-    return [LIN_DENSE, _p(w), 0, 0, _p(bias) or 0, w.shape[0], w.shape[1], w.shape[1], 1]
+    lin, n0 = WLinear(len(segments)), 0
+    for i, seg in enumerate(segments):
+        n1 = n0 + seg.shape[0]
+        lin.seg[i] = _desc(seg, None if bias is None else bias[n0:n1])
+        n0 = n1
+    return lin
 
 
 class CpuDecoder:
     """All decoder layers of a decode step in one C call (decode_layers).
 
     Built once per (model, KV cache): it records the raw addresses of the weights and cache
-    tensors, and holds references to them so they outlive it. `build` returns None where the
-    C path does not apply (not fp32 on CPU, an unsupported linear or cache)."""
+    tensors (one DLayer per layer), and holds references to them so they outlive it. `build`
+    returns None where the C path does not apply (not fp32 on CPU, an unsupported linear or
+    cache)."""
 
-    def __init__(self, model, caches: list[dict[str, torch.Tensor]], slots: list[int]):
+    def __init__(self, model, caches: list[dict[str, torch.Tensor]], layers: list[DLayer]):
         self.model, self.caches = model, caches
-        self.table = torch.tensor(slots, dtype=torch.int64)
+        self.layers = (DLayer * len(layers))(*layers)
         arch = model.arch
         self.kind = KV_KINDS[caches[0]["k"].dtype]
         self.dims = (arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim,
@@ -314,18 +377,17 @@ class CpuDecoder:
         d = model.arch.head_dim
         if d % 2 or d > MAX_HEAD_DIM or not all(supports_cache(c) for c in caches):
             return None
-        slots: list[int] = []
+        layers: list[DLayer] = []
         for layer, cache in zip(model.layers, caches):
             attn, mlp = layer.self_attn, layer.mlp
-            lins = [_linear_slots(m) for m in
+            lins = [_linear(m) for m in
                     (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             if any(x is None for x in lins):
                 return None
-            slots += [_p(layer.input_layernorm.weight), _p(layer.post_attention_layernorm.weight)]
-            for x in lins:
-                slots += x
-            slots += _kv_addresses(cache)
-        return cls(model, caches, slots)
+            layers.append(DLayer(_p(layer.input_layernorm.weight),
+                                 _p(layer.post_attention_layernorm.weight), *lins,
+                                 (_i64 * len(KV_TENSORS))(*_kv_addresses(cache))))
+        return cls(model, caches, layers)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         """x (T, hidden) fp32 embeddings of one decode step -> (T, hidden) before the final
@@ -336,8 +398,8 @@ class CpuDecoder:
         rope = self.model.rope
         pos, slots = positions.contiguous(), meta.slot_mapping.contiguous()
         tables, lens = meta.block_tables.contiguous(), meta.seq_lens.contiguous()
-        lib().decode_layers(_p(self.table), len(self.caches), _p(x), T, hidden, H, hkv, d,
-                            inter, eps, _p(pos), _p(rope.cos), _p(rope.sin), self.kind,
+        lib().decode_layers(ctypes.addressof(self.layers), len(self.caches), _p(x), T, hidden, H,
+                            hkv, d, inter, eps, _p(pos), _p(rope.cos), _p(rope.sin), self.kind,
                             _p(slots), _p(tables), tables.shape[1], _p(lens),
                             self.caches[0]["k"].shape[1], meta.sliding_window or 0,
                             self.model.layers[0].self_attn.scale, int(self.int8_activations),

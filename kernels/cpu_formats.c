@@ -1,0 +1,740 @@
+/* Weight formats beyond qserve's int4/int8: GGML blocks read in place (q5_0, q5_1, q2_k .. q6_k)
+ * and dense fp16/bf16. #included by cpu_ops.c after its int4/int8 kernels, whose helpers (hsum,
+ * lane, qacts, quantize_activations, FOR_EACH_*) these share; wmatmul and wdequant there switch
+ * on the kind and land here.
+ *
+ * Block layouts (little-endian; d, dmin, m fp16; gguf-py's dequantization is the reference that
+ * qserve/formats/ggml.py mirrors):
+ *
+ *   q5_0  32 inputs,  22 B  d | qh[4] | qs[16]                 w = d (q - 16)
+ *   q5_1  32 inputs,  24 B  d | m | qh[4] | qs[16]             w = d q + m
+ *   q2_k  256 inputs, 84 B  sm[16] | qs[64] | d | dmin         w = d sc_s q - dmin m_s
+ *   q3_k  256,       110 B  hmask[32] | qs[64] | sc[12] | d    w = d sc_s (q - 4)
+ *   q4_k  256,       144 B  d | dmin | sc[12] | qs[128]        w = d sc_j q - dmin m_j
+ *   q5_k  256,       176 B  d | dmin | sc[12] | qh[32] | qs[128]    (as q4_k, 5-bit q)
+ *   q6_k  256,       210 B  ql[128] | qh[64] | sc[16] | d      w = d sc_s (q - 32)
+ *
+ * s = i / 16 and j = i / 32 index sub-blocks of a super-block; q2_k's byte sm[s] holds sc_s (low
+ * nibble) and m_s (high); q3_k's 12 bytes hold 16 6-bit scales biased by 32 (k3_words), q4_k's
+ * and q5_k's 8 6-bit scales and 8 mins (k4_words); q6_k's scales are int8. Where input i's code
+ * bits sit, writing i = 128 h + 32 t + l (h < 2, t < 4, l < 32):
+ *
+ *   q5_0/q5_1  low 4: nibble (i >= 16) of qs[i % 16]; bit 4: bit i of qh
+ *   q2_k/q3_k  low 2: bits 2t, 2t + 1 of qs[32 h + l]; q3_k bit 2: bit 4h + t of hmask[l]
+ *   q4_k/q5_k  each 32 bytes of qs hold two sub-blocks, low nibbles then high: i = 64 p + 32 u
+ *              + l (p < 4, u < 2) is nibble u of qs[32 p + l]; q5_k bit 4: bit i / 32 of qh[l]
+ *   q6_k       low 4: nibble (t >= 2) of ql[64 h + 32 (t % 2) + l]; high 2: bits 2t, 2t + 1 of
+ *              qh[32 h + l]
+ *
+ * Every type has a block decoder (the reference arithmetic: scale products first, then one
+ * multiply-add per weight), used by wdequant, by the fp32-activation path (decode a block into
+ * floats, then dot it with every activation row) and on machines without AVX2; and, with AVX2,
+ * an int8-activation row kernel in llama.cpp's style (below). */
+
+#define QK_K 256 /* inputs per K-quant super-block */
+
+static inline float ld_half(const uint8_t *p)
+{
+    half h;
+    memcpy(&h, p, sizeof h);
+    return (float)h;
+}
+
+/* q4_k/q5_k: 12 bytes -> 4 words holding bytes [8 scales, 8 mins], all 6-bit. Bytes 0-3 hold
+ * scales 0-3 (bits 0-5) and the top bits of scales 4-7, bytes 4-7 mins 0-3 and the top bits of
+ * mins 4-7, bytes 8-11 the low nibbles of scales 4-7 (low) and mins 4-7 (high). */
+static inline void k4_words(const uint8_t *p, uint32_t w[4])
+{
+    uint32_t a, b, c;
+    memcpy(&a, p, 4);
+    memcpy(&b, p + 4, 4);
+    memcpy(&c, p + 8, 4);
+    const uint32_t six = 0x3f3f3f3f, four = 0x0f0f0f0f, top = 0x30303030;
+    w[0] = a & six;
+    w[1] = (c & four) | ((a >> 2) & top);
+    w[2] = b & six;
+    w[3] = ((c >> 4) & four) | ((b >> 2) & top);
+}
+
+/* q3_k: 12 bytes -> 4 words holding its 16 scales + 32 as bytes. Bytes 0-7 hold the low nibbles
+ * (scales 0-7 low, 8-15 high), bytes 8-11 the top 2 bits (scale s: bits 2 (s / 4) of byte
+ * 8 + s % 4). */
+static inline void k3_words(const uint8_t *p, uint32_t w[4])
+{
+    uint32_t a, b, c;
+    memcpy(&a, p, 4);
+    memcpy(&b, p + 4, 4);
+    memcpy(&c, p + 8, 4);
+    const uint32_t four = 0x0f0f0f0f, two = 0x03030303;
+    w[0] = (a & four) | ((c & two) << 4);
+    w[1] = (b & four) | (((c >> 2) & two) << 4);
+    w[2] = ((a >> 4) & four) | (((c >> 4) & two) << 4);
+    w[3] = ((b >> 4) & four) | (((c >> 6) & two) << 4);
+}
+
+/* ---- block decoders: one block -> its block floats ------------------------------------------ */
+
+static void deq_q5(const uint8_t *b, float *y, const int asym)
+{
+    const float d = ld_half(b), m = asym ? ld_half(b + 2) : -16.f * d;
+    uint32_t qh;
+    memcpy(&qh, b + (asym ? 4 : 2), 4);
+    const uint8_t *qs = b + (asym ? 8 : 6);
+    for (int l = 0; l < 16; l++) {
+        y[l] = d * (float)((qs[l] & 15) | ((qh >> l) & 1) << 4) + m;
+        y[l + 16] = d * (float)((qs[l] >> 4) | ((qh >> (l + 16)) & 1) << 4) + m;
+    }
+}
+static void deq_q5_0(const uint8_t *b, float *y) { deq_q5(b, y, 0); }
+static void deq_q5_1(const uint8_t *b, float *y) { deq_q5(b, y, 1); }
+
+static void deq_q2_k(const uint8_t *b, float *y)
+{
+    const uint8_t *sm = b, *qs = b + 16;
+    const float d = ld_half(b + 80), dmin = ld_half(b + 82);
+    for (int h = 0; h < 2; h++)
+        for (int t = 0; t < 4; t++)
+            for (int half16 = 0; half16 < 2; half16++) {
+                const int s = 8 * h + 2 * t + half16;
+                const float dl = d * (float)(sm[s] & 15), ml = dmin * (float)(sm[s] >> 4);
+                for (int l = 16 * half16; l < 16 * half16 + 16; l++)
+                    y[128 * h + 32 * t + l] = dl * (float)((qs[32 * h + l] >> (2 * t)) & 3) - ml;
+            }
+}
+
+static void deq_q3_k(const uint8_t *b, float *y)
+{
+    const uint8_t *hm = b, *qs = b + 32;
+    const float d = ld_half(b + 108);
+    uint32_t w[4];
+    uint8_t sc[16]; /* scale + 32 */
+    k3_words(b + 96, w);
+    memcpy(sc, w, 16);
+    for (int h = 0; h < 2; h++)
+        for (int t = 0; t < 4; t++)
+            for (int half16 = 0; half16 < 2; half16++) {
+                const float dl = d * (float)(sc[8 * h + 2 * t + half16] - 32);
+                for (int l = 16 * half16; l < 16 * half16 + 16; l++) {
+                    const int q = ((qs[32 * h + l] >> (2 * t)) & 3)
+                                  | ((hm[l] >> (4 * h + t)) & 1) << 2;
+                    y[128 * h + 32 * t + l] = dl * (float)(q - 4);
+                }
+            }
+}
+
+static void deq_k4(const uint8_t *b, float *y, const int five)
+{
+    const float d = ld_half(b), dmin = ld_half(b + 2);
+    uint32_t w[4];
+    uint8_t sm[16];
+    k4_words(b + 4, w);
+    memcpy(sm, w, 16);
+    const uint8_t *qh = b + 16, *qs = b + (five ? 48 : 16);
+    for (int j = 0; j < 8; j++) {
+        const float dl = d * (float)sm[j], ml = dmin * (float)sm[8 + j];
+        const uint8_t *q = qs + 32 * (j / 2);
+        for (int l = 0; l < 32; l++) {
+            const int hi = five ? ((qh[l] >> j) & 1) << 4 : 0;
+            y[32 * j + l] = dl * (float)(((q[l] >> (4 * (j & 1))) & 15) | hi) - ml;
+        }
+    }
+}
+static void deq_q4_k(const uint8_t *b, float *y) { deq_k4(b, y, 0); }
+static void deq_q5_k(const uint8_t *b, float *y) { deq_k4(b, y, 1); }
+
+static void deq_q6_k(const uint8_t *b, float *y)
+{
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *sc = (const int8_t *)(b + 192);
+    const float d = ld_half(b + 208);
+    for (int h = 0; h < 2; h++)
+        for (int t = 0; t < 4; t++)
+            for (int half16 = 0; half16 < 2; half16++) {
+                const float dl = d * (float)sc[8 * h + 2 * t + half16];
+                for (int l = 16 * half16; l < 16 * half16 + 16; l++) {
+                    const int lo = (ql[64 * h + 32 * (t & 1) + l] >> (4 * (t >> 1))) & 15;
+                    const int q = lo | ((qh[32 * h + l] >> (2 * t)) & 3) << 4;
+                    y[128 * h + 32 * t + l] = dl * (float)(q - 32);
+                }
+            }
+}
+
+/* ---- int8-activation row kernels -------------------------------------------------------------
+ * As q4_row_i8: a row's codes are unpacked once per 32 inputs and multiplied with every
+ * activation row's int8 codes by _mm256_maddubs_epi16 (unsigned codes: q5 0..31, q6_k 0..63, so
+ * the int16 pair sums stay below 2 * 63 * 127 < 32767). q5_0/q5_1 pair with quantize_activations
+ * (one scale per 32 inputs, like their blocks). The K-quants pair with quantize_superblocks (one
+ * scale per 256 inputs, plus the sums of each 16 codes): a super-block's products then add up
+ * in int32 with the integer sub-block scales applied by _mm256_madd_epi16, and only the total
+ * is converted and scaled, once per super-block and activation row:
+ *
+ *   sum_i w_i x_i ~ d_w d_x (sum_s sc_s sum_{i in s} q_i q_x,i  -  z sum_s sc_s S_s)
+ *                   - dmin d_x sum_s m_s S_s
+ *
+ * with S_s the sum of sub-block s's activation codes, z the code offset (q3_k 4, q6_k 32) and m
+ * the mins (q2_k, q4_k, q5_k). For 16-input sub-blocks one madd against a vector holding sc_2c
+ * in its low 128-bit lane and sc_2c+1 in the high one scales both halves of a 32-input chunk. */
+#ifdef HAVE_I8_PATH
+
+static inline int hsum_epi32(__m256i v)
+{
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
+}
+
+/* Activations for the K-quants: each row's super-blocks of 256 inputs quantized to int8 with
+ * their own step d = max|x| / 127 (rounded as quantize_activations does), and the sums of each
+ * 16 codes. K is a multiple of QK_K. */
+static qacts quantize_superblocks(const float *x, int64_t M, int64_t K, int64_t ldx, int nthreads)
+{
+    const int64_t nsb = K / QK_K, Mp = (M + MTI - 1) / MTI * MTI;
+    qacts a = {aligned_alloc(64, (size_t)((M * K + 63) / 64 * 64)), Mp,
+               calloc((size_t)(nsb * Mp), sizeof(float)), NULL,
+               malloc(sizeof(int16_t) * (size_t)(M * K / 16 + 1))};
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (M >= 4)
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < nsb; b++) {
+            const float *v = x + m * ldx + b * QK_K;
+            __m256 mx = _mm256_setzero_ps();
+            for (int k = 0; k < QK_K; k += 8)
+                mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + k)));
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+            const __m256 id = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+            int8_t *q = a.q + m * K + b * QK_K;
+            int16_t *bs = a.bsum + m * (K / 16) + b * (QK_K / 16);
+            for (int c = 0; c < QK_K; c += 32) {
+                __m256i qi[4];
+                for (int u = 0; u < 4; u++)
+                    qi[u] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + c + 8 * u), id));
+                bs[c / 16] = (int16_t)hsum_epi32(_mm256_add_epi32(qi[0], qi[1]));
+                bs[c / 16 + 1] = (int16_t)hsum_epi32(_mm256_add_epi32(qi[2], qi[3]));
+                const __m256i q16 = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]),
+                                                       _mm256_packs_epi32(qi[2], qi[3]));
+                _mm256_storeu_si256((__m256i *)(q + c), _mm256_permutevar8x32_epi32(q16, order));
+            }
+            a.d[b * Mp + m] = amax / 127.f;
+        }
+    return a;
+}
+
+/* A super-block's activation codes of row m0 + i, and their per-16 sums. */
+#define XQ(i) (a->q + (m0 + (i)) * K + b * QK_K)
+#define XSUM(i) \
+    _mm256_loadu_si256((const __m256i *)(a->bsum + (m0 + (i)) * (K / 16) + b * (QK_K / 16)))
+
+/* int16 element j (< 8) of each 128-bit lane of v, in all of that lane */
+static inline __m256i pick16(__m256i v, int j)
+{
+    return _mm256_shuffle_epi8(v, _mm256_set1_epi16((short)((2 * j + 1) << 8 | 2 * j)));
+}
+
+/* Per-16 scales of one 32-input chunk t (< 4) from s8, 8 int16 scales in both 128-bit lanes:
+ * scale 2t in the low lane, 2t + 1 in the high one. */
+static inline __m256i chunk_scales(__m256i s8, int t)
+{
+    const __m128i lo = _mm_set1_epi16((short)((4 * t + 1) << 8 | 4 * t));
+    const __m128i hi = _mm_set1_epi16((short)((4 * t + 3) << 8 | (4 * t + 2)));
+    return _mm256_shuffle_epi8(s8, _mm256_set_m128i(hi, lo));
+}
+
+/* bit b of each of 32 bytes -> 0x10 where it is set: the high code bit of q5_0/q5_1 */
+static inline __m256i q5_high_bits(const uint8_t *p)
+{
+    uint32_t h;
+    memcpy(&h, p, 4);
+    const __m256i pick = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull);
+    const __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)h), pick), bit);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(v, bit), _mm256_set1_epi8(0x10));
+}
+
+/* q5_0 / q5_1 against activations quantized per 32 (as q4_row_i8, codes 0..31). */
+static inline __attribute__((always_inline)) void
+q5_row_i8(const uint8_t *row, int64_t nb, const qacts *a, int64_t m0, int64_t K, const int asym,
+          const int mt, float *res)
+{
+    __m256 acc[MTI];
+    for (int i = 0; i < mt; i++)
+        acc[i] = _mm256_setzero_ps();
+    __m256 off = _mm256_setzero_ps();
+    const __m256i mask = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + b * (asym ? 24 : 22), *qh = blk + (asym ? 4 : 2);
+        const float d = ld_half(blk), o = asym ? ld_half(blk + 2) : -16.f * d;
+        const __m128i q4 = _mm_loadu_si128((const __m128i *)(qh + 4));
+        const __m256i w = _mm256_or_si256(
+            _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q4, 4), q4), mask), q5_high_bits(qh));
+        const __m256 sd = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_loadu_ps(a->d + b * a->Mp + m0));
+        off = _mm256_fmadd_ps(_mm256_set1_ps(o), _mm256_loadu_ps(a->dsum + b * a->Mp + m0), off);
+        for (int i = 0; i < mt; i++) {
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(a->q + (m0 + i) * K + b * 32));
+            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones);
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), lane(sd, i), acc[i]);
+        }
+    }
+    float offs[MTI];
+    _mm256_storeu_ps(offs, off);
+    for (int i = 0; i < mt; i++)
+        res[i] = hsum(acc[i]) + offs[i];
+}
+
+/* q4_k / q5_k: 32-input sub-blocks, each with its own 6-bit scale (one madd by a broadcast) and
+ * min (applied to the activation sums once per super-block). */
+static inline __attribute__((always_inline)) void
+k4_row_i8(const uint8_t *row, int64_t nb, const qacts *a, int64_t m0, int64_t K, const int five,
+          const int mt, float *res)
+{
+    __m256 acc[MTI];
+    for (int i = 0; i < mt; i++)
+        acc[i] = _mm256_setzero_ps();
+    const __m256i m4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + b * (five ? 176 : 144), *qs = blk + (five ? 48 : 16);
+        uint32_t wd[4]; /* in registers: a store and a 16-byte reload would stall */
+        k4_words(blk + 4, wd);
+        const __m128i sm8 = _mm_setr_epi32((int)wd[0], (int)wd[1], (int)wd[2], (int)wd[3]);
+        const __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm8)); /* 8 scales */
+        const __m256i mins = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm8, sm8)); /* per 16 */
+        const __m256 dx = _mm256_loadu_ps(a->d + b * a->Mp + m0);
+        const __m256 vd = _mm256_mul_ps(_mm256_set1_ps(ld_half(blk)), dx);
+        const __m256 vm = _mm256_mul_ps(_mm256_set1_ps(ld_half(blk + 2)), dx);
+        __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(blk + 16))
+                          : _mm256_setzero_si256();
+        __m256i sumi[MTI];
+        for (int i = 0; i < mt; i++)
+            sumi[i] = _mm256_setzero_si256();
+        for (int p = 0; p < 4; p++) { /* 64 inputs: sub-blocks 2p (low nibbles), 2p + 1 (high) */
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * p));
+            __m256i lo = _mm256_and_si256(q, m4);
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+            if (five) {
+                lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(qh, one), 4));
+                hi = _mm256_or_si256(hi, _mm256_slli_epi16(
+                                             _mm256_and_si256(_mm256_srli_epi16(qh, 1), one), 4));
+                qh = _mm256_srli_epi16(qh, 2);
+            }
+            const __m256i s0 = pick16(sc, 2 * p), s1 = pick16(sc, 2 * p + 1);
+            for (int i = 0; i < mt; i++) {
+                const int8_t *x = XQ(i) + 64 * p;
+                const __m256i p0 = _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)x)), s0);
+                const __m256i p1 = _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(x + 32))), s1);
+                sumi[i] = _mm256_add_epi32(sumi[i], _mm256_add_epi32(p0, p1));
+            }
+        }
+        for (int i = 0; i < mt; i++) {
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[i]), lane(vd, i), acc[i]);
+            acc[i] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(XSUM(i), mins)),
+                                      lane(vm, i), acc[i]);
+        }
+    }
+    for (int i = 0; i < mt; i++)
+        res[i] = hsum(acc[i]);
+}
+
+/* q2_k / q3_k / q6_k: 16-input sub-blocks. One 32-input chunk of codes times one activation
+ * row's codes, each half scaled by its own sub-block scale (chunk_scales), added to sumi. */
+static inline __attribute__((always_inline)) __m256i
+k16_chunk_sum(__m256i sumi, __m256i codes, __m256i scales, const int8_t *x)
+{
+    const __m256i p = _mm256_maddubs_epi16(codes, _mm256_loadu_si256((const __m256i *)x));
+    return _mm256_add_epi32(sumi, _mm256_madd_epi16(p, scales));
+}
+
+static inline __attribute__((always_inline)) void
+q6k_row_i8(const uint8_t *row, int64_t nb, const qacts *a, int64_t m0, int64_t K, const int mt,
+           float *res)
+{
+    __m256 acc[MTI];
+    for (int i = 0; i < mt; i++)
+        acc[i] = _mm256_setzero_ps();
+    const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + b * 210, *ql = blk, *qh = blk + 128;
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
+        const __m256 vd = _mm256_mul_ps(_mm256_set1_ps(ld_half(blk + 208)),
+                                        _mm256_loadu_ps(a->d + b * a->Mp + m0));
+        __m256i sumi[MTI];
+        for (int i = 0; i < mt; i++)
+            sumi[i] = _mm256_setzero_si256();
+        for (int h = 0; h < 2; h++) {
+            const __m256i s8 = _mm256_broadcastsi128_si256(
+                _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(sc + 8 * h))));
+            const __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
+            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32));
+            const __m256i hb = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
+            /* low nibble | 2 high bits moved to bits 4-5, for chunks t = 0..3 */
+#define Q6(lo, hi) _mm256_or_si256(_mm256_and_si256(lo, m4), _mm256_and_si256(hi, m30))
+            const __m256i q[4] = {Q6(l0, _mm256_slli_epi16(hb, 4)),
+                                  Q6(l1, _mm256_slli_epi16(hb, 2)),
+                                  Q6(_mm256_srli_epi16(l0, 4), hb),
+                                  Q6(_mm256_srli_epi16(l1, 4), _mm256_srli_epi16(hb, 2))};
+#undef Q6
+            for (int t = 0; t < 4; t++) {
+                const __m256i s = chunk_scales(s8, t);
+                for (int i = 0; i < mt; i++)
+                    sumi[i] = k16_chunk_sum(sumi[i], q[t], s, XQ(i) + 128 * h + 32 * t);
+            }
+        }
+        for (int i = 0; i < mt; i++) { /* codes are q + 32: take 32 sum_s sc_s S_s off */
+            const __m256i z = _mm256_slli_epi32(_mm256_madd_epi16(XSUM(i), sc16), 5);
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sumi[i], z)),
+                                     lane(vd, i), acc[i]);
+        }
+    }
+    for (int i = 0; i < mt; i++)
+        res[i] = hsum(acc[i]);
+}
+
+static inline __attribute__((always_inline)) void
+q3k_row_i8(const uint8_t *row, int64_t nb, const qacts *a, int64_t m0, int64_t K, const int mt,
+           float *res)
+{
+    __m256 acc[MTI];
+    for (int i = 0; i < mt; i++)
+        acc[i] = _mm256_setzero_ps();
+    const __m256i m3 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + b * 110, *qs = blk + 32;
+        uint32_t wd[4];
+        k3_words(blk + 96, wd);
+        const __m128i sc8 = _mm_sub_epi8(
+            _mm_setr_epi32((int)wd[0], (int)wd[1], (int)wd[2], (int)wd[3]), _mm_set1_epi8(32));
+        const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
+        const __m256 vd = _mm256_mul_ps(_mm256_set1_ps(ld_half(blk + 108)),
+                                        _mm256_loadu_ps(a->d + b * a->Mp + m0));
+        __m256i hm = _mm256_loadu_si256((const __m256i *)blk); /* bit 4h + t: chunk t of half h */
+        __m256i sumi[MTI];
+        for (int i = 0; i < mt; i++)
+            sumi[i] = _mm256_setzero_si256();
+        for (int h = 0; h < 2; h++) {
+            const __m256i s8 = _mm256_broadcastsi128_si256(
+                _mm_cvtepi8_epi16(h ? _mm_unpackhi_epi64(sc8, sc8) : sc8));
+            __m256i qv = _mm256_loadu_si256((const __m256i *)(qs + 32 * h));
+            for (int t = 0; t < 4; t++) {
+                const __m256i q = _mm256_or_si256(_mm256_and_si256(qv, m3),
+                                                  _mm256_slli_epi16(_mm256_and_si256(hm, one), 2));
+                qv = _mm256_srli_epi16(qv, 2);
+                hm = _mm256_srli_epi16(hm, 1);
+                const __m256i s = chunk_scales(s8, t);
+                for (int i = 0; i < mt; i++)
+                    sumi[i] = k16_chunk_sum(sumi[i], q, s, XQ(i) + 128 * h + 32 * t);
+            }
+        }
+        for (int i = 0; i < mt; i++) { /* codes are q + 4 */
+            const __m256i z = _mm256_slli_epi32(_mm256_madd_epi16(XSUM(i), sc16), 2);
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sumi[i], z)),
+                                     lane(vd, i), acc[i]);
+        }
+    }
+    for (int i = 0; i < mt; i++)
+        res[i] = hsum(acc[i]);
+}
+
+static inline __attribute__((always_inline)) void
+q2k_row_i8(const uint8_t *row, int64_t nb, const qacts *a, int64_t m0, int64_t K, const int mt,
+           float *res)
+{
+    __m256 acc[MTI];
+    for (int i = 0; i < mt; i++)
+        acc[i] = _mm256_setzero_ps();
+    const __m256i m3 = _mm256_set1_epi8(3);
+    const __m128i m4 = _mm_set1_epi8(15);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + b * 84, *qs = blk + 16;
+        const __m128i sm = _mm_loadu_si128((const __m128i *)blk);
+        const __m128i sc = _mm_and_si128(sm, m4);
+        const __m256i mins = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(sm, 4), m4));
+        const __m256 dx = _mm256_loadu_ps(a->d + b * a->Mp + m0);
+        const __m256 vd = _mm256_mul_ps(_mm256_set1_ps(ld_half(blk + 80)), dx);
+        const __m256 vm = _mm256_mul_ps(_mm256_set1_ps(ld_half(blk + 82)), dx);
+        __m256i sumi[MTI];
+        for (int i = 0; i < mt; i++)
+            sumi[i] = _mm256_setzero_si256();
+        for (int h = 0; h < 2; h++) {
+            const __m256i s8 = _mm256_broadcastsi128_si256(
+                _mm_cvtepu8_epi16(h ? _mm_unpackhi_epi64(sc, sc) : sc));
+            __m256i qv = _mm256_loadu_si256((const __m256i *)(qs + 32 * h));
+            for (int t = 0; t < 4; t++) {
+                const __m256i q = _mm256_and_si256(qv, m3);
+                qv = _mm256_srli_epi16(qv, 2);
+                const __m256i s = chunk_scales(s8, t);
+                for (int i = 0; i < mt; i++)
+                    sumi[i] = k16_chunk_sum(sumi[i], q, s, XQ(i) + 128 * h + 32 * t);
+            }
+        }
+        for (int i = 0; i < mt; i++) {
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[i]), lane(vd, i), acc[i]);
+            acc[i] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(XSUM(i), mins)),
+                                      lane(vm, i), acc[i]);
+        }
+    }
+    for (int i = 0; i < mt; i++)
+        res[i] = hsum(acc[i]);
+}
+#undef XQ
+#undef XSUM
+
+/* Each row kernel specialized for every tile height 1..MTI, behind one signature. */
+typedef void (*rows_i8_fn)(const uint8_t *row, int64_t nb, const qacts *a, int64_t m0, int64_t K,
+                           int mt, float *res);
+#define ROWS_I8(name, call)                                                                      \
+    static void name(const uint8_t *row, int64_t nb, const qacts *a, int64_t m0, int64_t K,       \
+                     int mt, float *res)                                                         \
+    {                                                                                            \
+        switch (mt) {                                                                            \
+        case 1: call(1); break;                                                                  \
+        case 2: call(2); break;                                                                  \
+        case 3: call(3); break;                                                                  \
+        case 4: call(4); break;                                                                  \
+        case 5: call(5); break;                                                                  \
+        case 6: call(6); break;                                                                  \
+        case 7: call(7); break;                                                                  \
+        default: call(MTI);                                                                      \
+        }                                                                                        \
+    }
+#define Q5_0(k) q5_row_i8(row, nb, a, m0, K, 0, k, res)
+#define Q5_1(k) q5_row_i8(row, nb, a, m0, K, 1, k, res)
+#define Q2_K(k) q2k_row_i8(row, nb, a, m0, K, k, res)
+#define Q3_K(k) q3k_row_i8(row, nb, a, m0, K, k, res)
+#define Q4_K(k) k4_row_i8(row, nb, a, m0, K, 0, k, res)
+#define Q5_K(k) k4_row_i8(row, nb, a, m0, K, 1, k, res)
+#define Q6_K(k) q6k_row_i8(row, nb, a, m0, K, k, res)
+ROWS_I8(q5_0_rows_i8, Q5_0)
+ROWS_I8(q5_1_rows_i8, Q5_1)
+ROWS_I8(q2_k_rows_i8, Q2_K)
+ROWS_I8(q3_k_rows_i8, Q3_K)
+ROWS_I8(q4_k_rows_i8, Q4_K)
+ROWS_I8(q5_k_rows_i8, Q5_K)
+ROWS_I8(q6_k_rows_i8, Q6_K)
+#undef Q5_0
+#undef Q5_1
+#undef Q2_K
+#undef Q3_K
+#undef Q4_K
+#undef Q5_K
+#undef Q6_K
+#undef ROWS_I8
+#define I8(fn) , fn
+#else
+#define I8(fn)
+#endif /* HAVE_I8_PATH */
+
+/* ---- the GGML type table: one row per type ------------------------------------------------ */
+typedef struct {
+    int64_t kind;
+    int block, block_bytes;
+    void (*dequant)(const uint8_t *blk, float *y); /* one block -> block floats */
+#ifdef HAVE_I8_PATH
+    rows_i8_fn rows_i8; /* one weight row against up to MTI int8 activation rows */
+#endif
+} ggml_type;
+
+static const ggml_type GGML_TYPES[] = {
+    {KIND_Q5_0, 32, 22, deq_q5_0 I8(q5_0_rows_i8)},
+    {KIND_Q5_1, 32, 24, deq_q5_1 I8(q5_1_rows_i8)},
+    {KIND_Q2_K, QK_K, 84, deq_q2_k I8(q2_k_rows_i8)},
+    {KIND_Q3_K, QK_K, 110, deq_q3_k I8(q3_k_rows_i8)},
+    {KIND_Q4_K, QK_K, 144, deq_q4_k I8(q4_k_rows_i8)},
+    {KIND_Q5_K, QK_K, 176, deq_q5_k I8(q5_k_rows_i8)},
+    {KIND_Q6_K, QK_K, 210, deq_q6_k I8(q6_k_rows_i8)},
+};
+#undef I8
+
+static const ggml_type *ggml_type_of(int64_t kind)
+{
+    for (size_t i = 0; i < sizeof GGML_TYPES / sizeof GGML_TYPES[0]; i++)
+        if (GGML_TYPES[i].kind == kind)
+            return &GGML_TYPES[i];
+    return NULL;
+}
+
+/* ---- fp32 activations: decode each block once, dot it with every activation row ---------- */
+static inline __attribute__((always_inline)) void
+ggml_row_f32(const ggml_type *t, const uint8_t *row, int64_t nb, const float *x, int64_t ldx,
+             const int mt, float *res)
+{
+    float w[QK_K] __attribute__((aligned(32)));
+#ifdef HAVE_I8_PATH
+    __m256 a0[MT], a1[MT];
+    for (int i = 0; i < mt; i++)
+        a0[i] = a1[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        t->dequant(row + b * t->block_bytes, w);
+        const float *xb = x + b * t->block;
+        for (int k = 0; k < t->block; k += 16) {
+            const __m256 w0 = _mm256_load_ps(w + k), w1 = _mm256_load_ps(w + k + 8);
+            for (int i = 0; i < mt; i++) {
+                a0[i] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xb + i * ldx + k), a0[i]);
+                a1[i] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xb + i * ldx + k + 8), a1[i]);
+            }
+        }
+    }
+    for (int i = 0; i < mt; i++)
+        res[i] = hsum(_mm256_add_ps(a0[i], a1[i]));
+#else
+    float acc[MT][16] = {{0}};
+    for (int64_t b = 0; b < nb; b++) {
+        t->dequant(row + b * t->block_bytes, w);
+        const float *xb = x + b * t->block;
+        for (int i = 0; i < mt; i++)
+            for (int k = 0; k < t->block; k++)
+                acc[i][k % 16] += w[k] * xb[i * ldx + k];
+    }
+    for (int i = 0; i < mt; i++) {
+        float s = 0.f;
+        for (int j = 0; j < 16; j++)
+            s += acc[i][j];
+        res[i] = s;
+    }
+#endif
+}
+
+static void ggml_rows_f32(const ggml_type *t, const uint8_t *row, int64_t nb, const float *x,
+                          int64_t ldx, int mt, float *res)
+{
+#define CALL(k) ggml_row_f32(t, row, nb, x, ldx, k, res)
+    FOR_EACH_MT(mt, CALL);
+#undef CALL
+}
+
+/* y = x W^T (+ bias) for W of GGML type t: x (M, K) fp32, row stride ldx; y row stride ldy. */
+static void ggml_matmul(const ggml_type *t, const wdesc *W, const float *x, int64_t M, int64_t ldx,
+                        float *y, int64_t ldy, int i8, int nthreads)
+{
+    const int64_t nb = W->K / t->block;
+#ifdef HAVE_I8_PATH
+    qacts a = {0};
+    if (i8)
+        a = t->block == QK_K ? quantize_superblocks(x, M, W->K, ldx, nthreads)
+                             : quantize_activations(x, M, W->K, ldx, W->K, 0, nthreads);
+#else
+    i8 = 0;
+#endif
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t n = 0; n < W->N; n++) {
+        const uint8_t *row = (const uint8_t *)W->w + n * W->row_bytes;
+        const int64_t tile = i8 ? MTI : MT;
+        for (int64_t m0 = 0; m0 < M; m0 += tile) {
+            float res[MTI];
+            const int mt = M - m0 < tile ? (int)(M - m0) : (int)tile;
+#ifdef HAVE_I8_PATH
+            if (i8)
+                t->rows_i8(row, nb, &a, m0, W->K, mt, res);
+            else
+#endif
+                ggml_rows_f32(t, row, nb, x + m0 * ldx, ldx, mt, res);
+            for (int i = 0; i < mt; i++)
+                y[(m0 + i) * ldy + n] = res[i] + (W->bias ? W->bias[n] : 0.f);
+        }
+    }
+#ifdef HAVE_I8_PATH
+    if (i8)
+        free_activations(a);
+#endif
+}
+
+static void ggml_dequant(const ggml_type *t, const wdesc *W, float *out, int nthreads)
+{
+    const int64_t nb = W->K / t->block;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t n = 0; n < W->N; n++)
+        for (int64_t b = 0; b < nb; b++)
+            t->dequant((const uint8_t *)W->w + n * W->row_bytes + b * t->block_bytes,
+                       out + n * W->K + b * t->block);
+}
+
+/* ---- dense fp16 / bf16 -------------------------------------------------------------------- */
+
+/* nr (<= NR) consecutive fp16 or bf16 weight rows against one fp32 activation row, as f32_rows
+ * (bf16 widens by a 16-bit shift, fp16 by F16C). */
+static inline __attribute__((always_inline)) void
+half_rows(const uint16_t *w, int64_t K, const float *x, const int bf16, const int nr, float *res)
+{
+    int64_t k0 = 0;
+    float t[NR];
+#ifdef HAVE_ATT_SIMD
+    __m256 a0[NR], a1[NR];
+    for (int r = 0; r < nr; r++)
+        a0[r] = a1[r] = _mm256_setzero_ps();
+#define LOAD8(p) (bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(                                  \
+                             _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))  \
+                       : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p))))
+    for (; k0 + 16 <= K; k0 += 16) {
+        const __m256 x0 = _mm256_loadu_ps(x + k0), x1 = _mm256_loadu_ps(x + k0 + 8);
+        for (int r = 0; r < nr; r++) {
+            a0[r] = _mm256_fmadd_ps(LOAD8(w + r * K + k0), x0, a0[r]);
+            a1[r] = _mm256_fmadd_ps(LOAD8(w + r * K + k0 + 8), x1, a1[r]);
+        }
+    }
+#undef LOAD8
+    for (int r = 0; r < nr; r++)
+        t[r] = hsum(_mm256_add_ps(a0[r], a1[r]));
+#else
+    for (int r = 0; r < nr; r++)
+        t[r] = 0.f;
+#endif
+    for (int r = 0; r < nr; r++) {
+        for (int64_t k = k0; k < K; k++) {
+            const uint16_t h = w[r * K + k];
+            half f;
+            memcpy(&f, &h, 2);
+            t[r] += (bf16 ? bf16_to_f32(h) : (float)f) * x[k];
+        }
+        res[r] = t[r];
+    }
+}
+
+static void half_tile(const uint16_t *w, int64_t K, const float *x, int bf16, int nr, float *res)
+{
+#define CALL(k) (bf16 ? half_rows(w, K, x, 1, k, res) : half_rows(w, K, x, 0, k, res))
+    switch (nr) {
+    case 1: CALL(1); break;
+    case 2: CALL(2); break;
+    case 3: CALL(3); break;
+    default: CALL(NR);
+    }
+#undef CALL
+}
+
+/* y = x W^T (+ bias) for a dense fp16/bf16 W (N, K): f32_matmul with conversion on load. */
+static void half_matmul(const wdesc *W, const float *x, int64_t M, int64_t ldx, float *y,
+                        int64_t ldy, int nthreads)
+{
+    const uint16_t *w = (const uint16_t *)W->w;
+    const int64_t N = W->N, K = W->K;
+    const int bf16 = W->kind == KIND_BF16;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t nb = 0; nb < (N + NR - 1) / NR; nb++) {
+        const int64_t n = nb * NR;
+        const int nr = N - n < NR ? (int)(N - n) : NR;
+        for (int64_t m = 0; m < M; m++) {
+            float res[NR];
+            half_tile(w + n * K, K, x + m * ldx, bf16, nr, res);
+            for (int r = 0; r < nr; r++)
+                y[m * ldy + n + r] = res[r] + (W->bias ? W->bias[n + r] : 0.f);
+        }
+    }
+}
+
+static void half_dequant(const wdesc *W, float *out, int nthreads)
+{
+    const uint16_t *w = (const uint16_t *)W->w;
+    const int64_t K = W->K;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t n = 0; n < W->N; n++)
+        for (int64_t k = 0; k < K; k++) {
+            const uint16_t h = w[n * K + k];
+            half f;
+            memcpy(&f, &h, 2);
+            out[n * K + k] = W->kind == KIND_BF16 ? bf16_to_f32(h) : (float)f;
+        }
+}

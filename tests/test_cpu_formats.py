@@ -1,0 +1,212 @@
+"""The CPU matmul kernels for every weight format (cpu_ops.weight_matmul: kernels/cpu_formats.c
+for GGML blocks and fp16/bf16, cpu_ops.c for int4/int8) against the pure-torch reference,
+QuantizedTensor.dequantize, over awkward shapes, with fp32 and int8 activations, on both the
+fused row path (M <= FUSED_MAX_ROWS) and the dequantize-then-GEMM path (M above it).
+
+Random GGML blocks: codes and sub-block scales are random bytes (every bit pattern occurs), the
+fp16 super-scales d / dmin / m finite values of a checkpoint's size. The fused decode step over
+linears made of several formats is in tests/test_cpu_ops.py (it reuses `random_weight`).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from qserve.formats import QuantizedTensor, ggml
+from qserve.kernels import cpu_ops
+
+if cpu_ops.lib() is None and os.environ.get("QSERVE_REQUIRE_KERNELS") != "1":
+    pytest.skip("the CPU kernels did not build here (see the logged reason)",
+                allow_module_level=True)
+
+GGML = list(ggml.IN_PLACE)  # q5_0 q5_1 q2_k q3_k q4_k q5_k q6_k
+DENSE = ["f16", "bf16"]
+U = 2.0 ** -24  # fp32 unit roundoff
+
+# Byte offsets of each in-place type's fp16 fields (d, and dmin / m where it has them).
+FP16_FIELDS = {"q5_0": (0,), "q5_1": (0, 2), "q2_k": (80, 82), "q3_k": (108,),
+               "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
+
+
+def random_weight(fmt: str, N: int, K: int, seed: int = 0, std: float | None = None
+                  ) -> QuantizedTensor:
+    """A random (N, K) matrix in `fmt` (a GGML in-place type, f16 or bf16). GGML blocks are
+    random bytes with fp16 fields 0.01 * randn; `std` rescales those fields (w is linear in
+    them) so that the weights have about that standard deviation, for models that must stay
+    numerically tame."""
+    g = torch.Generator().manual_seed(seed)
+    if fmt in DENSE:
+        w = torch.randn(N, K, generator=g) * (std or K ** -0.5)
+        return QuantizedTensor(fmt, w.to(torch.float16 if fmt == "f16" else torch.bfloat16),
+                               None, None, K)
+    t = ggml.TYPES[fmt]
+    n = N * K // t.block
+    blocks = torch.randint(0, 256, (n, t.block_bytes), dtype=torch.uint8, generator=g)
+    fields = {off: torch.randn(n, 1, generator=g) * 0.01 for off in FP16_FIELDS[fmt]}
+    if std is not None:
+        for off, d in fields.items():
+            blocks[:, off:off + 2] = d.half().view(torch.uint8)
+        w = QuantizedTensor(fmt, blocks.view(N, -1), None, None, K).dequantize()
+        fields = {off: d * (std / w.std().item()) for off, d in fields.items()}
+    for off, d in fields.items():
+        blocks[:, off:off + 2] = d.half().view(torch.uint8)
+    return QuantizedTensor(fmt, blocks.view(N, -1), None, None, K)
+
+
+def _in_sizes(fmt: str) -> list[int]:
+    """1..3 blocks of a GGML type; for the dense formats sizes that leave every tail of the
+    16-wide loops (3: all tail, 40: 2 x 16 + 8, 77)."""
+    if fmt in DENSE:
+        return [3, 40, 77]
+    return [ggml.TYPES[fmt].block * n for n in (1, 2, 3)]
+
+
+GRID = [(fmt, N, K) for fmt in GGML + DENSE for N in (1, 7, 83, 769) for K in _in_sizes(fmt)]
+ROWS = [1, 5, 32, 40]  # 40 > FUSED_MAX_ROWS: dequantize once + GEMM
+
+
+@functools.lru_cache(maxsize=None)
+def _weight(fmt: str, N: int, K: int) -> tuple[QuantizedTensor, torch.Tensor]:
+    """A grid point's matrix and its reference (N, K) in fp64 (shared by every M)."""
+    qt = random_weight(fmt, N, K, seed=N * 1000 + K)
+    return qt, qt.dequantize().double()
+
+
+def _case(fmt: str, N: int, K: int, M: int):
+    qt, w = _weight(fmt, N, K)
+    g = torch.Generator().manual_seed(N * 1000 + K + M)
+    return qt, w, torch.randn(M, K, generator=g), torch.randn(N, generator=g)
+
+
+@pytest.mark.parametrize("M", ROWS)
+@pytest.mark.parametrize("fmt,N,K", GRID)
+def test_weight_matmul_fp32_matches_reference(fmt, N, K, M):
+    """fp32 activations. The kernels decode every weight to the reference's fp32 value (the
+    scale products d * sc, dmin * m are exact in fp32, test_weights_decode_bit_for_bit), so
+    only the order of the fp32 sum differs: |y - y_ref| <= (K + 1) u sum_k |w_k x_k| + u |y|
+    for any order (one rounding per add, the bias add included)."""
+    qt, w, x, bias = _case(fmt, N, K, M)
+    ref = x.double() @ w.T + bias.double()
+    out = cpu_ops.weight_matmul(x, qt, bias)
+    tol = (K + 2) * U * ((x.double().abs() @ w.abs().T) + bias.double().abs())
+    assert ((out.double() - ref).abs() <= tol).all()
+
+
+@pytest.mark.parametrize("M", ROWS)
+@pytest.mark.parametrize("fmt,N,K", [c for c in GRID if c[0] in GGML])
+def test_weight_matmul_int8_activations_error_is_bounded(fmt, N, K, M):
+    """int8 activations: each block of b inputs (32 for q5_0/q5_1, a 256-input super-block for
+    the K-quants) is rounded to steps of d = max|x| / 127, so x moves by at most d / 2 per input
+    and |y - y_ref| <= sum over blocks of (d / 2) sum |w| in the block. The integer sums are
+    exact; the few fp32 products per block (scales, and the min / code-offset terms before they
+    cancel) add roundings of terms no larger than the largest sum |w| |x|: (K + 2) u of it."""
+    qt, w, x, _ = _case(fmt, N, K, M)
+    ref = x.double() @ w.T
+    out = cpu_ops.weight_matmul(x, qt, int8_activations=True)
+    b = ggml.TYPES[fmt].block
+    step = x.double().abs().view(M, -1, b).amax(-1) / 127  # (M, K / b)
+    bound = (step / 2) @ w.abs().view(N, -1, b).sum(-1).T  # (M, N)
+    slack = (K + 2) * U * (x.double().abs() @ w.abs().T).max()
+    assert ((out.double() - ref).abs() <= bound + slack).all()
+    if M <= cpu_ops.FUSED_MAX_ROWS:  # it is the int8 path, not the fp32 one
+        assert not torch.equal(out, cpu_ops.weight_matmul(x, qt))
+
+
+@pytest.mark.parametrize("fmt", GGML + DENSE)
+@pytest.mark.parametrize("M", [32, 40])
+def test_weights_decode_bit_for_bit(fmt, M):
+    """x = rows of the identity reads W back: each output is one weight times 1 plus zeros, exact
+    in any summation order. M = 32 decodes through the fused kernel's block decoder, M = 40
+    through wdequant (the prefill path): both give the reference's fp32 weights exactly."""
+    N, K = 13, _in_sizes(fmt)[-1]
+    qt = random_weight(fmt, N, K, seed=M)
+    eye = torch.eye(K)
+    cols = torch.cat([cpu_ops.weight_matmul(eye[i:i + M], qt) for i in range(0, K, M)])  # (K, N)
+    assert torch.equal(cols.T, qt.dequantize())
+
+
+@pytest.mark.parametrize("fmt", GGML + DENSE + ["int4", "int8", "f32"])
+@pytest.mark.parametrize("i8", [False, True])
+def test_matmul_rows_do_not_depend_on_the_batch(fmt, i8):
+    """Each output row is bit-identical whether its activation row comes alone or among 32 (as
+    for int4/int8 in test_cpu_ops.py): greedy outputs stay batch-invariant."""
+    K, M = 512, cpu_ops.FUSED_MAX_ROWS
+    qt = _mixed_formats_weight(fmt, 203, K)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(11))
+    full = cpu_ops.weight_matmul(x, qt, int8_activations=i8)
+    for i in (0, 5, 8, 30, 31):
+        assert torch.equal(cpu_ops.weight_matmul(x[i:i + 1].clone(), qt, int8_activations=i8),
+                           full[i:i + 1]), i
+
+
+def _mixed_formats_weight(fmt: str, N: int, K: int) -> QuantizedTensor:
+    """random_weight, plus qserve's int4 g32 / int8 g32 and a dense f32 matrix."""
+    from qserve.quant.schemes import WeightScheme, quantize
+
+    w = torch.randn(N, K, generator=torch.Generator().manual_seed(N + K))
+    if fmt == "int4":
+        return quantize(w, WeightScheme(4, 32, False))
+    if fmt == "int8":
+        return quantize(w, WeightScheme(8, 32, True))
+    if fmt == "f32":
+        return QuantizedTensor("f32", w, None, None, K)
+    return random_weight(fmt, N, K)
+
+
+def test_segments_write_their_own_columns_of_one_output():
+    """A fused linear of row segments in different formats fills one (M, N) output through
+    column views (out=y[:, n0:n1], row stride N), each segment with its slice of the bias; the
+    columns no segment owns are left alone."""
+    M, K = 3, 512
+    segs = [random_weight("q4_k", 64, K, 1), random_weight("q6_k", 32, K, 2),
+            _mixed_formats_weight("int4", 5, K)]
+    x = torch.randn(M, K)
+    bias = torch.randn(101)
+    y = torch.full((M, 102), float("nan"))
+    n0 = 0
+    for seg in segs:
+        n1 = n0 + seg.shape[0]
+        assert cpu_ops.weight_matmul(x, seg, bias[n0:n1], True, out=y[:, n0:n1]).data_ptr() == (
+            y[:, n0:n1].data_ptr())
+        assert torch.equal(y[:, n0:n1], cpu_ops.weight_matmul(x, seg, bias[n0:n1], True))
+        n0 = n1
+    assert y[:, 101].isnan().all() and not y[:, :101].isnan().any()
+
+
+def test_weight_matmul_reads_strided_activation_rows():
+    """x may be a view whose rows are strided (stride(1) == 1), as a slice of the fused qkv."""
+    qt = random_weight("q5_k", 9, 256)
+    wide = torch.randn(4, 300)
+    x = wide[:, 20:276]
+    for i8 in (False, True):
+        assert torch.equal(cpu_ops.weight_matmul(x, qt, int8_activations=i8),
+                           cpu_ops.weight_matmul(x.contiguous(), qt, int8_activations=i8))
+
+
+def test_supports():
+    K = 256
+    for fmt in GGML + DENSE + ["int4", "int8", "f32"]:
+        assert cpu_ops.supports(_mixed_formats_weight(fmt, 4, K)), fmt
+    q4k = random_weight("q4_k", 8, K)
+    assert not cpu_ops.supports(QuantizedTensor("q4_k", q4k.qweight[::2], None, None, K))
+    assert not cpu_ops.supports(QuantizedTensor("q4_k", q4k.qweight[:, :100], None, None, K))
+    w = torch.randn(4, 64)
+    int4_g16 = QuantizedTensor("int4", torch.zeros(4, 32, dtype=torch.uint8),
+                               torch.ones(4, 4, dtype=torch.float16), None, 64)
+    assert int4_g16.validate() is None and not cpu_ops.supports(int4_g16)
+    with cpu_ops.disabled():
+        assert not cpu_ops.supports(QuantizedTensor("f32", w, None, None, 64))
+
+
+def test_fp32_activation_path_against_f_linear_on_a_realistic_scale():
+    """Weights rescaled to std 1 / sqrt(K) (as in a model) and unit activations: the kernel's
+    output is F.linear's of the reference weights to fp32 accuracy."""
+    for fmt in GGML:
+        qt = random_weight(fmt, 50, 512, std=512 ** -0.5)
+        x = torch.randn(4, 512)
+        want = F.linear(x, qt.dequantize())
+        torch.testing.assert_close(cpu_ops.weight_matmul(x, qt), want, rtol=1e-5, atol=1e-5)
