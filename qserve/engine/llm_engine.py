@@ -33,7 +33,7 @@ from qserve.engine.scheduler import Scheduler
 from qserve.engine.sequence import Sequence
 from qserve.engine.spec_decode import Speculator
 from qserve.errors import ConfigError, QServeError, QueueFullError
-from qserve.models.llama import LlamaForCausalLM
+from qserve.models.build import build_model
 from qserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from qserve.engine import kv_codebook
 from qserve.sampling_params import SamplingParams
@@ -104,10 +104,8 @@ class LLMEngine:
         self.arch, self.tokenizer = loaded.arch, loaded.tokenizer
         self.model_path = loaded.path
 
-        with torch.device("meta"):
-            model = LlamaForCausalLM(self.arch, self.max_model_len, self.dtype, self.device)
-        model.load_weights(loaded.weights)
-        self.model = model.eval()
+        self.model = build_model(self.arch, loaded.weights, self.max_model_len, self.dtype,
+                                 self.device)
         codebook = kv_codebook.for_cache(self.model, self.tokenizer, self.kv_dtype)
         self.cache_engine = CacheEngine(self.arch, config.cache, num_blocks, num_host_blocks,
                                         self.device, self.kv_dtype, codebook)

@@ -19,12 +19,11 @@ from pathlib import Path
 import torch
 
 from qserve.errors import ConfigError, QServeError
+from qserve.models.registry import fused_groups
 from qserve.quant.recipe import Recipe, load_recipe
 from qserve.quant.schemes import GROUP_SIZES, QuantizedTensor, WeightScheme, quantize as rtn
 
 CALIB_TOKENS = 512
-_FUSED = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-          ("mlp.gate_proj", "mlp.up_proj"))
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -71,19 +70,18 @@ def plan_layers(arch, recipe: Recipe, gguf_types: dict[str, str] | None = None
             plans[name] = _gguf_plan(name, shape, gguf_types[name])
         else:
             plans[name] = _rtn_plan(name, shape, recipe)
-    for i in range(arch.num_layers):  # fused at run time: one format for all parts
-        for parts in _FUSED:
-            group = [plans[f"model.layers.{i}.{p}"] for p in parts]
-            kinds = {(p.scheme, p.group_size) for p in group}
-            if len(kinds) == 1:
-                continue
-            if recipe.method != "gguf":
-                raise ConfigError(
-                    f"recipe {recipe.name!r} treats {', '.join(p.name for p in group)} "
-                    f"differently, but they run as one fused matrix; keep or quantize them together")
-            for p in group:  # e.g. a K-quant v_proj next to Q4_0 q/k: keep the three dense
-                p.scheme, p.group_size = None, None
-                p.note = "kept dense: its fused partners have other GGUF types"
+    for parts in fused_groups(arch):  # the model runs each as one matrix: one format for all
+        group = [plans[p] for p in parts]
+        kinds = {(p.scheme, p.group_size) for p in group}
+        if len(kinds) == 1:
+            continue
+        if recipe.method != "gguf":
+            raise ConfigError(
+                f"recipe {recipe.name!r} treats {', '.join(p.name for p in group)} "
+                f"differently, but they run as one fused matrix; keep or quantize them together")
+        for p in group:  # e.g. a K-quant v_proj next to Q4_0 q/k: keep the three dense
+            p.scheme, p.group_size = None, None
+            p.note = "kept dense: its fused partners have other GGUF types"
     return list(plans.values())
 
 
