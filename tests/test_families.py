@@ -1,0 +1,239 @@
+"""Each model family against transformers, on tiny random checkpoints that transformers itself
+writes, with the family's special features switched on: Qwen3 (q/k norms, head_dim not
+hidden / heads), Phi-3 (fused checkpoint tensors, longrope crossing the original context
+mid-generation, rope on 3/4 of each head, a sliding window), Gemma 2 (1 + w norms, scaled
+embedding, gelu-tanh, attention and final soft-capping, query_pre_attn_scalar, sliding and
+global layers) and Gemma 3 (q/k norms, a local rope base, linear scaling on global layers).
+
+Greedy tokens through the paged engine equal transformers' greedy loop over its own KV cache,
+token for token, from the safetensors directory and from the GGUF that llama.cpp's
+convert_hf_to_gguf.py makes of it. fp32 throughout: the two differ only in summation order.
+
+All families share one tiny sentencepiece vocabulary (every converter reads tokenizer.model);
+the prompts are token ids, so the vocabulary's quality does not matter.
+"""
+from __future__ import annotations
+
+import functools
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from qserve import LLM, SamplingParams
+
+REPO = Path(__file__).resolve().parent.parent
+COMMON = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=256, initializer_range=0.15, pad_token_id=None,
+              bos_token_id=1, eos_token_id=2)
+PROMPT_LEN, NEW_TOKENS = 24, 12  # 36 tokens: past Phi-3's original context of 32, 4+ windows
+
+
+def configs() -> dict[str, tuple[object, bool]]:
+    """name -> (transformers config, whether llama.cpp's GGUF can express it)."""
+    from transformers import Gemma2Config, Gemma3TextConfig, Phi3Config, Qwen3Config
+
+    gemma2 = dict(COMMON, num_hidden_layers=3, head_dim=32, sliding_window=8,
+                  attn_logit_softcapping=1.5, final_logit_softcapping=5.0)
+    return {
+        "qwen3": (Qwen3Config(**COMMON, num_hidden_layers=2, head_dim=32,
+                              tie_word_embeddings=False), True),
+        "phi3-longrope": (Phi3Config(
+            **COMMON, num_hidden_layers=2, sliding_window=8, original_max_position_embeddings=32,
+            partial_rotary_factor=0.75, rope_scaling={  # 12 of 16 dims rotate: 6 factors
+                "rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                "long_factor": [1.5, 2.0, 3.0, 5.0, 8.0, 13.0]}), True),
+        # GGUF has no query_pre_attn_scalar: llama.cpp takes head_dim (as in Gemma 2 2B/9B)
+        "gemma2": (Gemma2Config(**gemma2, query_pre_attn_scalar=32), True),
+        "gemma2-scalar": (Gemma2Config(**gemma2, query_pre_attn_scalar=24), False),
+        # six layers: five sliding and one global, llama.cpp's fixed Gemma 3 pattern
+        "gemma3": (Gemma3TextConfig(
+            **COMMON, num_hidden_layers=6, head_dim=32, sliding_window=8,
+            query_pre_attn_scalar=32, rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}), True),
+    }
+
+
+@pytest.fixture(scope="module")
+def tokenizer_model(tmp_path_factory) -> Path:
+    """A 320-piece sentencepiece BPE model trained on seeded nonsense words."""
+    import sentencepiece
+
+    rng = random.Random(0)
+    syllables = ["ka", "lo", "mi", "ne", "tu", "ra", "si", "vo", "de", "pa", "qu", "zi"]
+    lines = [" ".join("".join(rng.choices(syllables, k=rng.randint(1, 4)))
+                      for _ in range(12)) for _ in range(2000)]
+    out = tmp_path_factory.mktemp("spm")
+    (out / "corpus.txt").write_text("\n".join(lines))
+    sentencepiece.SentencePieceTrainer.train(
+        input=str(out / "corpus.txt"), model_prefix=str(out / "tok"), vocab_size=320,
+        model_type="bpe", character_coverage=1.0, bos_id=1, eos_id=2, unk_id=0,
+        minloglevel=2)
+    return out / "tok.model"
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tokenizer_model, tmp_path_factory) -> dict[str, Path]:
+    """name -> Hugging Face directory of a random-init model, norms and biases randomized too
+    (Gemma initializes its norms to 0, which would hide a missing 1 + w)."""
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("families")
+    dirs = {}
+    for name, (config, _) in configs().items():
+        config.vocab_size = 320
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with torch.no_grad():
+            for pname, p in model.named_parameters():
+                if p.ndim == 1:
+                    p.add_(torch.randn_like(p) * 0.3)
+        path = root / name
+        model.save_pretrained(path)
+        (path / "tokenizer.model").write_bytes(tokenizer_model.read_bytes())
+        dirs[name] = path
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def ggufs(checkpoints, tmp_path_factory) -> dict[str, Path]:
+    """name -> fp32 GGUF written by llama.cpp's convert_hf_to_gguf.py (one process for all)."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import peer
+
+    try:
+        script = peer.source_dir(download=False) / "convert_hf_to_gguf.py"
+    except peer.PeerError as e:
+        pytest.skip(f"llama.cpp's converter is not here ({e})")
+    root = tmp_path_factory.mktemp("gguf")
+    jobs = [(str(checkpoints[n]), str(root / f"{n}.gguf"))
+            for n, (_, convertible) in configs().items() if convertible]
+    code = ("import runpy, sys\n"
+            f"sys.path.insert(0, {str(script.parent)!r})  # its conversion package\n"
+            f"for src, out in {jobs!r}:\n"
+            f"    sys.argv = [{str(script)!r}, src, '--outfile', out, '--outtype', 'f32']\n"
+            f"    runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    r = subprocess.run([sys.executable, "-c", code], env=peer.convert_env(),
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return {Path(out).stem: Path(out) for _, out in jobs}
+
+
+def prompt() -> tuple[int, ...]:
+    return tuple(random.Random(1).choices(range(3, 320), k=PROMPT_LEN))
+
+
+@functools.cache
+@torch.no_grad()
+def transformers_greedy(path: Path, ids: tuple[int, ...], n: int
+                        ) -> tuple[list[int], list[float]]:
+    """Greedy through transformers' own KV cache, one token per step (as generate() would,
+    without its EOS handling): the tokens and their log-probabilities. Eager attention: the
+    only one that soft-caps scores."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+    out = model(torch.tensor([list(ids)]), use_cache=True)
+    tokens, logprobs = [], []
+    while True:
+        lp = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
+        tokens.append(int(lp.argmax()))
+        logprobs.append(lp[tokens[-1]].item())
+        if len(tokens) == n:
+            return tokens, logprobs
+        out = model(torch.tensor([tokens[-1:]]), cache=out.past_key_values, use_cache=True)
+
+
+def qserve_greedy(model: Path, ids: tuple[int, ...], n: int) -> tuple[list[int], list[float]]:
+    llm = LLM(str(model), kv_cache_memory="16MiB", max_model_len=256, block_size=4)
+    [out] = llm.generate([list(ids)], SamplingParams(temperature=0, max_tokens=n,
+                                                     ignore_eos=True, logprobs=1))
+    tokens = out.outputs[0].token_ids
+    return tokens, [lp[t] for t, lp in zip(tokens, out.outputs[0].logprobs)]
+
+
+def check(model: Path, checkpoint: Path) -> None:
+    ids = prompt()
+    ref_tokens, ref_logprobs = transformers_greedy(checkpoint, ids, NEW_TOKENS)
+    tokens, logprobs = qserve_greedy(model, ids, NEW_TOKENS)
+    assert tokens == ref_tokens
+    # Greedy tokens alone cannot see a final soft-cap (tanh keeps the order) and barely see
+    # the attention's; the log-probabilities do. fp32 on both sides: differences come from
+    # summation order alone, around 1e-6 on these small activations.
+    assert logprobs == pytest.approx(ref_logprobs, abs=1e-4)
+
+
+@pytest.mark.parametrize("name", list(configs()))
+def test_safetensors_greedy_equals_transformers(name, checkpoints):
+    check(checkpoints[name], checkpoints[name])
+
+
+@pytest.mark.parametrize("name", [n for n, (_, gguf) in configs().items() if gguf])
+def test_gguf_greedy_equals_transformers(name, checkpoints, ggufs):
+    check(ggufs[name], checkpoints[name])
+
+
+# --- the registry: what a checkpoint holds comes from the model ------------------------------
+
+def test_checkpoint_layout_comes_from_the_model(checkpoints, tmp_path):
+    """The tensors transformers saved are exactly the ones the meta-built model asks for, the
+    parameter count is theirs, and a qserve checkpoint's config.json reads back the same."""
+    import json
+
+    from safetensors import safe_open
+
+    from qserve.loader import load_arch
+    from qserve.loader.checkpoint import hf_config
+    from qserve.loader.hf_loader import expected_shapes
+
+    for name, path in checkpoints.items():
+        arch = load_arch(path)
+        with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+            saved = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        assert expected_shapes(arch) == saved, name
+        assert arch.num_params == sum(torch.Size(s).numel() for s in saved.values()), name
+        (tmp_path / "config.json").write_text(json.dumps(hf_config(arch)))
+        assert load_arch(tmp_path) == arch, name
+
+
+def test_unsupported_architecture_is_one_line(tmp_path):
+    import json
+
+    from qserve.errors import ModelLoadError
+    from qserve.loader import load_arch
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
+    with pytest.raises(ModelLoadError, match=r"model_type 'qwen3_moe' is not supported; qserve "
+                                             r"runs llama, mistral, qwen2, qwen3, phi3, gemma2, "
+                                             r"gemma3_text$"):
+        load_arch(tmp_path)
+
+
+@pytest.mark.parametrize("change, message", [
+    ("drop", "missing tensor model.layers.1.self_attn.k_norm.weight"),
+    ("shape", r"tensor model.layers.1.self_attn.k_norm.weight has shape \(16,\), expected \(32,\) "
+              r"from the model's config"),
+])
+def test_tensor_that_disagrees_with_the_config_is_named(checkpoints, tmp_path, change, message):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from qserve.errors import ModelLoadError
+    from qserve.loader import load_model
+
+    shutil.copytree(checkpoints["qwen3"], tmp_path, dirs_exist_ok=True)
+    tensors = load_file(tmp_path / "model.safetensors")
+    bad = "model.layers.1.self_attn.k_norm.weight"
+    if change == "drop":
+        del tensors[bad]
+    else:
+        tensors[bad] = tensors[bad][:16]
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ModelLoadError, match=message):
+        load_model(tmp_path)
