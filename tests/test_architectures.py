@@ -1,9 +1,9 @@
 """The model's variants against transformers on tiny random checkpoints: Llama 3 rope scaling
-with untied embeddings, Qwen2 (q/k/v bias, tied embeddings), Mistral (sliding window), and
-MQA. Each is saved as a Hugging Face directory, loaded by qserve, generated greedily through
-the paged engine, and checked position by position against transformers' log-probabilities
-along qserve's own token path (so a near-tie cannot turn one rounding difference into a
-different continuation)."""
+with untied embeddings, Qwen2 (q/k/v bias, tied embeddings), Mistral (sliding window), Qwen2
+with a window on some layers only, and MQA. Each is saved as a Hugging Face directory, loaded
+by qserve, generated greedily through the paged engine, and checked position by position
+against transformers' log-probabilities along qserve's own token path (so a near-tie cannot
+turn one rounding difference into a different continuation)."""
 import shutil
 
 import pytest
@@ -28,6 +28,10 @@ def configs():
                                          "original_max_position_embeddings": 32}),
         "qwen2-bias": Qwen2Config(**COMMON, num_key_value_heads=2, tie_word_embeddings=True),
         "mistral-window": MistralConfig(**COMMON, num_key_value_heads=2, sliding_window=8),
+        # layer 0 global, layer 1 windowed: the per-layer path, not the fused decode step
+        "qwen2-window-layers": Qwen2Config(**COMMON, num_key_value_heads=2,
+                                           use_sliding_window=True, sliding_window=8,
+                                           max_window_layers=1),
         "llama-mqa": LlamaConfig(**COMMON, num_key_value_heads=1, tie_word_embeddings=True),
     }
 
