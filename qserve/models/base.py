@@ -100,7 +100,8 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(positions, q, k)
-        if meta.sliding_window != self.window:  # the engine's metadata carries the model's
+        if meta.sliding_window != self.window:  # it carries arch.sliding_window; Gemma's
+            # global layers have none
             meta = dataclasses.replace(meta, sliding_window=self.window)
         if self.softcap is not None:  # no kernel caps scores: the reference path
             out = softcap_attention(q, k, v, cache, meta, self.scale, self.softcap)
