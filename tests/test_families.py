@@ -237,3 +237,16 @@ def test_tensor_that_disagrees_with_the_config_is_named(checkpoints, tmp_path, c
     save_file(tensors, tmp_path / "model.safetensors")
     with pytest.raises(ModelLoadError, match=message):
         load_model(tmp_path)
+
+
+@pytest.mark.parametrize("name", list(configs()))
+def test_int4_kv_calibrates_for_every_family(name, checkpoints):
+    """int4 KV calibrates its key codebook through each family's own rope (Phi-3's partial
+    rotation and longrope, Gemma 3's local base on sliding layers) and then serves."""
+    llm = LLM(str(checkpoints[name]), kv_cache_memory="16MiB", max_model_len=256,
+              block_size=16, kv_dtype="int4")
+    widths = llm.engine.cache_engine.codebooks[0]["k_width"]  # (hkv, head_dim)
+    assert widths.float().mean().item() == pytest.approx(4.0)  # 4 bits a channel on average
+    [out] = llm.generate([list(prompt())], SamplingParams(temperature=0, max_tokens=8,
+                                                          ignore_eos=True))
+    assert len(out.outputs[0].token_ids) == 8

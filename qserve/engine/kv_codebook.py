@@ -117,15 +117,21 @@ class _Recorder:
 @torch.inference_mode()
 def calibrate(model, tokenizer) -> dict[str, torch.Tensor]:
     """Run `model` over the calibration text and allocate: codebook tensors (L, hkv, d)."""
-    from qserve.models.rope import RotaryEmbedding
     from qserve.models.build import prefill
+    from qserve.models.rope import RotaryEmbedding
 
     arch = model.arch
     # the windows depend on the model alone, not on the context length it was built for (its
     # rope tables' size), so every engine of these weights calibrates alike
     window = min(WINDOW, arch.max_position_embeddings)
-    rope = RotaryEmbedding(arch.head_dim, window, arch.rope_theta, arch.rope_scaling,
-                           model.dtype, model.device)
+
+    def fresh(theta, scaling):
+        return RotaryEmbedding(arch.head_dim, window, theta, scaling, model.dtype,
+                               model.device, arch.rotary_dim)
+    # each layer's own kind of rope (Gemma 3's sliding layers have a local base)
+    own = {id(model.rope): fresh(arch.rope_theta, arch.rope_scaling)}
+    if getattr(model, "local_rope", None) is not None:
+        own[id(model.local_rope)] = fresh(arch.rope_local_theta, None)
     text = calibration_text()[: 16 * window * CALIBRATION_WINDOWS]  # > 4 characters a token
     ids = tokenizer.encode(text, add_special_tokens=False)
     windows = [ids[i * window:(i + 1) * window] for i in range(CALIBRATION_WINDOWS)]
@@ -135,7 +141,7 @@ def calibrate(model, tokenizer) -> dict[str, torch.Tensor]:
     ropes = [layer.self_attn.rope for layer in model.layers]
     try:
         for i, layer in enumerate(model.layers):
-            layer.self_attn.rope = _Recorder(rope, sums, i)
+            layer.self_attn.rope = _Recorder(own[id(layer.self_attn.rope)], sums, i)
         for w in windows:
             prefill(model, w)
     finally:
