@@ -109,7 +109,7 @@ CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fno-trapping-math", "-
 
 
 def _build_path() -> Path:
-    from qserve.loader.registry import model_home
+    from qserve.config import model_home
 
     key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(CFLAGS).encode()
                          + platform.machine().encode() + platform.node().encode()).hexdigest()[:16]
