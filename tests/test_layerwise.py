@@ -12,8 +12,8 @@ import torch
 from qserve.config import ModelArchConfig, SchedulerConfig
 from qserve.engine.block_manager import BlockManager
 from qserve.engine.cache_engine import CacheEngine, CopyQueue
-from qserve.engine.layerwise import StagingPlan, StepLayers
-from qserve.engine.scheduler import Scheduler
+from qserve.engine.layerwise import StepLayers
+from qserve.engine.scheduler import Scheduler, StagingPlan
 from qserve.engine.sequence import Sequence, SequenceStatus
 from qserve.kernels import cpu_ops
 from qserve.sampling_params import SamplingParams

@@ -1,4 +1,4 @@
-"""Layer-wise KV admission and offload (after LayerKV, Ant Group 2024).
+"""Layer-wise KV offload: the copies around each layer of a step (after LayerKV, Ant Group 2024).
 
 A request-level engine starts a prompt only when device blocks for all of it, in every layer,
 are free; under load, time-to-first-token is mostly that wait. A layer-wise prefill needs device
@@ -19,12 +19,12 @@ blocks from the device pool for the length of one step:
 The copies run in order on the cache engine's CopyQueue (a side stream on CUDA, a copy thread
 on the CPU), so waiting for layer i's fetch also means every earlier copy is done. Once its
 prompt is computed, a layer-wise sequence is brought back whole, like a swapped one, before it
-decodes (scheduler.py).
+decodes. Who starts layer-wise, and how many blocks it borrows (StagingPlan), is the
+scheduler's; StepLayers here carries out one step's copies for the model runner.
 """
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,22 +33,7 @@ from qserve.kernels.paged_attention import PagedAttentionMetadata
 
 if TYPE_CHECKING:
     from qserve.engine.cache_engine import CacheEngine
-    from qserve.engine.scheduler import SchedulerOutput
-
-
-@dataclass(frozen=True)
-class StagingPlan:
-    num_layers: int
-    lookahead: int  # layers of staged K/V in flight at once
-
-    @property
-    def groups(self) -> int:
-        return min(self.lookahead, self.num_layers)
-
-    def blocks_for(self, tail_blocks: int) -> int:
-        """Device blocks to borrow for staging `tail_blocks` host blocks per layer: one slice
-        each in every group, and a device block has num_layers slices."""
-        return -(-self.groups * tail_blocks // self.num_layers)
+    from qserve.engine.scheduler import SchedulerOutput, StagingPlan
 
 
 class StepLayers:

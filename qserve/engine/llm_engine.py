@@ -24,12 +24,11 @@ from qserve.engine.block_manager import BlockManager
 from qserve.engine.cache_engine import (CacheEngine, DTYPES, bytes_per_block, kv_budget_bytes,
                                         kv_torch_dtype, plan_num_blocks)
 from qserve.engine.detokenizer import IncrementalDetokenizer
-from qserve.engine.layerwise import StagingPlan
 from qserve.engine.memory_plan import plan_memory
 from qserve.engine.model_runner import ModelRunner
 from qserve.engine.proposer import build_proposer, draft_arch
 from qserve.engine.sampler import Sampler, SamplingRow
-from qserve.engine.scheduler import Scheduler
+from qserve.engine.scheduler import Scheduler, StagingPlan
 from qserve.engine.sequence import Sequence
 from qserve.engine.spec_decode import Speculator
 from qserve.errors import ConfigError, QServeError, QueueFullError

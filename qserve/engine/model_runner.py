@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from qserve.engine.cache_engine import CacheEngine
-from qserve.engine.layerwise import StagingPlan, StepLayers
-from qserve.engine.scheduler import SchedulerOutput
+from qserve.engine.layerwise import StepLayers
+from qserve.engine.scheduler import SchedulerOutput, StagingPlan
 from qserve.kernels.paged_attention import PagedAttentionMetadata
 from qserve.models.llama import LlamaForCausalLM
 

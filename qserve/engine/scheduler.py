@@ -21,11 +21,12 @@ then counts the accepted ones as computed and gives back the blocks the rejected
 
 With --kv-offload layerwise, a request that cannot get device blocks for its whole prompt can
 still start: it computes its prompt layer by layer through a few borrowed staging blocks and
-keeps its K/V in host memory (engine/layerwise.py), so its first token does not wait for
-device memory. Its decode does: once its prompt is computed it comes back to the device like a
-swapped sequence, and until there is room it waits in `swapped`. New requests may start this way
-while others wait in `swapped`; full admissions and comebacks leave `kv_offload_reserve` of the
-pool free (the block manager's watermark) so that layer-wise prefills can keep staging.
+keeps its K/V in host memory, so its first token does not wait for device memory
+(`StagingPlan` sizes the loan; engine/layerwise.py does the copies around each layer). Its
+decode does: once its prompt is computed it comes back to the device like a swapped sequence,
+and until there is room it waits in `swapped`. New requests may start this way while others
+wait in `swapped`; full admissions and comebacks leave `kv_offload_reserve` of the pool free
+(the block manager's watermark) so that layer-wise prefills can keep staging.
 """
 from __future__ import annotations
 
@@ -36,11 +37,28 @@ from typing import TYPE_CHECKING
 
 from qserve.config import SchedulerConfig
 from qserve.engine.block_manager import BlockManager
-from qserve.engine.layerwise import StagingPlan
 from qserve.engine.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
     import torch
+
+
+@dataclass(frozen=True)
+class StagingPlan:
+    """How many device blocks a layer-wise prefill borrows (admission policy; the copies
+    themselves are engine/layerwise.py's)."""
+
+    num_layers: int
+    lookahead: int  # layers of staged K/V in flight at once
+
+    @property
+    def groups(self) -> int:
+        return min(self.lookahead, self.num_layers)
+
+    def blocks_for(self, tail_blocks: int) -> int:
+        """Device blocks to borrow for staging `tail_blocks` host blocks per layer: one slice
+        each in every group, and a device block has num_layers slices."""
+        return -(-self.groups * tail_blocks // self.num_layers)
 
 
 @dataclass
