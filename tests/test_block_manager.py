@@ -1,7 +1,9 @@
-"""Block manager on a tiny pool: exact block ids, reference counts, prefix hits, copy-on-write,
-swap and eviction order. No model involved."""
+"""Block manager on a tiny pool: exact block ids, reference counts, prefix hits (and that a
+hash collision serves no wrong block), copy-on-write, swap and eviction order. No model
+involved."""
 import pytest
 
+from qserve.engine import block_manager
 from qserve.engine.block_manager import BlockManager
 from qserve.engine.sequence import Sequence
 from qserve.sampling_params import SamplingParams
@@ -11,6 +13,12 @@ BS = 4  # tokens per block
 
 def make_seq(tokens, rid="r"):
     return Sequence(rid, 0, list(tokens), len(tokens), SamplingParams())
+
+
+def hit(bm, seq):
+    """Attach the sequence's prefix-cache hits, as the scheduler does; returns their tokens."""
+    seq.num_computed_tokens = bm.match_prefix(seq)
+    return seq.num_computed_tokens
 
 
 def compute(bm, seq, n=None):
@@ -25,10 +33,10 @@ def test_allocate_exact_ids_and_free_order():
     bm = BlockManager(num_blocks=11, block_size=BS, watermark=0.0)
     a = make_seq(range(10))  # 3 blocks
     assert bm.allocate_slots(a, 10)
-    assert a.block_table == [0, 1, 2]
+    assert bm.block_table(a.seq_id) == [0, 1, 2]
     b = make_seq(range(100, 105))  # 2 blocks
     assert bm.allocate_slots(b, 5)
-    assert b.block_table == [3, 4]
+    assert bm.block_table(b.seq_id) == [3, 4]
     assert bm.num_free_blocks == 6
     bm.free(a)
     # freed tail-first: block 2 is evicted before 1, before 0
@@ -40,9 +48,9 @@ def test_all_or_nothing_when_pool_runs_out():
     bm = BlockManager(num_blocks=3, block_size=BS, watermark=0.0)
     a = make_seq(range(13))  # needs 4 blocks
     assert not bm.allocate_slots(a, 13)
-    assert a.block_table == [] and bm.num_free_blocks == 3
+    assert bm.block_table(a.seq_id) == [] and bm.num_free_blocks == 3
     assert bm.allocate_slots(a, 12)
-    assert a.block_table == [0, 1, 2]
+    assert bm.block_table(a.seq_id) == [0, 1, 2]
 
 
 def test_prefix_sharing_and_ref_counts():
@@ -50,13 +58,13 @@ def test_prefix_sharing_and_ref_counts():
     system = list(range(8))  # two full blocks of shared prefix
     a = make_seq(system + [50, 51, 52])
     compute(bm, a)
-    assert a.block_table == [0, 1, 2]
+    assert bm.block_table(a.seq_id) == [0, 1, 2]
     b = make_seq(system + [60, 61])
-    assert bm.match_prefix(b) == 8
-    assert b.block_table == [0, 1]
+    assert hit(bm, b) == 8
+    assert bm.block_table(b.seq_id) == [0, 1]
     assert bm.ref_count[:3] == [2, 2, 1]
     compute(bm, b)
-    assert b.block_table == [0, 1, 3]
+    assert bm.block_table(b.seq_id) == [0, 1, 3]
     assert bm.prefix_hits == 2
     bm.check_invariants([a, b])
     bm.free(a)
@@ -65,7 +73,7 @@ def test_prefix_sharing_and_ref_counts():
     bm.check_invariants([])
     # the freed blocks still hold the prefix: a new request hits it
     c = make_seq(system + [70])
-    assert bm.match_prefix(c) == 8 and c.block_table == [0, 1]
+    assert hit(bm, c) == 8 and bm.block_table(c.seq_id) == [0, 1]
 
 
 def test_last_token_is_never_a_cache_hit():
@@ -73,8 +81,8 @@ def test_last_token_is_never_a_cache_hit():
     a = make_seq(range(8))
     compute(bm, a)
     b = make_seq(range(8))  # the whole prompt is cached, but its last token must run
-    assert bm.match_prefix(b) == 4
-    assert b.block_table == [0]
+    assert hit(bm, b) == 4
+    assert bm.block_table(b.seq_id) == [0]
 
 
 def test_cached_block_evicted_only_when_reused_lru():
@@ -85,10 +93,10 @@ def test_cached_block_evicted_only_when_reused_lru():
     assert list(bm.free_queue) == [2, 3, 1, 0]
     b = make_seq(range(100, 112))  # 3 blocks: takes 2, 3, then evicts 1
     assert bm.allocate_slots(b, 12)
-    assert b.block_table == [2, 3, 1]
+    assert bm.block_table(b.seq_id) == [2, 3, 1]
     c = make_seq(list(range(8)) + [9])
-    assert bm.match_prefix(c) == 4  # block 0 survived, block 1 was evicted
-    assert c.block_table == [0]
+    assert hit(bm, c) == 4  # block 0 survived, block 1 was evicted
+    assert bm.block_table(c.seq_id) == [0]
 
 
 def test_fork_shares_blocks_and_copy_on_write():
@@ -97,16 +105,16 @@ def test_fork_shares_blocks_and_copy_on_write():
     compute(bm, parent)
     child = parent.fork(1)
     bm.fork(parent, child)
-    assert child.block_table == [0, 1] and bm.ref_count[:2] == [2, 2]
+    assert bm.block_table(child.seq_id) == [0, 1] and bm.ref_count[:2] == [2, 2]
     parent.append_token(7)
     assert bm.allocate_slots(parent, 1)
     # parent writes into shared block 1: it gets a private copy (block 2), copy queued
-    assert parent.block_table == [0, 2]
+    assert bm.block_table(parent.seq_id) == [0, 2]
     assert bm.take_pending_copies() == [(1, 2)]
     assert bm.ref_count[:3] == [2, 1, 1]
     child.append_token(8)
     assert bm.allocate_slots(child, 1)
-    assert child.block_table == [0, 1]  # block 1 is no longer shared: written in place
+    assert bm.block_table(child.seq_id) == [0, 1]  # block 1, no longer shared: written in place
     assert bm.take_pending_copies() == []
     bm.check_invariants([parent, child])
 
@@ -115,18 +123,19 @@ def test_swap_out_and_in_moves_every_block():
     bm = BlockManager(num_blocks=6, block_size=BS, num_host_blocks=4, watermark=0.0)
     a = make_seq(range(10))
     compute(bm, a)
-    assert a.block_table == [0, 1, 2]
+    assert bm.block_table(a.seq_id) == [0, 1, 2]
     assert bm.can_swap_out(a)
     out = bm.swap_out(a)
     assert out == [(0, 0), (1, 1), (2, 2)]
-    assert a.block_table == [] and a.host_block_table == [0, 1, 2]
+    assert bm.block_table(a.seq_id) == [] and bm.host_block_table(a.seq_id) == [0, 1, 2]
     assert bm.num_free_blocks == 6 and bm.num_free_host_blocks == 1
     b = make_seq(range(50, 54))
     compute(bm, b)
     assert bm.can_swap_in(a, 1)
     back = bm.swap_in(a)
     assert [h for h, _ in back] == [0, 1, 2]
-    assert a.block_table == [d for _, d in back] and len(set(a.block_table) & set(b.block_table)) == 0
+    a_table, b_table = bm.block_table(a.seq_id), bm.block_table(b.seq_id)
+    assert a_table == [d for _, d in back] and not set(a_table) & set(b_table)
     assert bm.num_free_host_blocks == 4
     bm.check_invariants([a, b])
 
@@ -153,8 +162,8 @@ def test_chunked_allocation_matches_whole(chunk):
     a = make_seq(range(23))
     while a.num_computed_tokens < a.num_tokens:
         compute(bm, a, min(chunk, a.num_tokens - a.num_computed_tokens))
-    assert a.block_table == list(range(6))
-    assert len(a.block_hashes) == 5  # five full blocks registered
+    assert bm.block_table(a.seq_id) == list(range(6))
+    assert len(bm.keys[a.seq_id]) == 5  # five full blocks registered
     bm.check_invariants([a])
 
 
@@ -164,14 +173,48 @@ def test_trim_returns_blocks_of_rejected_speculative_tokens():
     compute(bm, a)  # 7 tokens: blocks [0, 1], block 0 committed
     a.add_spec_tokens([50, 51, 52, 53, 54, 55])  # drafts reach position 12: 4 blocks
     assert bm.allocate_slots(a, 6)
-    assert a.block_table == [0, 1, 2, 3]
+    assert bm.block_table(a.seq_id) == [0, 1, 2, 3]
     a.pop_spec_tokens()
     a.num_computed_tokens = 8  # one draft accepted
     a.append_token(60)
     bm.trim(a)
-    assert a.block_table == [0, 1]
+    assert bm.block_table(a.seq_id) == [0, 1]
     # never committed, so nothing can hit them: first in line for reuse, last freed first
     assert list(bm.free_queue)[:2] == [3, 2]
     bm.check_invariants([a])
     bm.trim(a)  # nothing past the computed tokens: a no-op
-    assert a.block_table == [0, 1]
+    assert bm.block_table(a.seq_id) == [0, 1]
+
+
+def test_hash_collision_serves_no_wrong_block(monkeypatch):
+    """Every block gets the same key: a hit still needs the parent key and the tokens the block
+    was registered with, so a colliding block is a miss, never another prefix's K/V."""
+    monkeypatch.setattr(block_manager, "block_hash", lambda parent, tokens: b"collide")
+    bm = BlockManager(num_blocks=11, block_size=BS, watermark=0.0)
+    a = make_seq([1, 2, 3, 4] * 2 + [9])  # blocks 0 and 1 hold the same tokens
+    compute(bm, a)
+    assert bm.block_table(a.seq_id) == [0, 1, 2]
+    assert bm.hash_to_block == {b"collide": 0}  # block 1's key was taken: not registered
+    b = make_seq([5, 6, 7, 8, 9])  # the key finds block 0, whose tokens differ
+    assert hit(bm, b) == 0 and bm.block_table(b.seq_id) == []
+    c = make_seq([1, 2, 3, 4] * 2 + [10])
+    # block 0 is c's first block indeed; for c's second, the key finds block 0 again, with the
+    # right tokens but registered as a first block (no parent): a miss, not a second hit
+    assert hit(bm, c) == 4 and bm.block_table(c.seq_id) == [0]
+    assert bm.prefix_hits == 1
+    compute(bm, b)
+    compute(bm, c)
+    assert bm.block_table(b.seq_id) == [3, 4] and bm.block_table(c.seq_id) == [0, 5, 6]
+    bm.check_invariants([a, b, c])
+
+
+def test_prefix_key_covers_the_whole_prefix():
+    """Equal blocks after different prefixes are different cache entries."""
+    bm = BlockManager(num_blocks=11, block_size=BS, watermark=0.0)
+    a = make_seq([1, 2, 3, 4, 5, 6, 7, 8, 0])
+    compute(bm, a)
+    b = make_seq([9, 9, 9, 9, 5, 6, 7, 8, 0])  # block 1 equals a's block 1
+    assert hit(bm, b) == 0
+    compute(bm, b)
+    assert bm.block_table(b.seq_id) == [3, 4, 5] and len(bm.hash_to_block) == 4
+    assert block_manager.block_hash(None, (1, 2)) != block_manager.block_hash(None, (2, 1))

@@ -62,13 +62,18 @@ def seq(n, rid, max_tokens=100):
                     SamplingParams(max_tokens=max_tokens))
 
 
+def tables(bm, s):
+    """(device blocks, host blocks) of a sequence."""
+    return bm.block_table(s.seq_id), bm.host_block_table(s.seq_id)
+
+
 def test_host_tail_staging_and_swap_keep_logical_order():
     bm = BlockManager(6, BS, 8, watermark=0.0)
     s = seq(14, "a")
-    assert bm.allocate_slots(s, 4) and s.block_table == [0]  # a device prefix of one block
+    assert bm.allocate_slots(s, 4) and bm.block_table(s.seq_id) == [0]  # a device prefix
     s.num_computed_tokens = 4
     assert bm.host_blocks_for(s, 10) == 3
-    assert bm.allocate_host_slots(s, 10) and s.host_block_table == [0, 1, 2]
+    assert bm.allocate_host_slots(s, 10) and bm.host_block_table(s.seq_id) == [0, 1, 2]
     assert bm.take_staging(2) and bm.staging == [1, 2] and bm.num_free_blocks == 3
     assert not bm.take_staging(4) and bm.staging == [1, 2]  # all or nothing
     bm.check_invariants([s])
@@ -76,10 +81,11 @@ def test_host_tail_staging_and_swap_keep_logical_order():
     assert bm.staging == [] and list(bm.free_queue)[:2] == [2, 1]  # garbage reused first
     s.num_computed_tokens = 14
     assert bm.swap_out(s) == [(0, 3)]  # the device prefix goes in front of the host tail
-    assert s.block_table == [] and s.host_block_table == [3, 0, 1, 2]
+    assert tables(bm, s) == ([], [3, 0, 1, 2])
     assert not bm.can_swap_in(s, 1, watermark=False) or bm.num_free_blocks >= 4
     pairs = bm.swap_in(s)
-    assert [h for h, _ in pairs] == [3, 0, 1, 2] and s.block_table == [d for _, d in pairs]
+    assert [h for h, _ in pairs] == [3, 0, 1, 2]
+    assert bm.block_table(s.seq_id) == [d for _, d in pairs]
     bm.check_invariants([s])
     bm.free(s)
     bm.check_invariants([])
@@ -89,7 +95,7 @@ def test_host_tail_staging_and_swap_keep_logical_order():
 def test_allocate_host_slots_is_all_or_nothing():
     bm = BlockManager(4, BS, 2, watermark=0.0)
     s = seq(12, "a")
-    assert not bm.allocate_host_slots(s, 12) and s.host_block_table == []
+    assert not bm.allocate_host_slots(s, 12) and bm.host_block_table(s.seq_id) == []
     assert bm.num_free_host_blocks == 2
 
 
@@ -127,7 +133,7 @@ def test_layerwise_admission_parking_and_comeback():
     # blocks, and 2 lookahead layers x 3 slices = 6 slices, 2 blocks of 4 layers, borrowed
     assert [(s.seq.request_id, s.num_new_tokens, s.layerwise) for s in out.scheduled] == [
         ("a", 16, False), ("b", 12, True)]
-    assert out.staging == [4, 5] and b.host_block_table == [0, 1, 2] and b.block_table == []
+    assert out.staging == [4, 5] and tables(bm, b) == ([], [0, 1, 2])
     assert b.num_output_tokens == 1 and bm.staging == []  # its first token without a device block
     assert sched.num_layerwise_admits == 1
     # b must decode next, which needs its K/V on the device: not enough room, so it waits
@@ -144,7 +150,7 @@ def test_layerwise_admission_parking_and_comeback():
     assert [(s.seq.request_id, s.num_new_tokens, s.layerwise) for s in out.scheduled] == [
         ("b", 1, False), ("c", 1, False)]
     assert [h for h, _ in out.swap_in][:3] == [0, 1, 2]
-    assert not b.host_block_table and not c.host_block_table
+    assert not bm.host_block_table(b.seq_id) and not bm.host_block_table(c.seq_id)
     for s in (b, c):
         sched.finish(s, "length")
     bm.check_invariants([])
@@ -158,7 +164,7 @@ def test_host_pool_exhaustion_makes_requests_wait():
     sched.add(b)
     out = step(sched, [a, b])
     assert [s.seq.request_id for s in out.scheduled] == ["a"]  # b needs 3 host blocks
-    assert b.status is SequenceStatus.WAITING and not b.host_block_table and not b.block_table
+    assert b.status is SequenceStatus.WAITING and tables(bm, b) == ([], [])
     sched.finish(a, "length")
     out = step(sched, [b])
     assert [(s.seq.request_id, s.layerwise) for s in out.scheduled] == [("b", False)]
@@ -191,7 +197,8 @@ def test_chunked_layerwise_prefill_keeps_its_staging_small():
     # one free block, so it goes layer-wise. Staging holds 3 lookahead layers of b's tail
     # (2, 4, then 5 blocks): 6, 12, 15 slices, one borrowed block of 16 slices each time.
     assert chunks == [(7, 1), (7, 1), (6, 1)]
-    assert len(b.host_block_table) == 5 and b.block_table == [] and b.num_output_tokens == 1
+    assert len(bm.host_block_table(b.seq_id)) == 5 and bm.block_table(b.seq_id) == []
+    assert b.num_output_tokens == 1
 
 
 # ---- StepLayers ----------------------------------------------------------------------------
@@ -217,7 +224,8 @@ def test_step_layers_fetch_compute_offload(lookahead, kv_dtype):
     s = seq(9, "a")
     s.status = SequenceStatus.RUNNING
     s.num_computed_tokens = 5
-    s.host_block_table = [4, 1, 5]  # tokens 0-3, 4-7, 8
+    bm = BlockManager(N, BS, 6, watermark=0.0)
+    bm.host_tables[s.seq_id] = [4, 1, 5]  # tokens 0-3, 4-7, 8; out of order on purpose
     for name, t in ce.host_cache.items():
         for layer in range(L):
             t[layer].copy_(torch.full_like(t[layer], 10 * layer + 1))
@@ -225,8 +233,10 @@ def test_step_layers_fetch_compute_offload(lookahead, kv_dtype):
     out = SchedulerOutput([ScheduledSeq(s, 4, layerwise=True)], staging=borrowed)
     runner = ModelRunner.__new__(ModelRunner)  # prepare() only needs these
     runner.block_size, runner.device, runner.sliding_window = BS, torch.device("cpu"), None
+    runner.block_manager = bm
     input_ids, positions, meta, _ = runner.prepare(out)
-    layers = StepLayers(ce, [ce.layer(i) for i in range(L)], meta, None, out, positions, plan)
+    layers = StepLayers(ce, [ce.layer(i) for i in range(L)], meta, None, out, positions, plan,
+                        bm)
     for layer in range(L):
         cache, m = layers.before(layer)
         k = cache["k"]

@@ -65,7 +65,7 @@ def test_preemption_when_blocks_run_out(mode):
         step(sched)  # a reaches 9 tokens and needs a third block: b (the newest) is preempted
     assert sched.num_preemptions == 1
     if mode == "swap":
-        assert b.status is SequenceStatus.SWAPPED and len(b.host_block_table) == 2
+        assert b.status is SequenceStatus.SWAPPED and len(bm.host_block_table(b.seq_id)) == 2
         assert sched.num_swap_outs == 1
     else:
         assert b.status is SequenceStatus.WAITING and b.num_computed_tokens == 0
@@ -136,7 +136,7 @@ def test_speculative_tokens_run_whole_or_are_dropped():
     assert [(s.seq.request_id, s.num_new_tokens, s.num_spec_tokens) for s in out.scheduled] \
         == [("a", 4, 3), ("b", 1, 0)]
     assert b.num_tokens == 4 and b.num_spec_tokens == 0
-    assert a.block_table == [0, 2]  # drafts up to position 6: two blocks
+    assert bm.block_table(a.seq_id) == [0, 2]  # drafts up to position 6: two blocks
     sampled = sched.postprocess(out)
     assert sampled == [a, b]
     assert out.scheduled[0].spec_token_ids == [1, 2, 3]
@@ -145,7 +145,7 @@ def test_speculative_tokens_run_whole_or_are_dropped():
     a.append_token(9)
     sched.accept_spec_tokens(a, 1)
     assert (a.num_tokens, a.num_computed_tokens) == (6, 5)
-    assert a.block_table == [0, 2]
+    assert bm.block_table(a.seq_id) == [0, 2]
     bm.check_invariants([a, b])
 
 
@@ -160,7 +160,7 @@ def test_drafts_are_dropped_before_and_by_preemption():
     out = sched.schedule()
     # a loses its drafts first, still needs a block, and b is preempted for it
     assert [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 1)]
-    assert a.num_spec_tokens == 0 and a.block_table == [0, 1]
+    assert a.num_spec_tokens == 0 and bm.block_table(a.seq_id) == [0, 1]
     assert b.status is SequenceStatus.WAITING
     assert (b.num_tokens, b.num_spec_tokens, b.num_computed_tokens) == (4, 0, 0)
     bm.check_invariants([a])

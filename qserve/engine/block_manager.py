@@ -1,16 +1,23 @@
 """Block manager: which physical KV blocks each sequence owns, on the device and in host swap.
 
+It keeps every sequence's block table, by sequence id (as vLLM v1's KV cache manager does); a
+sequence holds only its tokens and how many of them are computed (`TokenSeq`), so a draft
+model's view of a sequence is just another id in the draft's own block manager.
+
     sequence tokens   [t0 .. t15][t16 .. t31][t32 t33 _ _ ...]
     block_table          7          2           9              (logical i -> physical id)
     ref_count[7] = 3  (a system prompt shared by three sequences)
 
-Full blocks are keyed by hash(parent block's hash, the block's tokens), so two sequences whose
-prompts share a prefix map it to the same physical blocks (prefix caching). A freed block keeps
-its hash and contents until it is reused, so a later request can still hit it; the free queue is
-least-recently-freed first, which is the eviction order. Forked siblings share every block,
-including the partially filled last one; the first write into a shared block copies it
-(copy-on-write). The manager only moves block ids around: the copies it asks for are returned
-to the caller, which has the cache engine carry them out before the next forward pass.
+Full blocks are keyed by sha256(parent block's key, the block's tokens), a fingerprint of the
+whole prefix up to the block's end, so two sequences whose prompts share a prefix map it to the
+same physical blocks (prefix caching). A hit also compares the parent key and the tokens the
+block was registered with, so even a colliding key never serves a block that holds other
+tokens or follows another parent. A freed block keeps its key and contents until it is reused, so a
+later request can still hit it; the free queue is least-recently-freed first, which is the
+eviction order. Forked siblings share every block, including the partially filled last one; the
+first write into a shared block copies it (copy-on-write). The manager only moves block ids
+around: the copies it asks for are returned to the caller, which has the cache engine carry
+them out before the next forward pass.
 
 A sequence's logical blocks are its device blocks followed by its host blocks:
 
@@ -24,17 +31,30 @@ layer's K/V for the length of one step.
 """
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
+from typing import Iterable, Protocol
 
-from qserve.engine.sequence import Sequence
+
+class TokenSeq(Protocol):
+    """What the block manager reads of a sequence (a Sequence, or a draft model's view of one)."""
+
+    seq_id: int
+    token_ids: list[int]
+    num_computed_tokens: int  # tokens with K/V in the cache; this step's slots start here
 
 
-def block_hash(parent_hash: int | None, tokens: tuple[int, ...]) -> int:
-    return hash((parent_hash, tokens))
+def block_hash(parent: bytes | None, tokens: tuple[int, ...]) -> bytes:
+    """The prefix-cache key of a full block: sha256 of its parent's key and its token ids."""
+    h = hashlib.sha256(parent or b"")
+    h.update(array("q", tokens).tobytes())
+    return h.digest()
 
 
 class BlockManager:
-    """Device blocks with reference counts and a prefix cache; host blocks for swap."""
+    """Device blocks with reference counts and a prefix cache; host blocks for swap; the block
+    tables of every sequence that holds any."""
 
     def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0,
                  watermark: float = 0.01, enable_prefix_caching: bool = True):
@@ -45,10 +65,14 @@ class BlockManager:
         self.watermark_blocks = int(watermark * num_blocks)
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_count = [0] * num_blocks
-        self.block_to_hash: list[int | None] = [None] * num_blocks
-        self.hash_to_block: dict[int, int] = {}
+        # per block while the prefix cache knows it: (its key, its parent's key, its token ids)
+        self.cached: list[tuple[bytes, bytes | None, tuple[int, ...]] | None] = [None] * num_blocks
+        self.hash_to_block: dict[bytes, int] = {}
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.free_host: list[int] = list(range(num_host_blocks - 1, -1, -1))  # pop() -> lowest id
+        self.tables: dict[int, list[int]] = {}  # seq_id -> device blocks, in logical order
+        self.host_tables: dict[int, list[int]] = {}  # seq_id -> host blocks, after the device ones
+        self.keys: dict[int, list[bytes]] = {}  # seq_id -> keys of its blocks offered to the cache
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) device copies, copy-on-write
         self.staging: list[int] = []  # device blocks lent to this step's layer-wise prefills
         self.prefix_hits = 0  # blocks served from the prefix cache
@@ -70,14 +94,22 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def block_table(self, seq_id: int) -> list[int]:
+        """The sequence's device blocks in logical order ([] when it holds none); read only."""
+        return self.tables.get(seq_id, [])
+
+    def host_block_table(self, seq_id: int) -> list[int]:
+        """The sequence's host blocks, which follow its device blocks; read only."""
+        return self.host_tables.get(seq_id, [])
+
     # ---- allocation ----------------------------------------------------------------------
     def _take_free_block(self) -> int:
         block, _ = self.free_queue.popitem(last=False)
-        old_hash = self.block_to_hash[block]
-        if old_hash is not None:  # evict it from the prefix cache
-            if self.hash_to_block.get(old_hash) == block:
-                del self.hash_to_block[old_hash]
-            self.block_to_hash[block] = None
+        if self.cached[block] is not None:  # evict it from the prefix cache
+            key = self.cached[block][0]
+            if self.hash_to_block.get(key) == block:
+                del self.hash_to_block[key]
+            self.cached[block] = None
         assert self.ref_count[block] == 0
         self.ref_count[block] = 1
         return block
@@ -88,56 +120,67 @@ class BlockManager:
         if self.ref_count[block] == 0:
             self.free_queue[block] = None
 
-    def match_prefix(self, seq: Sequence) -> int:
+    def _block_tokens(self, seq: TokenSeq, i: int) -> tuple[int, ...]:
+        return tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+
+    def _lookup(self, key: bytes, parent: bytes | None, tokens: tuple[int, ...]) -> int | None:
+        """The cached block under `key`, if it was registered with this parent and these tokens:
+        a key collision must not serve another prefix's K/V."""
+        block = self.hash_to_block.get(key)
+        if block is None or self.cached[block][1:] != (parent, tokens):
+            return None
+        return block
+
+    def match_prefix(self, seq: TokenSeq) -> int:
         """Attach cached blocks for the longest cached prefix of a sequence that holds none.
 
         The last token is never taken from the cache, so a forward pass still produces its
         logits. Returns:
-            the number of tokens now counted as computed.
+            the number of tokens the attached blocks hold; the caller counts them computed.
         """
-        assert not seq.block_table and seq.num_computed_tokens == 0
+        assert not self.tables.get(seq.seq_id) and seq.num_computed_tokens == 0
         if not self.enable_prefix_caching:
             return 0
-        max_blocks = (seq.num_tokens - 1) // self.block_size
-        parent = None
-        for i in range(max_blocks):
-            tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
-            h = block_hash(parent, tokens)
-            block = self.hash_to_block.get(h)
+        table, keys, parent = [], [], None
+        for i in range((len(seq.token_ids) - 1) // self.block_size):
+            tokens = self._block_tokens(seq, i)
+            key = block_hash(parent, tokens)
+            block = self._lookup(key, parent, tokens)
             if block is None:
                 break
             if self.ref_count[block] == 0:
                 del self.free_queue[block]
             self.ref_count[block] += 1
-            seq.block_table.append(block)
-            if i >= len(seq.block_hashes):
-                seq.block_hashes.append(h)
-            parent = h
-        seq.num_committed_blocks = len(seq.block_table)
-        self.prefix_hits += len(seq.block_table)
-        seq.num_computed_tokens = len(seq.block_table) * self.block_size
-        return seq.num_computed_tokens
+            table.append(block)
+            keys.append(key)
+            parent = key
+        if table:
+            self.tables[seq.seq_id], self.keys[seq.seq_id] = table, keys
+        self.prefix_hits += len(table)
+        return len(table) * self.block_size
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int, watermark: bool = False) -> bool:
+    def can_allocate(self, seq: TokenSeq, num_new_tokens: int, watermark: bool = False) -> bool:
         need = self._new_blocks_for(seq, num_new_tokens)
         reserve = self.watermark_blocks if watermark else 0
         return self.num_free_blocks - need >= reserve
 
-    def _new_blocks_for(self, seq: Sequence, num_new_tokens: int) -> int:
+    def _new_blocks_for(self, seq: TokenSeq, num_new_tokens: int) -> int:
         total = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
-        need = max(0, total - len(seq.block_table))
+        need = max(0, total - len(self.block_table(seq.seq_id)))
         if num_new_tokens and self._writes_shared_block(seq):
             need += 1
         return need
 
-    def _writes_shared_block(self, seq: Sequence) -> bool:
+    def _writes_shared_block(self, seq: TokenSeq) -> bool:
         """Will the next write land in a partially filled block that another sequence holds?"""
+        table = self.block_table(seq.seq_id)
         i = seq.num_computed_tokens // self.block_size
-        if seq.num_computed_tokens % self.block_size == 0 or i >= len(seq.block_table):
+        if seq.num_computed_tokens % self.block_size == 0 or i >= len(table):
             return False
-        return self.ref_count[seq.block_table[i]] > 1
+        return self.ref_count[table[i]] > 1
 
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int, watermark: bool = False) -> bool:
+    def allocate_slots(self, seq: TokenSeq, num_new_tokens: int, watermark: bool = False
+                       ) -> bool:
         """Make the block table cover `num_new_tokens` more tokens, all or nothing.
 
         Args:
@@ -149,127 +192,123 @@ class BlockManager:
         """
         if not self.can_allocate(seq, num_new_tokens, watermark):
             return False
+        table = self.tables.setdefault(seq.seq_id, [])
         if num_new_tokens and self._writes_shared_block(seq):  # copy-on-write
             i = seq.num_computed_tokens // self.block_size
-            src = seq.block_table[i]
-            dst = self._take_free_block()
+            src, dst = table[i], self._take_free_block()
             self._release(src)
-            seq.block_table[i] = dst
+            table[i] = dst
             self.pending_copies.append((src, dst))
         total = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
-        while len(seq.block_table) < total:
-            seq.block_table.append(self._take_free_block())
+        table.extend(self._take_free_block() for _ in range(total - len(table)))
         return True
 
-    def commit_computed_blocks(self, seq: Sequence) -> None:
-        """Register every newly full, computed block of `seq` in the prefix cache."""
+    def commit_computed_blocks(self, seq: TokenSeq) -> None:
+        """Register every newly full, computed device block of `seq` in the prefix cache."""
         if not self.enable_prefix_caching:
             return
-        num_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
-        num_full = min(num_full, len(seq.block_table))  # host blocks are not shareable
-        for i in range(seq.num_committed_blocks, num_full):
-            if i == len(seq.block_hashes):
-                parent = seq.block_hashes[i - 1] if i else None
-                tokens = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
-                seq.block_hashes.append(block_hash(parent, tokens))
-            h = seq.block_hashes[i]
-            block = seq.block_table[i]
-            if h not in self.hash_to_block and self.block_to_hash[block] is None:
-                self.hash_to_block[h] = block
-                self.block_to_hash[block] = h
-        seq.num_committed_blocks = max(seq.num_committed_blocks, num_full)
+        table = self.block_table(seq.seq_id)
+        keys = self.keys.setdefault(seq.seq_id, [])
+        num_full = min(seq.num_computed_tokens, len(seq.token_ids)) // self.block_size
+        for i in range(len(keys), min(num_full, len(table))):  # host blocks are not shareable
+            parent = keys[-1] if keys else None
+            tokens = self._block_tokens(seq, i)
+            key = block_hash(parent, tokens)
+            keys.append(key)
+            block = table[i]
+            if key not in self.hash_to_block and self.cached[block] is None:
+                self.hash_to_block[key] = block
+                self.cached[block] = (key, parent, tokens)
 
-    def trim(self, seq: Sequence) -> None:
+    def trim(self, seq: TokenSeq) -> None:
         """Give back the blocks past the sequence's computed tokens: those that only held
         speculative tokens the target rejected. Never registered in the prefix cache, they go
         to the front of the free queue (reused first)."""
         keep = self.blocks_needed(seq.num_computed_tokens)
-        for block in seq.block_table[keep:]:
+        table = self.block_table(seq.seq_id)
+        assert keep >= len(self.keys.get(seq.seq_id, ())), "trim would drop a committed block"
+        for block in table[keep:]:
             self._release_uncached(block)
-        del seq.block_table[keep:]
+        del table[keep:]
 
     def _release_uncached(self, block: int) -> None:
         """Release a block; if that frees one holding nothing the prefix cache knows, it goes to
         the front of the free queue (reused first)."""
         self._release(block)
-        if self.ref_count[block] == 0 and self.block_to_hash[block] is None:
+        if self.ref_count[block] == 0 and self.cached[block] is None:
             self.free_queue.move_to_end(block, last=False)
 
-    def free(self, seq: Sequence) -> None:
-        """Drop the sequence's references; tail blocks go to the free queue first, so they are
-        evicted before the (more shareable) head of the prefix."""
-        for block in reversed(seq.block_table):
+    def free(self, seq: TokenSeq) -> None:
+        """Drop the sequence's blocks; device blocks tail first, so they are evicted before
+        the (more shareable) head of the prefix."""
+        for block in reversed(self.tables.pop(seq.seq_id, [])):
             self._release(block)
-        seq.block_table = []
-        seq.num_committed_blocks = 0
-        for block in seq.host_block_table:
-            self.free_host.append(block)
-        seq.host_block_table = []
+        self.free_host.extend(self.host_tables.pop(seq.seq_id, []))
+        self.keys.pop(seq.seq_id, None)
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
-        child.block_table = list(parent.block_table)
-        child.num_committed_blocks = parent.num_committed_blocks
-        for block in child.block_table:
+    def fork(self, parent: TokenSeq, child: TokenSeq) -> None:
+        """Give `child` every block of `parent` (which holds no host blocks)."""
+        assert not self.host_block_table(parent.seq_id) and child.seq_id not in self.tables
+        table = self.tables[child.seq_id] = list(self.block_table(parent.seq_id))
+        self.keys[child.seq_id] = list(self.keys.get(parent.seq_id, ()))
+        for block in table:
             self.ref_count[block] += 1
 
     # ---- swap ------------------------------------------------------------------------------
-    def can_swap_out(self, seq: Sequence) -> bool:
-        return len(seq.block_table) <= self.num_free_host_blocks
+    def can_swap_out(self, seq: TokenSeq) -> bool:
+        return len(self.block_table(seq.seq_id)) <= self.num_free_host_blocks
 
-    def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
+    def swap_out(self, seq: TokenSeq) -> list[tuple[int, int]]:
         """Move a sequence's device blocks to host memory, in front of any it has there.
 
         Returns:
             (device block, host block) pairs to copy before the device blocks are reused.
         """
         assert self.can_swap_out(seq)
-        mapping = []
-        for block in seq.block_table:
-            host = self.free_host.pop()
-            mapping.append((block, host))
-        for block in reversed(seq.block_table):
+        table = self.tables.pop(seq.seq_id, [])
+        hosts = [self.free_host.pop() for _ in table]
+        for block in reversed(table):
             self._release(block)
-        seq.host_block_table[:0] = [host for _, host in mapping]
-        seq.block_table = []
-        seq.num_committed_blocks = 0
-        return mapping
+        self.host_tables[seq.seq_id] = hosts + self.host_block_table(seq.seq_id)
+        self.keys.pop(seq.seq_id, None)  # its blocks are offered again once back
+        return list(zip(table, hosts))
 
-    def can_swap_in(self, seq: Sequence, num_new_tokens: int = 0, watermark: bool = True
+    def can_swap_in(self, seq: TokenSeq, num_new_tokens: int = 0, watermark: bool = True
                     ) -> bool:
-        have = len(seq.block_table)
-        need = max(have + len(seq.host_block_table),
+        have = len(self.block_table(seq.seq_id))
+        need = max(have + len(self.host_block_table(seq.seq_id)),
                    self.blocks_needed(seq.num_computed_tokens + num_new_tokens)) - have
         return self.num_free_blocks - need >= (self.watermark_blocks if watermark else 0)
 
-    def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
+    def swap_in(self, seq: TokenSeq) -> list[tuple[int, int]]:
         """Bring a sequence's host blocks back to the device, after the device blocks it has.
 
         Returns:
             (host block, device block) pairs to copy.
         """
-        assert len(seq.host_block_table) <= self.num_free_blocks
-        mapping = []
-        for host in seq.host_block_table:
-            block = self._take_free_block()
-            mapping.append((host, block))
-            seq.block_table.append(block)
-            self.free_host.append(host)
-        seq.host_block_table = []
+        hosts = self.host_tables.pop(seq.seq_id, [])
+        assert len(hosts) <= self.num_free_blocks
+        mapping = [(host, self._take_free_block()) for host in hosts]
+        self.tables.setdefault(seq.seq_id, []).extend(block for _, block in mapping)
+        self.free_host.extend(hosts)
         return mapping
 
     # ---- layer-wise prefill ----------------------------------------------------------------
-    def host_blocks_for(self, seq: Sequence, num_new_tokens: int) -> int:
+    def host_blocks_for(self, seq: TokenSeq, num_new_tokens: int) -> int:
         """Host blocks a layer-wise prefill needs beyond the ones it holds to compute
         `num_new_tokens` more tokens."""
         total = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
-        return max(0, total - len(seq.block_table) - len(seq.host_block_table))
+        held = len(self.block_table(seq.seq_id)) + len(self.host_block_table(seq.seq_id))
+        return max(0, total - held)
 
-    def allocate_host_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+    def allocate_host_slots(self, seq: TokenSeq, num_new_tokens: int) -> bool:
         """Grow the host tail to cover `num_new_tokens` more tokens, all or nothing."""
         need = self.host_blocks_for(seq, num_new_tokens)
         if need > self.num_free_host_blocks:
             return False
-        seq.host_block_table.extend(self.free_host.pop() for _ in range(need))
+        if need:
+            tail = self.host_tables.setdefault(seq.seq_id, [])
+            tail.extend(self.free_host.pop() for _ in range(need))
         return True
 
     def take_staging(self, num_blocks: int) -> bool:
@@ -290,16 +329,20 @@ class BlockManager:
         copies, self.pending_copies = self.pending_copies, []
         return copies
 
-    def check_invariants(self, live: list[Sequence]) -> None:
-        """Reference counts equal the number of live block-table entries (test helper)."""
+    def check_invariants(self, live: Iterable[TokenSeq] = ()) -> None:
+        """Only `live` sequences hold blocks, reference counts equal the block-table entries,
+        and the prefix cache's two maps agree (test helper)."""
+        owners = set(self.tables) | set(self.host_tables) | set(self.keys)
+        assert owners <= {seq.seq_id for seq in live}, "blocks held by a finished sequence"
         counts = [0] * self.num_blocks
         for block in self.staging:
             counts[block] += 1
-        host = 0
-        for seq in live:
-            for block in seq.block_table:
+        for table in self.tables.values():
+            for block in table:
                 counts[block] += 1
-            host += len(seq.host_block_table)
         assert counts == self.ref_count, "ref counts out of step with block tables"
         assert all((c == 0) == (b in self.free_queue) for b, c in enumerate(counts))
+        host = sum(len(tail) for tail in self.host_tables.values())
         assert host + self.num_free_host_blocks == self.num_host_blocks
+        assert all(self.cached[b][0] == key for key, b in self.hash_to_block.items())
+        assert all(len(keys) <= len(self.block_table(i)) for i, keys in self.keys.items())

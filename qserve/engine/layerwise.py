@@ -32,6 +32,7 @@ import torch
 from qserve.kernels.paged_attention import PagedAttentionMetadata
 
 if TYPE_CHECKING:
+    from qserve.engine.block_manager import BlockManager
     from qserve.engine.cache_engine import CacheEngine
     from qserve.engine.scheduler import SchedulerOutput, StagingPlan
 
@@ -44,18 +45,23 @@ class StepLayers:
 
     def __init__(self, ce: CacheEngine, caches: list[dict[str, torch.Tensor]],
                  meta: PagedAttentionMetadata, moves: list[int] | None,
-                 out: SchedulerOutput, positions: torch.Tensor, plan: StagingPlan | None):
+                 out: SchedulerOutput, positions: torch.Tensor, plan: StagingPlan | None,
+                 bm: BlockManager):
+        """`bm`: the block manager that holds the step's block tables (host tails included)."""
         self.ce, self.caches, self.meta, self.moves = ce, caches, meta, moves
         self.staged = bool(out.staging)
         self.fetched: dict[int, int] = {}  # layer -> ticket of its fetch
         if self.staged:
-            self._plan(out, positions, plan)
+            self._plan(out, positions, plan, bm)
 
-    def _plan(self, out: SchedulerOutput, positions: torch.Tensor, plan: StagingPlan) -> None:
+    def _plan(self, out: SchedulerOutput, positions: torch.Tensor, plan: StagingPlan,
+              bm: BlockManager) -> None:
         ce, meta = self.ce, self.meta
         L, N, bs, k = ce.num_layers, ce.num_blocks, ce.block_size, plan.groups
-        tails = [(r, s.seq) for r, s in enumerate(out.scheduled) if s.layerwise]
-        G = sum(len(seq.host_block_table) for _, seq in tails)
+        # each layer-wise prefill: (row, device blocks before its tail, host tail, computed)
+        tails = [(r, len(bm.block_table(s.seq.seq_id)), bm.host_block_table(s.seq.seq_id),
+                  s.seq.num_computed_tokens) for r, s in enumerate(out.scheduled) if s.layerwise]
+        G = sum(len(tail) for _, _, tail, _ in tails)
         slices = torch.tensor([l * N + b for b in out.staging for l in range(L)])
         assert slices.numel() >= k * G, "the scheduler borrowed too few staging blocks"
         self.group_slices = slices[:k * G].view(k, G)  # (k, G) flat slice ids
@@ -64,10 +70,8 @@ class StepLayers:
         tables = meta.block_tables.cpu().unsqueeze(0) + (torch.arange(L) * N).view(L, 1, 1)
         fetch_host, fetch_at, off_host, off_at = [], [], [], []
         start = 0
-        for r, seq in tails:
-            p, tail = len(seq.block_table), seq.host_block_table
+        for r, p, tail, c in tails:
             tables[:, r, p:p + len(tail)] = by_layer[:, start:start + len(tail)]
-            c = seq.num_computed_tokens
             have = -(-c // bs) - p  # tail blocks holding K/V already: fetch them
             first = c // bs - p  # first tail block this step writes: offload from it on
             fetch_host += tail[:have]

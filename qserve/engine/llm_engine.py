@@ -115,7 +115,8 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.cache.block_size, num_host_blocks,
                                           watermark, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(sched, self.block_manager, self.max_model_len, staging)
-        self.runner = ModelRunner(self.model, self.cache_engine, self.device, staging)
+        self.runner = ModelRunner(self.model, self.cache_engine, self.block_manager, self.device,
+                                  staging)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
         self.sampler = Sampler(self.eos_token_ids)
         self.speculator = None

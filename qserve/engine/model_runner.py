@@ -1,11 +1,13 @@
 """Model runner: turns one step's schedule into flat tensors and runs the model.
 
-It sees sequences only as token ids, computed counts and block tables; it never sees queues.
+It sees sequences only as token ids and computed counts, and asks the block manager for their
+block tables; it never sees queues.
 """
 from __future__ import annotations
 
 import torch
 
+from qserve.engine.block_manager import BlockManager
 from qserve.engine.cache_engine import CacheEngine
 from qserve.engine.layerwise import StepLayers
 from qserve.engine.scheduler import SchedulerOutput, StagingPlan
@@ -16,11 +18,13 @@ from qserve.models.llama import LlamaForCausalLM
 class ModelRunner:
     EXPAND_MAX = 17  # run_speculative: longest query still run as one-token rows (K <= 16)
 
-    def __init__(self, model: LlamaForCausalLM, cache_engine: CacheEngine, device: torch.device,
+    def __init__(self, model: LlamaForCausalLM, cache_engine: CacheEngine,
+                 block_manager: BlockManager, device: torch.device,
                  staging: StagingPlan | None = None):
         self.model = model
         self.staging = staging
         self.cache_engine = cache_engine
+        self.block_manager = block_manager  # the block tables of the scheduled sequences
         self.device = device
         self.block_size = cache_engine.block_size
         self.layer_caches = [cache_engine.layer(i) for i in range(model.arch.num_layers)]
@@ -43,12 +47,15 @@ class ModelRunner:
         query_lens: list[int] = []
         logit_rows: list[int] = []
         tables = []
+        bm = self.block_manager
         for s in out.scheduled:
             seq, n = s.seq, s.num_new_tokens
             c = seq.num_computed_tokens
-            # a layer-wise prefill's tail gets per-layer staging slices (StepLayers); its host
-            # block ids only hold the places until then
-            table = seq.block_table + seq.host_block_table if s.layerwise else seq.block_table
+            table = bm.block_table(seq.seq_id)
+            if s.layerwise:
+                # its tail gets per-layer staging slices (StepLayers); until then its host
+                # block ids hold the places
+                table = table + bm.host_block_table(seq.seq_id)
             input_ids.extend(seq.token_ids[c:c + n])
             pos = range(c, c + n)
             positions.extend(pos)
@@ -136,7 +143,8 @@ class ModelRunner:
             meta = _one_query_per_row(meta)
         layers = None
         if out.staging or moves and not (meta.decode_only and self.device.type == "cpu"):
-            layers = StepLayers(ce, self.layer_caches, meta, moves, out, positions, self.staging)
+            layers = StepLayers(ce, self.layer_caches, meta, moves, out, positions, self.staging,
+                                self.block_manager)
         elif moves:  # the fused CPU decode step runs every layer in one call
             ce.copier.wait_all()
         try:

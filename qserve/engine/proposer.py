@@ -61,17 +61,18 @@ class NgramProposer:
 
 # ---- a draft model with its own paged cache ------------------------------------------------------
 class DraftSeq:
-    """The draft model's view of a sequence: the sequence's tokens, the draft's own blocks."""
+    """The draft model's view of a sequence: the sequence's id and tokens, the draft's own
+    computed count (its blocks are under the same id in the draft's block manager)."""
 
     def __init__(self, seq: Sequence):
         self.seq = seq
         self.num_computed_tokens = 0
-        self.block_table: list[int] = []
-        self.block_hashes: list[int] = []
-        self.num_committed_blocks = 0
-        self.host_block_table: list[int] = []  # never used: draft KV is not swapped
         self.num_final = 0  # tokens that were final when it last proposed
         self.drafted: list[int] = []  # what it proposed after them
+
+    @property
+    def seq_id(self) -> int:
+        return self.seq.seq_id
 
     @property
     def token_ids(self) -> list[int]:
@@ -85,7 +86,7 @@ class DraftSeq:
 class DraftModelProposer:
     def __init__(self, model, cache_engine: CacheEngine, block_manager: BlockManager,
                  device: torch.device):
-        self.runner = ModelRunner(model, cache_engine, device)
+        self.runner = ModelRunner(model, cache_engine, block_manager, device)
         self.block_manager = block_manager
         self.drafts: dict[int, DraftSeq] = {}  # seq_id -> the draft's state
 
@@ -99,7 +100,7 @@ class DraftModelProposer:
         d = self.drafts.get(seq.seq_id)
         if d is None:
             d = self.drafts[seq.seq_id] = DraftSeq(seq)
-            bm.match_prefix(d)
+            d.num_computed_tokens = bm.match_prefix(d)
             return d
         kept = d.num_final
         for drafted, actual in zip(d.drafted, seq.token_ids[d.num_final:]):

@@ -156,7 +156,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if seq.host_block_table:  # a layer-wise prefill
+            if bm.host_block_table(seq.seq_id):  # a layer-wise prefill
                 n = self._continue_layerwise(seq, budget, out)
                 if n is None:  # parked in `swapped` until its K/V can come back
                     continue
@@ -206,8 +206,8 @@ class Scheduler:
                     or self.swapped and self.staging_plan is None):
                 break
             seq = self.waiting[0]
-            if not seq.block_table:
-                cached = bm.match_prefix(seq)
+            if not bm.block_table(seq.seq_id):
+                cached = seq.num_computed_tokens = bm.match_prefix(seq)
                 if seq.first_scheduled_time is None:
                     seq.num_cached_tokens = cached
             remaining = seq.num_tokens - seq.num_computed_tokens
@@ -274,7 +274,7 @@ class Scheduler:
         bm = self.block_manager
         if not bm.allocate_host_slots(seq, n):
             return False
-        staged = self._staged_blocks + len(seq.host_block_table)
+        staged = self._staged_blocks + len(bm.host_block_table(seq.seq_id))
         if not bm.take_staging(self.staging_plan.blocks_for(staged) - len(bm.staging)):
             return False
         self._staged_blocks = staged

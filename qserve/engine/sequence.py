@@ -35,7 +35,8 @@ _seq_ids = itertools.count()
 
 
 class Sequence:
-    """Token ids, cache bookkeeping and stop state of one sample."""
+    """Token ids, computed count and stop state of one sample (its blocks are the block
+    manager's, by seq_id)."""
 
     def __init__(self, request_id: str, index: int, token_ids: list[int], num_prompt_tokens: int,
                  params: SamplingParams, arrival_time: float | None = None):
@@ -49,10 +50,6 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache on first admission
-        self.block_table: list[int] = []  # logical block i -> physical device block
-        self.host_block_table: list[int] = []  # while swapped out: logical block i -> host block
-        self.block_hashes: list[int] = []  # hashes of the full blocks, in order (prefix cache keys)
-        self.num_committed_blocks = 0  # leading blocks of block_table already offered to the cache
         self.num_forks = 0  # siblings still to fork off this sequence once its prompt is computed
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
@@ -115,7 +112,6 @@ class Sequence:
         child.status = self.status
         child.num_computed_tokens = self.num_computed_tokens
         child.num_cached_tokens = self.num_cached_tokens
-        child.block_hashes = list(self.block_hashes)
         child.first_scheduled_time = self.first_scheduled_time
         return child
 
