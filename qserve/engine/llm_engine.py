@@ -108,15 +108,7 @@ class LLMEngine:
         codebook = kv_codebook.for_cache(self.model, self.tokenizer, self.kv_dtype)
         self.cache_engine = CacheEngine(self.arch, config.cache, num_blocks, num_host_blocks,
                                         self.device, self.kv_dtype, codebook)
-        watermark, staging = config.cache.watermark, None
-        if config.cache.kv_offload == "layerwise":
-            staging = StagingPlan(self.arch.num_layers, config.cache.kv_offload_lookahead)
-            watermark = max(watermark, config.cache.kv_offload_reserve)
-        self.block_manager = BlockManager(num_blocks, config.cache.block_size, num_host_blocks,
-                                          watermark, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(sched, self.block_manager, self.max_model_len, staging)
-        self.runner = ModelRunner(self.model, self.cache_engine, self.block_manager, self.device,
-                                  staging)
+        self._build_scheduler(num_blocks, num_host_blocks)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
         self.sampler = Sampler(self.eos_token_ids)
         self.speculator = None
@@ -132,6 +124,21 @@ class LLMEngine:
         self.detokenize = True
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
+
+    def _build_scheduler(self, num_blocks: int, num_host_blocks: int) -> None:
+        """The block manager over the KV pool, the scheduler that owns it, and the runner
+        that reads its block tables."""
+        cache = self.config.cache
+        watermark, staging = cache.watermark, None
+        if cache.kv_offload == "layerwise":
+            staging = StagingPlan(self.arch.num_layers, cache.kv_offload_lookahead)
+            watermark = max(watermark, cache.kv_offload_reserve)
+        self.block_manager = BlockManager(num_blocks, cache.block_size, num_host_blocks,
+                                          watermark, cache.enable_prefix_caching)
+        self.scheduler = Scheduler(self.config.scheduler, self.block_manager,
+                                   self.max_model_len, staging)
+        self.runner = ModelRunner(self.model, self.cache_engine, self.block_manager, self.device,
+                                  staging)
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | None = None,

@@ -141,102 +141,69 @@ class Scheduler:
 
     # ---- one step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        """Pick this step's work.
+        """Pick this step's work: running sequences first, then swapped ones back, then new
+        ones, all from one budget of `max_num_batched_tokens`.
 
         Returns:
             the sequences to run with their token counts, and the block copies (swap and
             copy-on-write) the cache engine must do before the forward pass.
         """
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
-        bm = self.block_manager
         self._staged_blocks = 0
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(budget, out)
+        budget = self._resume_swapped(budget, out)
+        self._admit_waiting(budget, out)
+        out.copies = self.block_manager.take_pending_copies()
+        out.staging = list(self.block_manager.staging)
+        return out
 
-        # 1. running sequences, oldest first; preempt the newest when blocks run out
+    @staticmethod
+    def _missing(seq: Sequence, budget: int) -> int:
+        """Tokens of `seq` to compute this step: all it lacks, up to the budget."""
+        return min(seq.num_tokens - seq.num_computed_tokens, budget)
+
+    def _schedule_running(self, budget: int, out: SchedulerOutput) -> int:
+        """Running sequences, oldest first, each what it lacks up to the budget left; those
+        the budget does not reach lose their drafts. Returns the budget left."""
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if bm.host_block_table(seq.seq_id):  # a layer-wise prefill
+            if self.block_manager.host_block_table(seq.seq_id):  # a layer-wise prefill
                 n = self._continue_layerwise(seq, budget, out)
-                if n is None:  # parked in `swapped` until its K/V can come back
-                    continue
-                budget -= n
-                i += 1
+            else:
+                n = self._continue_on_device(seq, budget, out)
+            if n is None:  # it left `running`
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if seq.num_spec_tokens and seq.num_computed_tokens + n < seq.num_tokens:
-                seq.pop_spec_tokens()  # drafts run whole or not at all
-                n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not bm.allocate_slots(seq, n):
-                if seq.num_spec_tokens:  # optional work: drop it before preempting anyone
-                    seq.pop_spec_tokens()
-                    n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-                    continue
-                victim = self.running[-1]
-                self._preempt(victim, out)
-                if victim is seq:
-                    break
-            if seq.status is SequenceStatus.RUNNING:
-                out.scheduled.append(ScheduledSeq(seq, n, seq.num_spec_tokens))
-                budget -= n
-                i += 1
+            budget -= n
+            i += 1
         for seq in self.running[i:]:  # out of budget this step: their drafts would go stale
             seq.pop_spec_tokens()
+        return budget
 
-        # 2. swapped sequences come back before anything new, unless we just preempted
-        while self.swapped and not out.num_preempted and budget > 0:
-            seq = self.swapped[0]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if (len(self.running) >= self.config.max_num_seqs
-                    or not bm.can_swap_in(seq, n, watermark=bool(self.running))):
-                break
-            self.swapped.popleft()
-            out.swap_in.extend(bm.swap_in(seq))
-            ok = bm.allocate_slots(seq, n)
-            assert ok
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            out.scheduled.append(ScheduledSeq(seq, n))
-            budget -= n
+    def _continue_on_device(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int | None:
+        """Schedule a running sequence whose K/V is on the device. Drafts run whole or not at
+        all, and go before anyone is preempted; when blocks run out, the newest running
+        sequence is preempted, by swap or by recompute.
 
-        # 3. new (or recompute-preempted) sequences, in arrival order; while others wait in
-        # `swapped`, only layer-wise, which takes no device blocks beyond this step
-        while self.waiting and not out.num_preempted and budget > 0:
-            if (len(self.running) >= self.config.max_num_seqs
-                    or self.swapped and self.staging_plan is None):
-                break
-            seq = self.waiting[0]
-            if not bm.block_table(seq.seq_id):
-                cached = seq.num_computed_tokens = bm.match_prefix(seq)
-                if seq.first_scheduled_time is None:
-                    seq.num_cached_tokens = cached
-            remaining = seq.num_tokens - seq.num_computed_tokens
-            n = min(remaining, budget)
-            if n < remaining and not self.config.enable_chunked_prefill:
-                if self.running:
-                    self._undo_prefix(seq)
-                    break
-                n = remaining  # a lone prompt larger than the budget still has to run
-            layerwise = False
-            if self.swapped or not bm.allocate_slots(seq, n, watermark=bool(self.running)):
-                # n > 1 samples fork off the prompt's device blocks, so they start in full
-                layerwise = (self.staging_plan is not None and not seq.num_forks
-                             and self._stage(seq, n))
-                if not layerwise:
-                    self._undo_prefix(seq)
-                    break
-                self.num_layerwise_admits += 1
-            self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
-            if seq.first_scheduled_time is None:
-                seq.first_scheduled_time = time.monotonic()
-            self.running.append(seq)
-            out.scheduled.append(ScheduledSeq(seq, n, layerwise=layerwise))
-            budget -= n
-
-        out.copies = bm.take_pending_copies()
-        out.staging = list(bm.staging)
-        return out
+        Returns:
+            the tokens scheduled, or None when `seq` itself was preempted.
+        """
+        n = self._missing(seq, budget)
+        if seq.num_spec_tokens and seq.num_computed_tokens + n < seq.num_tokens:
+            seq.pop_spec_tokens()
+            n = self._missing(seq, budget)
+        while not self.block_manager.allocate_slots(seq, n):
+            if seq.num_spec_tokens:  # optional work: drop it before preempting anyone
+                seq.pop_spec_tokens()
+                n = self._missing(seq, budget)
+                continue
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim is seq:
+                return None
+        out.scheduled.append(ScheduledSeq(seq, n, seq.num_spec_tokens))
+        return n
 
     def _continue_layerwise(self, seq: Sequence, budget: int, out: SchedulerOutput
                             ) -> int | None:
@@ -247,16 +214,13 @@ class Scheduler:
             the tokens scheduled (0: none this step), or None when it moved to `swapped` to
             wait for room to decode.
         """
-        bm = self.block_manager
         seq.pop_spec_tokens()  # no drafts before its K/V is back
         remaining = seq.num_tokens - seq.num_computed_tokens
         n = min(remaining, budget)
         # back whole only if no one waits in `swapped` before it (they come back in order)
-        if not self.swapped and bm.can_swap_in(seq, n, watermark=len(self.running) > 1):
-            out.swap_in.extend(bm.swap_in(seq))
-            ok = bm.allocate_slots(seq, n)
-            assert ok
-            out.scheduled.append(ScheduledSeq(seq, n))
+        if (not self.swapped
+                and self.block_manager.can_swap_in(seq, n, watermark=len(self.running) > 1)):
+            self._swap_in(seq, n, out)
             return n
         if remaining == 1 and seq.num_output_tokens:  # a decode step: it needs its K/V back
             self.running.remove(seq)
@@ -267,6 +231,79 @@ class Scheduler:
             return 0
         out.scheduled.append(ScheduledSeq(seq, n, layerwise=True))
         return n
+
+    def _resume_swapped(self, budget: int, out: SchedulerOutput) -> int:
+        """Swapped sequences come back, in order, before anything new is admitted, unless this
+        step preempted someone. Returns the budget left."""
+        while self.swapped and not out.num_preempted and budget > 0:
+            seq = self.swapped[0]
+            n = self._missing(seq, budget)
+            if (len(self.running) >= self.config.max_num_seqs or not
+                    self.block_manager.can_swap_in(seq, n, watermark=bool(self.running))):
+                break
+            self.swapped.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self._swap_in(seq, n, out)
+            budget -= n
+        return budget
+
+    def _swap_in(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
+        """Bring all of a sequence's K/V back to the device and schedule `n` of its tokens
+        (the caller checked can_swap_in)."""
+        bm = self.block_manager
+        out.swap_in.extend(bm.swap_in(seq))
+        ok = bm.allocate_slots(seq, n)
+        assert ok
+        out.scheduled.append(ScheduledSeq(seq, n))
+
+    def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
+        """New (or recompute-preempted) sequences, in arrival order, unless this step
+        preempted someone; while others wait in `swapped`, only layer-wise ones, which take
+        no device blocks beyond this step."""
+        while self.waiting and not out.num_preempted and budget > 0:
+            if (len(self.running) >= self.config.max_num_seqs
+                    or self.swapped and self.staging_plan is None):
+                break
+            seq = self.waiting[0]
+            s = self._admission(seq, budget)
+            if s is None:
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
+            self.running.append(seq)
+            out.scheduled.append(s)
+            budget -= s.num_new_tokens
+
+    def _admission(self, seq: Sequence, budget: int) -> ScheduledSeq | None:
+        """Blocks for a waiting sequence: its prefix-cache hits, then device blocks for what it
+        computes this step, or else host blocks and staging to compute it layer by layer.
+
+        Returns:
+            its work this step, or None (holding nothing) when it cannot start now.
+        """
+        bm = self.block_manager
+        if not bm.block_table(seq.seq_id):
+            seq.num_computed_tokens = bm.match_prefix(seq)
+            if seq.first_scheduled_time is None:
+                seq.num_cached_tokens = seq.num_computed_tokens
+        remaining = seq.num_tokens - seq.num_computed_tokens
+        n = min(remaining, budget)
+        if n < remaining and not self.config.enable_chunked_prefill:
+            if self.running:
+                self._undo_prefix(seq)
+                return None
+            n = remaining  # a lone prompt larger than the budget still has to run
+        if not self.swapped and bm.allocate_slots(seq, n, watermark=bool(self.running)):
+            return ScheduledSeq(seq, n)
+        # n > 1 samples fork off the prompt's device blocks, so they start in full
+        if self.staging_plan is not None and not seq.num_forks and self._stage(seq, n):
+            self.num_layerwise_admits += 1
+            return ScheduledSeq(seq, n, layerwise=True)
+        self._undo_prefix(seq)
+        return None
 
     def _stage(self, seq: Sequence, n: int) -> bool:
         """Host blocks for `n` more tokens of a layer-wise prefill, and the staging blocks to
