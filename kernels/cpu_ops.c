@@ -217,19 +217,27 @@ f32_rows(const float *w, int64_t K, const float *x, const int nr, float *res)
 typedef struct {
     int8_t *q;      /* (M, Kp), chunk-permuted like the fp32 path when int4 */
     int64_t Mp;     /* M rounded up to MTI */
-    float *d;       /* (Kp / block, Mp) block scales, transposed: one block's rows are adjacent */
-    float *dsum;    /* (Kp / 32, Mp) d * sum(q_x) of the chunk (32-input blocks) */
-    int16_t *bsum;  /* (M, Kp / 16) sum(q_x) of each 16 inputs (256-input blocks, GGML K-quants:
-                     * quantize_superblocks in cpu_formats.c) */
+    float *d;       /* (Kp / 32, Mp) chunk scales, transposed: one chunk's rows are adjacent */
+    float *dsum;    /* (Kp / 32, Mp) d * sum(q_x) of the chunk */
+    float *dsum16;  /* (Kp / 16, Mp) d * sum(q_x) of each 16 inputs, for the GGML K-quants'
+                     * 16-input sub-blocks; NULL unless asked for */
 } qacts;
 
+static inline int hsum_epi32(__m256i v)
+{
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
+}
+
 static qacts quantize_activations(const float *x, int64_t M, int64_t K, int64_t ldx, int64_t Kp,
-                                  int permute, int nthreads)
+                                  int permute, int sums16, int nthreads)
 {
     const int64_t nchunk = Kp / CHUNK, Mp = (M + MTI - 1) / MTI * MTI;
     qacts a = {aligned_alloc(64, (size_t)((M * Kp + 63) / 64 * 64)), Mp,
                calloc((size_t)(nchunk * Mp), sizeof(float)),
-               calloc((size_t)(nchunk * Mp), sizeof(float)), NULL};
+               calloc((size_t)(nchunk * Mp), sizeof(float)),
+               sums16 ? calloc((size_t)(2 * nchunk * Mp), sizeof(float)) : NULL};
     float *xp = pack_activations(x, M, K, ldx, Kp, permute);
     const __m256 sign = _mm256_set1_ps(-0.f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -248,21 +256,21 @@ static qacts quantize_activations(const float *x, int64_t M, int64_t K, int64_t 
             m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
             const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
             const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
-            __m256i q[4], sum = _mm256_setzero_si256();
-            for (int u = 0; u < 4; u++) {
+            __m256i q[4];
+            for (int u = 0; u < 4; u++)
                 q[u] = _mm256_cvtps_epi32(_mm256_mul_ps(x8[u], _mm256_set1_ps(id)));
-                sum = _mm256_add_epi32(sum, q[u]);
-            }
             /* 32 int32 in [-127, 127] -> 32 int8 in order (the packs interleave 128-bit lanes) */
             const __m256i q16 = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]),
                                                    _mm256_packs_epi32(q[2], q[3]));
             _mm256_storeu_si256((__m256i *)(a.q + m * Kp + c * CHUNK),
                                 _mm256_permutevar8x32_epi32(q16, order));
-            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
-            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+            const __m256i s0 = _mm256_add_epi32(q[0], q[1]), s1 = _mm256_add_epi32(q[2], q[3]);
             a.d[c * Mp + m] = d;
-            a.dsum[c * Mp + m] = d * (float)_mm_cvtsi128_si32(s4);
+            a.dsum[c * Mp + m] = d * (float)hsum_epi32(_mm256_add_epi32(s0, s1));
+            if (sums16) { /* inputs 0..15 and 16..31 */
+                a.dsum16[2 * c * Mp + m] = d * (float)hsum_epi32(s0);
+                a.dsum16[(2 * c + 1) * Mp + m] = d * (float)hsum_epi32(s1);
+            }
         }
     free(xp);
     return a;
@@ -273,7 +281,7 @@ static void free_activations(qacts a)
     free(a.q);
     free(a.d);
     free(a.dsum);
-    free(a.bsum);
+    free(a.dsum16);
 }
 
 /* Lane i of v in all 8 lanes (i a constant once inlined). */
@@ -414,7 +422,7 @@ static void q4_matmul(const float *x, int64_t M, int64_t K, int64_t ldx,
 #ifdef HAVE_I8_PATH
     qacts a = {0};
     if (i8)
-        a = quantize_activations(x, M, K, ldx, Kp, 1, nthreads);
+        a = quantize_activations(x, M, K, ldx, Kp, 1, 0, nthreads);
 #else
     i8 = 0;
 #endif
@@ -462,7 +470,7 @@ static void q8_matmul(const float *x, int64_t M, int64_t K, int64_t ldx,
     qacts a = {0};
     i8 = i8 && Kp % CHUNK == 0 && group_size % CHUNK == 0;
     if (i8)
-        a = quantize_activations(x, M, K, ldx, Kp, 0, nthreads);
+        a = quantize_activations(x, M, K, ldx, Kp, 0, 0, nthreads);
 #else
     i8 = 0;
 #endif

@@ -220,9 +220,8 @@ def weight_matmul(x: torch.Tensor, qt: QuantizedTensor, bias: torch.Tensor | Non
     Args:
         x: activations, stride(1) == 1 (rows may be strided).
         bias: fp32 (N,), contiguous, or None.
-        int8_activations: quantize x to int8 (per 32 inputs; per 256 for the GGML K-quants)
-            for the packed formats' integer dot products, as llama.cpp does; dense formats
-            ignore it.
+        int8_activations: quantize x to int8 per 32 inputs for the packed formats' integer
+            dot products, as llama.cpp does; dense formats ignore it.
         out: where to write, an (M, N) fp32 view with stride(1) == 1, e.g. a column slice
             y[:, n0:n1] of a wider output that several segments fill.
     Returns:

@@ -96,24 +96,35 @@ def test_weight_matmul_fp32_matches_reference(fmt, N, K, M):
     assert ((out.double() - ref).abs() <= tol).all()
 
 
+def int8_rounded(x: torch.Tensor) -> torch.Tensor:
+    """(M, K) -> (M, K) fp64: x as the int8-activation path sees it. Per 32 inputs, codes
+    q = round(x * (127 / amax)) (fp32 product, ties to even) times the step amax / 127."""
+    M, K = x.shape
+    xc = x.view(M, -1, 32)
+    amax = xc.abs().amax(-1, keepdim=True)
+    q = torch.round(xc * torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax)))
+    return (q.double() * (amax / 127.0).double()).view(M, K)
+
+
 @pytest.mark.parametrize("M", ROWS)
 @pytest.mark.parametrize("fmt,N,K", [c for c in GRID if c[0] in GGML])
-def test_weight_matmul_int8_activations_error_is_bounded(fmt, N, K, M):
-    """int8 activations: each block of b inputs (32 for q5_0/q5_1, a 256-input super-block for
-    the K-quants) is rounded to steps of d = max|x| / 127, so x moves by at most d / 2 per input
-    and |y - y_ref| <= sum over blocks of (d / 2) sum |w| in the block. The integer sums are
-    exact; the few fp32 products per block (scales, and the min / code-offset terms before they
-    cancel) add roundings of terms no larger than the largest sum |w| |x|: (K + 2) u of it."""
+def test_weight_matmul_int8_activations_match_reference(fmt, N, K, M):
+    """int8 activations: the kernel computes the reference weights times x rounded to int8 per
+    32 inputs (int8_rounded), to fp32 accuracy: the integer sums are exact, and the few fp32
+    products per chunk (scales, and the min / offset terms before they cancel) add roundings of
+    terms no larger than the largest sum |w| |x|: (K + 2) u of it. Against x itself the error
+    is the rounding's, at most (d / 2) sum |w| per chunk (d the chunk's step)."""
     qt, w, x, _ = _case(fmt, N, K, M)
-    ref = x.double() @ w.T
-    out = cpu_ops.weight_matmul(x, qt, int8_activations=True)
-    b = ggml.TYPES[fmt].block
-    step = x.double().abs().view(M, -1, b).amax(-1) / 127  # (M, K / b)
-    bound = (step / 2) @ w.abs().view(N, -1, b).sum(-1).T  # (M, N)
-    slack = (K + 2) * U * (x.double().abs() @ w.abs().T).max()
-    assert ((out.double() - ref).abs() <= bound + slack).all()
-    if M <= cpu_ops.FUSED_MAX_ROWS:  # it is the int8 path, not the fp32 one
-        assert not torch.equal(out, cpu_ops.weight_matmul(x, qt))
+    out = cpu_ops.weight_matmul(x, qt, int8_activations=True).double()
+    if M > cpu_ops.FUSED_MAX_ROWS:  # dequantize + GEMM: fp32 activations
+        assert torch.equal(out, cpu_ops.weight_matmul(x, qt).double())
+        return
+    xr = int8_rounded(x)
+    slack = (K + 2) * U * (xr.abs() @ w.abs().T).max()
+    assert ((out - xr @ w.T).abs() <= slack).all()
+    step = x.double().abs().view(M, -1, 32).amax(-1) / 127  # (M, K / 32)
+    bound = (step / 2) @ w.abs().view(N, -1, 32).sum(-1).T  # (M, N)
+    assert ((out - x.double() @ w.T).abs() <= bound + slack).all()
 
 
 @pytest.mark.parametrize("fmt", GGML + DENSE)
