@@ -202,7 +202,9 @@ def info(model, as_json, engine):
         kv_per_token[name] = per_block // bs
         kv_tokens[name] = budget // per_block * bs  # whole blocks only, as the engine allocates
         kv_per_gib[name] = (1 << 30) // per_block * bs
-    n = arch.num_params
+    from qserve.models.registry import num_params
+
+    n = num_params(arch)
     report = {
         "model": str(path), "architecture": arch.architecture, "num_layers": arch.num_layers,
         "num_heads": arch.num_heads, "num_kv_heads": arch.num_kv_heads,

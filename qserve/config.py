@@ -82,14 +82,6 @@ class ModelArchConfig:
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
 
-    @property
-    def num_params(self) -> int:
-        # counted on the model itself, built on the meta device (models sit above config, but
-        # this is a property of the model, not of a layer that config serves)
-        from qserve.models.registry import num_params
-
-        return num_params(self)
-
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")

@@ -131,7 +131,9 @@ def main() -> None:
     rows: list[tuple[str, str, int, str]] = []  # (weights, KV, bytes on disk, res/fp16)
     models: list = []
     failed: list[tuple[str, str]] = []
-    n = loaded.arch.num_params
+    from qserve.models.registry import num_params
+
+    n = num_params(loaded.arch)
     for kv in kv_dtypes:
         models.append(ref if kv == "auto" else
                       eval_engine(None, args.context, loaded=loaded, kv_dtype=kv))

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from qserve.models.registry import num_params
 from qserve.errors import ModelLoadError
 from qserve.formats import QuantizedTensor
 from qserve.loader import gguf_loader, load_arch, load_model, load_tokenizer, registry
@@ -38,7 +39,7 @@ def test_default_model_arch(default_model_path):
     assert arch.max_position_embeddings == 8192
     assert arch.tie_word_embeddings and not arch.attention_bias and arch.sliding_window is None
     assert arch.bos_token_id == 1 and arch.eos_token_ids == [2]
-    assert arch.num_params == 134_515_008
+    assert num_params(arch) == 134_515_008
     assert load_arch(str(default_model_path)) == arch
 
 

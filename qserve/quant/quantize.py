@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from qserve.errors import ConfigError, QServeError
+from qserve.models.registry import num_params
 from qserve.models.registry import fused_groups
 from qserve.quant.recipe import Recipe, load_recipe
 from qserve.quant.schemes import GROUP_SIZES, QuantizedTensor, WeightScheme, quantize as rtn
@@ -176,7 +177,7 @@ def summarize(loaded, plans: list[LayerPlan], tensors: dict[str, torch.Tensor]) 
         layers.append({"name": p.name, "shape": list(p.shape), "scheme": p.describe(),
                        "note": p.note, "bytes_fp16": 2 * p.shape[0] * p.shape[1],
                        "bytes": nbytes(tensors[p.name + ".weight"])})
-    fp16_total = 2 * loaded.arch.num_params
+    fp16_total = 2 * num_params(loaded.arch)
     embed_fp16 = 2 * loaded.arch.vocab_size * loaded.arch.hidden_size
     embed = next((row["bytes"] for row, p in zip(layers, plans)
                   if p.name == EMBEDDING and p.scheme is not None), embed_fp16)
@@ -212,7 +213,7 @@ def resident_bytes(path: Path, arch) -> dict:
                 n *= dim
             resident += n
             embed += n if name.startswith(EMBEDDING + ".") else 0
-    fp16_total = 2 * arch.num_params
+    fp16_total = 2 * num_params(arch)
     embed_fp16 = 2 * arch.vocab_size * arch.hidden_size
     return {"resident_bytes_fp16_engine": resident, "resident_ratio": resident / fp16_total,
             "resident_ratio_without_embedding": (resident - embed) / (fp16_total - embed_fp16)}
