@@ -1270,6 +1270,16 @@ int wdequant(const wdesc *W, float *out, int nthreads)
     }
 }
 
+/* Whether this build has the int8-activation kernels (AVX2); without them i8 is ignored. */
+int has_int8_path(void)
+{
+#ifdef HAVE_I8_PATH
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* Whether wmatmul/wdequant know this kind (kernels/cpu_ops.py supports asks). */
 int wkind_known(int64_t kind)
 {

@@ -90,6 +90,7 @@ _SIGNATURES = {  # name: (argtypes, restype)
     "wmatmul": ([_WDESC, _ptr, _i64, _i64, _ptr, _i64, _int, _int], _int),
     "wdequant": ([_WDESC, _ptr, _int], _int),
     "wkind_known": ([_i64], _int),
+    "has_int8_path": ([], _int),
     "kv_write": ([_int, _ptr, _ptr, _ptr, _i64, _i64, _int, _ptr, _int], None),
     "f32_matmul": ([_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _int], None),
     "decode_layers": ([_ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _int, _i64, _flt, _ptr, _ptr,
@@ -184,6 +185,13 @@ def int8_activations() -> bool:
     (llama.cpp's CPU scheme: about 2x fewer instructions per weight) rather than keep fp32.
     QSERVE_CPU_ACTIVATIONS=fp32 keeps fp32 (bit-for-bit closer to the reference path)."""
     return os.environ.get("QSERVE_CPU_ACTIVATIONS", "int8") != "fp32"
+
+
+def has_int8_path() -> bool:
+    """Whether the build has the int8-activation kernels (AVX2 machines); elsewhere
+    `int8_activations=True` runs the fp32-activation kernels."""
+    L = lib()
+    return L is not None and bool(L.has_int8_path())
 
 
 def _threads() -> int:

@@ -106,6 +106,7 @@ def int8_rounded(x: torch.Tensor) -> torch.Tensor:
     return (q.double() * (amax / 127.0).double()).view(M, K)
 
 
+@pytest.mark.skipif(not cpu_ops.has_int8_path(), reason="no int8-activation kernels (AVX2)")
 @pytest.mark.parametrize("M", ROWS)
 @pytest.mark.parametrize("fmt,N,K", [c for c in GRID if c[0] in GGML])
 def test_weight_matmul_int8_activations_match_reference(fmt, N, K, M):

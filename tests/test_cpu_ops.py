@@ -79,6 +79,7 @@ def test_output_logits_match_f_linear(N, K, M):
         torch.testing.assert_close(output_logits(x, w), want, atol=1e-4 * K ** 0.5, rtol=1e-5)
 
 
+@pytest.mark.skipif(not cpu_ops.has_int8_path(), reason="no int8-activation kernels (AVX2)")
 @pytest.mark.parametrize("scheme", [s for s in SCHEMES if s.bits == 4 or s.group_size], ids=str)
 @pytest.mark.parametrize("N,K", [(83, 576), (64, 1536), (7, 96)])
 @pytest.mark.parametrize("M", [1, 4, 9])
