@@ -517,14 +517,17 @@ static void q4_dequant(const uint8_t *qw, const half *scales, const half *offset
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *row = qw + n * (Kp / 2);
         float *out = w + n * K;
-        for (int64_t k = 0; k < K; k += 2) {
-            const int64_t g = k / group_size;
+        for (int64_t g = 0; g < G; g++) { /* a group at a time: a loop gcc vectorizes */
             const float s = (float)scales[n * G + g];
             const float o = offsets ? (float)offsets[n * G + g] : -8.f * s;
-            const uint8_t b = row[k / 2];
-            out[k] = (float)(b & 15) * s + o;
-            if (k + 1 < K)
-                out[k + 1] = (float)(b >> 4) * s + o;
+            const int64_t j0 = g * group_size / 2, j1 = (g + 1) * group_size / 2;
+            const int64_t full = j1 <= K / 2 ? j1 : K / 2; /* byte pairs inside K */
+            for (int64_t j = j0; j < full; j++) {
+                out[2 * j] = (float)(row[j] & 15) * s + o;
+                out[2 * j + 1] = (float)(row[j] >> 4) * s + o;
+            }
+            if (full < j1 && 2 * full < K) /* K odd: the last input's low nibble */
+                out[2 * full] = (float)(row[full] & 15) * s + o;
         }
     }
 }
@@ -535,8 +538,12 @@ static void q8_dequant(const int8_t *qw, const half *scales, int64_t N, int64_t 
     const int64_t G = Kp / group_size;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t n = 0; n < N; n++)
-        for (int64_t k = 0; k < K; k++)
-            w[n * K + k] = (float)qw[n * Kp + k] * (float)scales[n * G + k / group_size];
+        for (int64_t g = 0; g < G; g++) {
+            const float s = (float)scales[n * G + g];
+            const int64_t k1 = (g + 1) * group_size < K ? (g + 1) * group_size : K;
+            for (int64_t k = g * group_size; k < k1; k++)
+                w[n * K + k] = (float)qw[n * Kp + k] * s;
+        }
 }
 
 /* ---- KV cache ----------------------------------------------------------------------------- */

@@ -128,14 +128,19 @@ def test_weight_matmul_int8_activations_match_reference(fmt, N, K, M):
     assert ((out - x.double() @ w.T).abs() <= bound + slack).all()
 
 
-@pytest.mark.parametrize("fmt", GGML + DENSE)
+@pytest.mark.parametrize("fmt", GGML + DENSE + ["int4", "int8"])
 @pytest.mark.parametrize("M", [32, 40])
 def test_weights_decode_bit_for_bit(fmt, M):
     """x = rows of the identity reads W back: each output is one weight times 1 plus zeros, exact
     in any summation order. M = 32 decodes through the fused kernel's block decoder, M = 40
-    through wdequant (the prefill path): both give the reference's fp32 weights exactly."""
-    N, K = 13, _in_sizes(fmt)[-1]
-    qt = random_weight(fmt, N, K, seed=M)
+    through wdequant (the prefill path): both give the reference's fp32 weights exactly (int4 /
+    int8 with 77 inputs: a padded last group, an odd count)."""
+    N = 13
+    if fmt in ("int4", "int8"):
+        K, qt = 77, _mixed_formats_weight(fmt, N, 77)
+    else:
+        K = _in_sizes(fmt)[-1]
+        qt = random_weight(fmt, N, K, seed=M)
     eye = torch.eye(K)
     cols = torch.cat([cpu_ops.weight_matmul(eye[i:i + M], qt) for i in range(0, K, M)])  # (K, N)
     assert torch.equal(cols.T, qt.dequantize())
