@@ -429,20 +429,11 @@ q2k_row_i8(const uint8_t *row, int64_t nb, const qacts *a, int64_t m0, int64_t K
 /* Each row kernel specialized for every tile height 1..MTI, behind one signature. */
 typedef void (*rows_i8_fn)(const uint8_t *row, int64_t nb, const qacts *a, int64_t m0, int64_t K,
                            int mt, float *res);
-#define ROWS_I8(name, call)                                                                      \
-    static void name(const uint8_t *row, int64_t nb, const qacts *a, int64_t m0, int64_t K,       \
-                     int mt, float *res)                                                         \
-    {                                                                                            \
-        switch (mt) {                                                                            \
-        case 1: call(1); break;                                                                  \
-        case 2: call(2); break;                                                                  \
-        case 3: call(3); break;                                                                  \
-        case 4: call(4); break;                                                                  \
-        case 5: call(5); break;                                                                  \
-        case 6: call(6); break;                                                                  \
-        case 7: call(7); break;                                                                  \
-        default: call(MTI);                                                                      \
-        }                                                                                        \
+#define ROWS_I8(name, call)                                                                     \
+    static void name(const uint8_t *row, int64_t nb, const qacts *a, int64_t m0, int64_t K,      \
+                     int mt, float *res)                                                        \
+    {                                                                                           \
+        FOR_EACH_MTI(mt, call);                                                                 \
     }
 #define Q5_0(k) q5_row_i8(row, nb, a, m0, K, 0, k, res)
 #define Q5_1(k) q5_row_i8(row, nb, a, m0, K, 1, k, res)

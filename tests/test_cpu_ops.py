@@ -202,7 +202,7 @@ def test_paged_decode_matches_reference(name, group, bs, window, d):
 
 
 # ---- the fused decode step ---------------------------------------------------------------------
-# Projection -> HF linear name, and (out, in) in units of the model's (hidden, inter, q, kv) sizes
+# Projection -> its Hugging Face linear
 _PROJ = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
          "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
          "down": "mlp.down_proj"}
