@@ -384,8 +384,8 @@ def bench_e2e(ctx: Ctx) -> None:
     print(f"{m['layers']} layers, hidden {m['hidden']}, MLP {m['inter']}, {ctx.heads} / "
           f"{ctx.kv_heads} heads x {ctx.head_dim}, vocab {m['vocab']}; every sequence at "
           f"context {ctx.e2e_context}. Built here from dequant_matmul, write_kv and "
-          "decode_attention (torch F.linear for fp16 weights and the fp16 LM head); qserve's "
-          "LlamaForCausalLM is not wired to the Triton kernels yet.\n")
+          "decode_attention (torch F.linear for fp16 weights and the fp16 LM head), the "
+          "kernels the engine's models dispatch to on CUDA (kernels/dispatch.py).\n")
     print("| weights | KV | batch | weight GB | eager tok/s | CUDA graph tok/s |")
     print("|---|---|---|---|---|---|")
     for weights in ("fp16", "w8", "w4"):
