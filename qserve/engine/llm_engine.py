@@ -58,8 +58,7 @@ class LLMEngine:
         """loaded: a LoadedModel (else the engine loads config.model); draft_weights: a
         self-draft's quantized weights (qserve.llm.make_engine makes them)."""
         self.config = config
-        from qserve.loader import load_arch, load_model, resolve_model
-        from qserve.loader.weights import LazyWeights
+        from qserve.loader import load_arch, resolve_model
         from qserve.loader.checkpoint import quantization_config
 
         # Plan the KV pools from the architecture alone, so a budget too small for one
@@ -87,19 +86,7 @@ class LLMEngine:
             cache = dataclasses.replace(cache, kv_cache_memory=budget)
         num_blocks, num_host_blocks = plan_num_blocks(
             arch, cache, self.kv_dtype, self.device, self.max_model_len)
-        native = config.weights == "native"
-        self.memory_plan = None
-        if loaded is None or isinstance(loaded.weights, LazyWeights):  # nothing read yet
-            per_block = bytes_per_block(arch, cache.block_size, self.kv_dtype)
-            self.memory_plan = plan_memory(
-                loaded.path if loaded else resolve_model(config.model), arch,
-                device=self.device, dtype=self.dtype, native=native,
-                kv_bytes=num_blocks * per_block, host_kv_bytes=num_host_blocks * per_block,
-                max_num_batched_tokens=sched.max_num_batched_tokens,
-                max_num_seqs=sched.max_num_seqs)
-            self.memory_plan.check()  # before any weight is read
-        if loaded is None:
-            loaded = load_model(config.model, native=native)
+        loaded = self._load(loaded, arch, cache.block_size, num_blocks, num_host_blocks)
         self.arch, self.tokenizer = loaded.arch, loaded.tokenizer
         self.model_path = loaded.path
 
@@ -124,6 +111,25 @@ class LLMEngine:
         self.detokenize = True
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
+
+    def _load(self, loaded, arch, block_size: int, num_blocks: int, num_host_blocks: int):
+        """Check the memory plan (when the weights are still to be read), then load the
+        model unless the caller did. Returns the LoadedModel."""
+        from qserve.loader import load_model, resolve_model
+        from qserve.loader.weights import LazyWeights
+
+        config, native = self.config, self.config.weights == "native"
+        self.memory_plan = None
+        if loaded is None or isinstance(loaded.weights, LazyWeights):  # nothing read yet
+            per_block = bytes_per_block(arch, block_size, self.kv_dtype)
+            self.memory_plan = plan_memory(
+                loaded.path if loaded else resolve_model(config.model), arch,
+                device=self.device, dtype=self.dtype, native=native,
+                kv_bytes=num_blocks * per_block, host_kv_bytes=num_host_blocks * per_block,
+                max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+                max_num_seqs=config.scheduler.max_num_seqs)
+            self.memory_plan.check()  # before any weight is read
+        return loaded if loaded is not None else load_model(config.model, native=native)
 
     def _build_scheduler(self, num_blocks: int, num_host_blocks: int) -> None:
         """The block manager over the KV pool, the scheduler that owns it, and the runner
