@@ -134,6 +134,20 @@ def _num_sms(device: torch.device) -> int:
     return 4  # the interpreter: a few splits, so the split path is exercised on CPU too
 
 
+def split_plan(x: torch.Tensor, M: int, N: int, k_units: int, BLOCK_M: int, BLOCK_N: int,
+               split_k: int | None) -> tuple[int, int, torch.Tensor]:
+    """How many programs share K (decode: enough to fill the GPU; prefill: one), K units
+    each, and the output they write: (split_k, M, N) fp32 partials, or (1, M, N) in x's dtype
+    when unsplit. Returns (split_k, units per split, out)."""
+    grid_mn = triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N)
+    if split_k is None:
+        split_k = 1 if M > 32 else max(1, min(k_units, 2 * _num_sms(x.device) // grid_mn))
+    per_split = triton.cdiv(k_units, split_k)
+    split_k = triton.cdiv(k_units, per_split)  # no empty splits
+    dtype = x.dtype if split_k == 1 else torch.float32
+    return split_k, per_split, torch.empty(split_k, M, N, device=x.device, dtype=dtype)
+
+
 def dequant_matmul(x: torch.Tensor, qt: QuantizedTensor, bias: torch.Tensor | None = None,
                    split_k: int | None = None) -> torch.Tensor:
     """x (M, K) fp16/bf16/fp32, qt packing an (N, K) weight -> (M, N) in x's dtype.
@@ -167,16 +181,7 @@ def dequant_matmul(x: torch.Tensor, qt: QuantizedTensor, bias: torch.Tensor | No
         scale_per_tile = BLOCK_K >= 16 * (8 // qt.bits)
         BLOCK_K = BLOCK_K if scale_per_tile else 32
     k_tiles = triton.cdiv(K, BLOCK_K)
-    grid_mn = triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N)
-    if split_k is None:
-        split_k = 1 if M > 32 else max(1, min(k_tiles, 2 * _num_sms(x.device) // grid_mn))
-    per_split = triton.cdiv(k_tiles, split_k)
-    split_k = triton.cdiv(k_tiles, per_split)  # no empty splits
-
-    if split_k == 1:
-        out = torch.empty(1, M, N, device=x.device, dtype=x.dtype)
-    else:
-        out = torch.empty(split_k, M, N, device=x.device, dtype=torch.float32)
+    split_k, per_split, out = split_plan(x, M, N, k_tiles, BLOCK_M, BLOCK_N, split_k)
     s = qt.scales
     o = qt.offsets if qt.offsets is not None else s  # unread when symmetric
     grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N), split_k)

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from qserve.formats import QuantizedTensor, ggml
-from qserve.kernels.triton_dequant_gemm import _TL_DTYPE, _num_sms, dot_dtype
+from qserve.kernels.triton_dequant_gemm import _TL_DTYPE, dot_dtype, split_plan
 
 
 # ---- reading a chunk of blocks: blk (BN,) pointers to each row's block, j = arange(32) ------
@@ -240,16 +240,7 @@ def ggml_matmul(x: torch.Tensor, qt: QuantizedTensor, bias: torch.Tensor | None 
         BLOCK_M, BLOCK_N = (16 if M <= 16 else 32), 64
     else:
         BLOCK_M, BLOCK_N = 64, 64
-    grid_mn = triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N)
-    if split_k is None:
-        split_k = 1 if M > 32 else max(1, min(n_blocks, 2 * _num_sms(x.device) // grid_mn))
-    per_split = triton.cdiv(n_blocks, split_k)
-    split_k = triton.cdiv(n_blocks, per_split)  # no empty splits
-
-    if split_k == 1:
-        out = torch.empty(1, M, N, device=x.device, dtype=x.dtype)
-    else:
-        out = torch.empty(split_k, M, N, device=x.device, dtype=torch.float32)
+    split_k, per_split, out = split_plan(x, M, N, n_blocks, BLOCK_M, BLOCK_N, split_k)
     grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N), split_k)
     _ggml_matmul_kernel[grid](
         x, qt.qweight, bias if bias is not None else x, out,

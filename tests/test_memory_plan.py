@@ -13,6 +13,7 @@ from qserve import cli
 from qserve.engine.memory_plan import plan_memory
 from qserve.errors import ConfigError
 from qserve.loader import load_arch, load_model
+from qserve.models.registry import num_params
 
 GiB = 1 << 30
 
@@ -32,7 +33,7 @@ def test_native_weights_counted_as_they_will_be_resident(default_model_path):
     assert plan.weight_bytes == resident
     assert set(plan.weight_formats) == {"int4", "int8", "f32"}  # Q4_1, Q8_0 repacked; norms
     dense = _plan(default_model_path, 64 * GiB, native=False)
-    assert dense.weight_bytes == 4 * load_arch(default_model_path).num_params
+    assert dense.weight_bytes == 4 * num_params(load_arch(default_model_path))
     assert plan.weight_bytes < dense.weight_bytes / 5
 
 

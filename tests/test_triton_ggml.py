@@ -20,7 +20,7 @@ import torch
 ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
 IMPORTED_TOO_LATE = (not ON_GPU and "triton" in sys.modules
                      and os.environ.get("TRITON_INTERPRET") != "1")
-if not ON_GPU:
+if not ON_GPU and not IMPORTED_TOO_LATE:  # too late: leave it unset, so later modules see it
     os.environ["TRITON_INTERPRET"] = "1"
 triton = pytest.importorskip("triton")
 

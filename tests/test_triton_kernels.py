@@ -25,7 +25,7 @@ ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
 # reruns itself in a fresh interpreter (test_in_fresh_process) and skips here.
 IMPORTED_TOO_LATE = (not ON_GPU and "triton" in sys.modules
                      and os.environ.get("TRITON_INTERPRET") != "1")
-if not ON_GPU:
+if not ON_GPU and not IMPORTED_TOO_LATE:  # too late: leave it unset, so later modules see it
     os.environ["TRITON_INTERPRET"] = "1"
 triton = pytest.importorskip("triton")
 
