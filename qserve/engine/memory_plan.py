@@ -122,10 +122,10 @@ def resident_weights(path: Path, arch: ModelArchConfig, dtype: torch.dtype, nati
     dense_name = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}[dtype]
     if not path.is_dir():
         from qserve.formats import format_for_ggml
-        from qserve.loader.gguf_loader import GGUFFile, tensor_types
+        from qserve.loader.gguf_loader import GGUFFile, hf_names, tensor_types
 
         gguf = GGUFFile(path)
-        names = {h: g for g, h in _gguf_names(arch).items()}
+        names = {h: g for g, h in hf_names(arch).items()}
         for hf, type_name in tensor_types(gguf, arch).items():
             info = gguf.tensors[names[hf]]
             numel = _numel(info.shape)
@@ -165,12 +165,6 @@ def resident_weights(path: Path, arch: ModelArchConfig, dtype: torch.dtype, nati
         else:
             add(dense_name, dtype.itemsize * _numel(shape))
     return out
-
-
-def _gguf_names(arch: ModelArchConfig) -> dict[str, str]:
-    from qserve.loader.gguf_loader import hf_names
-
-    return hf_names(arch)
 
 
 def _numel(shape) -> int:

@@ -162,12 +162,12 @@ class GGUFFile:
             dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
             return raw.view(dtype[type_name]).view(info.shape)
         try:
-            fmt = format_for_ggml(type_name)
+            format_for_ggml(type_name)  # KeyError: a type qserve cannot run
         except KeyError:
             raise self.error(f"tensor {name} has type {type_name}, which qserve cannot "
                              f"dequantize") from None
         rows = raw.view(int(np.prod(info.shape[:-1], dtype=np.int64)), -1)
-        return _as_qtensor(rows, fmt, info.shape[-1]).dequantize().view(info.shape)
+        return _as_qtensor(rows, type_name, info.shape[-1]).dequantize().view(info.shape)
 
 
 def read_arch(gguf: GGUFFile) -> ModelArchConfig:
@@ -345,9 +345,9 @@ def read_tensor(gguf: GGUFFile, gguf_name: str, arch: ModelArchConfig, native: b
     if fmt is None:
         w = raw.view(torch.float32).view(info.shape)
     elif len(info.shape) == 1:  # norms, biases: tiny, always fp32
-        w = _as_qtensor(raw.view(1, -1), fmt, info.shape[0]).dequantize().view(-1)
+        w = _as_qtensor(raw.view(1, -1), type_name, info.shape[0]).dequantize().view(-1)
     else:
-        w = _as_qtensor(raw.view(info.shape[0], -1), fmt, info.shape[1])
+        w = _as_qtensor(raw.view(info.shape[0], -1), type_name, info.shape[1])
         if not native:
             w = w.dequantize()
     offset = registry.model_class(arch.architecture).gguf_norm_offset
@@ -361,15 +361,15 @@ def read_tensor(gguf: GGUFFile, gguf_name: str, arch: ModelArchConfig, native: b
     return _unpermute(w, n_head)
 
 
-def _as_qtensor(rows: torch.Tensor, fmt: str, in_features: int) -> QuantizedTensor:
-    """(out, row_bytes) uint8 rows of the file -> the QuantizedTensor of format `fmt`."""
+def _as_qtensor(rows: torch.Tensor, type_name: str, in_features: int) -> QuantizedTensor:
+    """(out, row_bytes) uint8 rows of a tensor of GGML type `type_name` (e.g. 'Q4_K') -> the
+    QuantizedTensor of the format it runs in (format_for_ggml)."""
+    fmt = format_for_ggml(type_name)
     if fmt in ("f16", "bf16"):
         dtype = torch.float16 if fmt == "f16" else torch.bfloat16
         return QuantizedTensor(fmt, rows.view(dtype), None, None, in_features)
-    if fmt in ("int4", "int8"):
-        name = next(g for g, f in ggml.REPACKED.items() if f == fmt and
-                    ggml.TYPES[g].block_bytes * in_features // 32 == rows.shape[1])
-        return ggml.repack(name, rows, in_features)
+    if fmt in ("int4", "int8"):  # Q4_0 / Q4_1 / Q8_0
+        return ggml.repack(type_name.lower(), rows, in_features)
     return QuantizedTensor(fmt, rows, None, None, in_features)
 
 
