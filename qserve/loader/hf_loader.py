@@ -190,29 +190,23 @@ def _windows(cfg: dict, family, num_layers: int, cfg_path: Path
 
 def read_weights(path: Path, arch: ModelArchConfig) -> LazyWeights:
     """The expected tensors, as stored (fp32/fp16/bf16), from one or several safetensors files:
-    a lazy mapping that reads each tensor when it is looked up (the headers are checked now)."""
+    a lazy mapping that reads each tensor when it is looked up (the headers are checked now).
+    An AWQ or GPTQ checkpoint (config.json quantization_config) is read by awq_gptq.py."""
     from safetensors import safe_open
 
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        files = sorted(set(_read_json(index).get("weight_map", {}).values()))
-    elif (path / "model.safetensors").exists():
-        files = ["model.safetensors"]
-    else:
-        raise ModelLoadError(f"{path}: no model.safetensors or model.safetensors.index.json")
-    wanted, shapes, where = expected_shapes(arch), {}, {}
-    for name in files:
-        file = path / name
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                for key in f.keys():
-                    if key in wanted:  # tied checkpoints may still carry lm_head.weight
-                        shapes[key], where[key] = tuple(f.get_slice(key).get_shape()), file
-        except FileNotFoundError:
-            raise ModelLoadError(f"{file}: listed in {index.name} but missing") from None
-        except Exception as e:  # safetensors raises its own SafetensorError, not an OSError
-            raise ModelLoadError(f"{file}: not a readable safetensors file "
-                                 f"({type(e).__name__}: {e})".splitlines()[0]) from None
+    quant = _read_json(path / "config.json").get("quantization_config")
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    if quant is not None and method not in IMPORTED_QUANT_METHODS:
+        raise ModelLoadError(f"{path / 'config.json'}: quantization_config quant_method "
+                             f"{method!r} is not supported; qserve reads "
+                             f"{', '.join(IMPORTED_QUANT_METHODS)} checkpoints and its own")
+    shapes, where = tensor_index(path)
+    if quant is not None:
+        from qserve.loader.awq_gptq import read_weights as read_awq_gptq
+
+        return read_awq_gptq(path, arch, quant, where, shapes)
+    wanted = expected_shapes(arch)
+    shapes = {k: s for k, s in shapes.items() if k in wanted}  # tied: lm_head.weight may stay
     check_shapes(shapes, arch, path)
 
     def read(key: str) -> torch.Tensor:
@@ -224,6 +218,36 @@ def read_weights(path: Path, arch: ModelArchConfig) -> LazyWeights:
                                  f"({type(e).__name__}: {e})".splitlines()[0]) from None
 
     return LazyWeights(shapes, read)
+
+
+IMPORTED_QUANT_METHODS = ("awq", "gptq")  # quantization_config.quant_method read here
+
+
+def tensor_index(path: Path) -> tuple[dict[str, tuple[int, ...]], dict[str, Path]]:
+    """(name -> shape, name -> file) of every tensor in the directory's safetensors files
+    (model.safetensors, or the shards model.safetensors.index.json lists), from the headers."""
+    from safetensors import safe_open
+
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(_read_json(index).get("weight_map", {}).values()))
+    elif (path / "model.safetensors").exists():
+        files = ["model.safetensors"]
+    else:
+        raise ModelLoadError(f"{path}: no model.safetensors or model.safetensors.index.json")
+    shapes, where = {}, {}
+    for name in files:
+        file = path / name
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():
+                    shapes[key], where[key] = tuple(f.get_slice(key).get_shape()), file
+        except FileNotFoundError:
+            raise ModelLoadError(f"{file}: listed in {index.name} but missing") from None
+        except Exception as e:  # safetensors raises its own SafetensorError, not an OSError
+            raise ModelLoadError(f"{file}: not a readable safetensors file "
+                                 f"({type(e).__name__}: {e})".splitlines()[0]) from None
+    return shapes, where
 
 
 def read_tokenizer(path: Path) -> Tokenizer:
