@@ -264,6 +264,7 @@ q5_row_i8(const uint8_t *row, int64_t nb, const qacts *a, int64_t m0, int64_t K,
     const __m256i mask = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = row + b * (asym ? 24 : 22), *qh = blk + (asym ? 4 : 2);
+        prefetch_ahead(blk, 1);
         const float d = ld_half(blk), o = asym ? ld_half(blk + 2) : -16.f * d;
         const __m128i q4 = _mm_loadu_si128((const __m128i *)(qh + 4));
         const __m256i w = _mm256_or_si256(
@@ -285,6 +286,7 @@ k4_row_i8(const uint8_t *row, int64_t nb, const qacts *a, int64_t m0, int64_t K,
     const __m256i m4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = row + b * (five ? 176 : 144), *qs = blk + (five ? 48 : 16);
+        prefetch_ahead(blk, five ? 176 : 144);
         uint32_t wd[4]; /* in registers: a store and a 16-byte reload would stall */
         k4_words(blk + 4, wd);
         const __m128i sm8 = _mm_setr_epi32((int)wd[0], (int)wd[1], (int)wd[2], (int)wd[3]);
@@ -329,6 +331,7 @@ q6k_row_i8(const uint8_t *row, int64_t nb, const qacts *a, int64_t m0, int64_t K
     const __m256i z = _mm256_set1_epi8(32);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = row + b * 210, *ql = blk, *qh = blk + 128;
+        prefetch_ahead(blk, 210);
         const int8_t *sc = (const int8_t *)(blk + 192);
         const float d = ld_half(blk + 208);
         for (int h = 0; h < 2; h++) {
@@ -366,6 +369,7 @@ q3k_row_i8(const uint8_t *row, int64_t nb, const qacts *a, int64_t m0, int64_t K
     const __m256i m3 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1), z = _mm256_set1_epi8(4);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = row + b * 110, *qs = blk + 32;
+        prefetch_ahead(blk, 110);
         uint32_t wd[4]; /* in registers: a store and a 16-byte reload would stall */
         k3_words(blk + 96, wd);
         const __m128i sc8 = _mm_sub_epi8(
@@ -402,6 +406,7 @@ q2k_row_i8(const uint8_t *row, int64_t nb, const qacts *a, int64_t m0, int64_t K
     const __m128i m4 = _mm_set1_epi8(15);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = row + b * 84, *qs = blk + 16;
+        prefetch_ahead(blk, 84);
         const __m128i sm = _mm_loadu_si128((const __m128i *)blk);
         const __m128i sc = _mm_and_si128(sm, m4), mn = _mm_and_si128(_mm_srli_epi16(sm, 4), m4);
         const float d = ld_half(blk + 80), dmin = ld_half(blk + 82);
@@ -503,6 +508,7 @@ ggml_row_f32(const ggml_type *t, const uint8_t *row, int64_t nb, const float *x,
     for (int i = 0; i < mt; i++)
         a0[i] = a1[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
+        prefetch_ahead(row + b * t->block_bytes, t->block_bytes);
         t->dequant(row + b * t->block_bytes, w);
         const float *xb = x + b * t->block;
         for (int k = 0; k < t->block; k += 16) {
@@ -605,6 +611,8 @@ half_rows(const uint16_t *w, int64_t K, const float *x, const int bf16, const in
     for (; k0 + 16 <= K; k0 += 16) {
         const __m256 x0 = _mm256_loadu_ps(x + k0), x1 = _mm256_loadu_ps(x + k0 + 8);
         for (int r = 0; r < nr; r++) {
+            if ((k0 & 31) == 0)
+                prefetch_ahead((const uint8_t *)(w + r * K + k0), 1);
             a0[r] = _mm256_fmadd_ps(LOAD8(w + r * K + k0), x0, a0[r]);
             a1[r] = _mm256_fmadd_ps(LOAD8(w + r * K + k0 + 8), x1, a1[r]);
         }

@@ -107,6 +107,20 @@ static inline float hsum(__m256 v)
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
+/* Ask for the cache lines PF_AHEAD bytes past p .. p + n. A row kernel streams its weight rows
+ * (and the rows after them, which the same thread takes next) from memory, and the hardware
+ * prefetcher alone keeps too few lines in flight while the core is busy unpacking: on the 1B
+ * Q4_K_M shape, all layers' matmuls at batch 1 read 4.2 GB/s on one core without this and
+ * 9.5 GB/s with it (PF_AHEAD 1-3 KiB were alike; 4 KiB and more fell back). */
+#ifndef PF_AHEAD
+#define PF_AHEAD 2048
+#endif
+static inline __attribute__((always_inline)) void prefetch_ahead(const uint8_t *p, int n)
+{
+    for (int o = 0; o < n; o += 64)
+        _mm_prefetch((const char *)(p + PF_AHEAD + o), _MM_HINT_T0);
+}
+
 /* 8 bytes -> 8 floats (unsigned / signed). */
 static inline __m256 u8_to_ps(__m128i b) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)); }
 static inline __m256 i8_to_ps(__m128i b) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)); }
@@ -127,6 +141,8 @@ q4_row(const uint8_t *row, const half *sc, const half *of, int64_t nchunk, int64
          c++, gc = gc + 1 == per_group ? 0 : gc + 1, g += gc == 0) {
         const float s = (float)sc[g], o = of ? (float)of[g] : -8.f * s;
         const __m256 vs = _mm256_set1_ps(s), vo = _mm256_set1_ps(o);
+        if ((c & 3) == 0)
+            prefetch_ahead(row + c * (CHUNK / 2), 1);
         const __m128i b = _mm_loadu_si128((const __m128i *)(row + c * (CHUNK / 2)));
         const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
         const __m256 w0 = _mm256_fmadd_ps(u8_to_ps(lo), vs, vo);                    /* 0..7 */
@@ -158,6 +174,8 @@ q8_row(const int8_t *row, const half *sc, int64_t Kp, int64_t group_size,
                          : group_size == Kp ? Kp / CHUNK * CHUNK : 0;
     for (int64_t k0 = 0; k0 < full; k0 += CHUNK) {
         const __m256 vs = _mm256_set1_ps((float)sc[k0 / group_size]);
+        if ((k0 & 63) == 0)
+            prefetch_ahead((const uint8_t *)row + k0, 1);
         const __m128i b0 = _mm_loadu_si128((const __m128i *)(row + k0));
         const __m128i b1 = _mm_loadu_si128((const __m128i *)(row + k0 + 16));
         const __m256 w0 = _mm256_mul_ps(i8_to_ps(b0), vs);
@@ -195,6 +213,7 @@ f32_rows(const float *w, int64_t K, const float *x, const int nr, float *res)
     for (int64_t k0 = 0; k0 < full; k0 += 16) {
         const __m256 x0 = _mm256_loadu_ps(x + k0), x1 = _mm256_loadu_ps(x + k0 + 8);
         for (int r = 0; r < nr; r++) {
+            prefetch_ahead((const uint8_t *)(w + r * K + k0), 1);
             a0[r] = _mm256_fmadd_ps(_mm256_loadu_ps(w + r * K + k0), x0, a0[r]);
             a1[r] = _mm256_fmadd_ps(_mm256_loadu_ps(w + r * K + k0 + 8), x1, a1[r]);
         }
@@ -307,6 +326,8 @@ q4_row_i8(const uint8_t *row, const half *sc, const half *of, int64_t nchunk, in
     for (int64_t c = 0, g = 0, gc = 0; c < nchunk;
          c++, gc = gc + 1 == per_group ? 0 : gc + 1, g += gc == 0) {
         const float s = (float)sc[g], o = of ? (float)of[g] : -8.f * s;
+        if ((c & 3) == 0)
+            prefetch_ahead(row + c * (CHUNK / 2), 1);
         const __m128i b = _mm_loadu_si128((const __m128i *)(row + c * (CHUNK / 2)));
         /* bytes 0..15: low nibbles (even inputs), 16..31: high nibbles (odd inputs) */
         const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), mask);
@@ -338,6 +359,8 @@ q8_row_i8(const int8_t *row, const half *sc, int64_t nchunk, int64_t group_size,
     for (int64_t c = 0, g = 0, gc = 0; c < nchunk;
          c++, gc = gc + 1 == per_group ? 0 : gc + 1, g += gc == 0) {
         const float s = (float)sc[g];
+        if ((c & 1) == 0)
+            prefetch_ahead((const uint8_t *)row + c * CHUNK, 1);
         const __m256i w = _mm256_loadu_si256((const __m256i *)(row + c * CHUNK));
         const __m256i aw = _mm256_sign_epi8(w, w); /* |w|, and x takes w's sign */
         const __m256 sd = _mm256_mul_ps(_mm256_set1_ps(s), _mm256_loadu_ps(a->d + c * a->Mp + m0));
