@@ -52,6 +52,12 @@ class ModelArchConfig:
     query_pre_attn_scalar: float | None = None  # scores scale by its -1/2 power; None: head_dim
     attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
     final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
+    # Mixture of experts (Mixtral, Qwen3-MoE): each layer's MLP is num_experts gated MLPs of
+    # moe_intermediate_size, num_experts_per_tok of them run per token; 0 experts: dense
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int | None = None
+    norm_topk_prob: bool = True  # the chosen experts' weights are rescaled to sum to 1
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -68,6 +74,9 @@ class ModelArchConfig:
         if self.hidden_act not in HIDDEN_ACTS:
             raise ConfigError(f"hidden activation {self.hidden_act!r} is not supported; qserve "
                               f"runs {', '.join(HIDDEN_ACTS)}")
+        if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ConfigError(f"num_experts_per_tok={self.num_experts_per_tok} must be from 1 "
+                              f"to num_experts={self.num_experts}")
         if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
             raise ConfigError(f"partial_rotary_factor={self.partial_rotary_factor} must give an "
                               f"even number of rotated dims out of head_dim={self.head_dim}")

@@ -68,6 +68,11 @@ def hf_config(arch: ModelArchConfig) -> dict:
         cfg |= {"sliding_window": None, "use_sliding_window": False}
     if arch.rope_local_theta is not None:
         cfg["rope_local_base_freq"] = arch.rope_local_theta
+    if arch.num_experts:  # the keys every MoE family's hf_config reads
+        cfg |= {"num_local_experts": arch.num_experts,
+                "num_experts_per_tok": arch.num_experts_per_tok,
+                "moe_intermediate_size": arch.moe_intermediate_size,
+                "norm_topk_prob": arch.norm_topk_prob}
     return cfg
 
 

@@ -8,6 +8,8 @@ A GGUF file is typed key/value metadata, a table of tensors, then the tensor dat
     zero padding to `general.alignment` (default 32) | data  (tensor offsets count from here)
 
 `dims` lists the fastest-varying axis first, so (ne0=in, ne1=out) is an HF (out, in) matrix.
+A 3-D tensor (ne0=in, ne1=out, ne2=E) stacks E matrices, a mixture's experts (ffn_*_exps):
+matrix e is the e-th contiguous run of its bytes, listed as its own tensor `<name>[e]`.
 The header is parsed here rather than with gguf.GGUFReader, which builds a numpy view per string
 and takes seconds on a 49k-token vocabulary; dequantization is the `gguf` package's.
 """
@@ -100,6 +102,11 @@ class GGUFFile:
                 raise self.error(f"is truncated: tensor {name} ends at byte {info.offset + nbytes} "
                                  f"but the file has {len(self._mm)}")
             self.tensors[name] = info
+            if len(info.shape) == 3:  # stacked experts: each a (out, in) tensor of its own
+                per = nbytes // info.shape[0]
+                for e in range(info.shape[0]):
+                    self.tensors[f"{name}[{e}]"] = GGUFTensorInfo(
+                        f"{name}[{e}]", info.shape[1:], qtype, info.offset + e * per, per)
 
     def _unpack(self, fmt: str, pos: int | None = None) -> tuple:
         self._pos = self._pos if pos is None else pos
@@ -173,11 +180,11 @@ class GGUFFile:
 def read_arch(gguf: GGUFFile) -> ModelArchConfig:
     """ModelArchConfig from the metadata (no tensor data is read, but for rope tables)."""
     md = gguf.metadata
-    try:
-        family, model_type = registry.gguf_family(md.get("general.architecture"))
+    arch = md.get("general.architecture")
+    try:  # Mixtral is a llama GGUF with experts
+        family, model_type = registry.gguf_family(arch, md.get(f"{arch}.expert_count", 0))
     except ConfigError as e:
         raise gguf.error(str(e)) from None
-    arch = md["general.architecture"]
 
     def key(name, default=None):
         value = md.get(f"{arch}.{name}", default)
@@ -297,7 +304,8 @@ def llama3_rope_divisors(s: dict, theta: float, head_dim: int) -> torch.Tensor:
 
 def hf_names(arch: ModelArchConfig) -> dict[str, str]:
     """GGUF tensor name -> Hugging Face name, for every tensor the model needs (the family's
-    gguf_names applied to its checkpoint names)."""
+    gguf_names applied to its checkpoint names; expert e of a mixture is the slice `[e]` of
+    its stacked tensor)."""
     gguf_names = registry.model_class(arch.architecture).gguf_names
     names = {}
     for hf in registry.checkpoint_shapes(arch):
@@ -305,9 +313,13 @@ def hf_names(arch: ModelArchConfig) -> dict[str, str]:
         layer = re.match(r"layers\.(\d+)\.", module)
         if layer:
             module = module[layer.end():]
+        expert = re.search(r"\.experts\.(\d+)\.", module)
+        if expert:  # mlp.experts.3.gate_proj -> mlp.experts.gate_proj, slice [3]
+            module = module[:expert.start()] + ".experts." + module[expert.end():]
         assert module in gguf_names, f"no GGUF name for {module}"
         prefix = f"blk.{layer[1]}." if layer else ""
-        names[f"{prefix}{gguf_names[module]}.{param}"] = hf
+        suffix = f"[{expert[1]}]" if expert else ""
+        names[f"{prefix}{gguf_names[module]}.{param}{suffix}"] = hf
     return names
 
 

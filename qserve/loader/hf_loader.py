@@ -154,7 +154,8 @@ def read_config(path: Path) -> ModelArchConfig:
             hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu",
             query_pre_attn_scalar=optional("query_pre_attn_scalar"),
             attn_logit_softcapping=optional("attn_logit_softcapping"),
-            final_logit_softcapping=optional("final_logit_softcapping"))
+            final_logit_softcapping=optional("final_logit_softcapping"),
+            **family.hf_config(cfg))  # the family's own fields (a mixture's experts)
     except ConfigError as e:
         raise ModelLoadError(f"{cfg_path}: {e}") from None
 

@@ -111,11 +111,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, arch: ModelArchConfig):
+    """The gated MLP: down(act(gate(x)) * up(x)), intermediate_size wide unless told (an
+    expert of a mixture, layers/moe.py, is moe_intermediate_size wide)."""
+
+    def __init__(self, arch: ModelArchConfig, intermediate_size: int | None = None):
         super().__init__()
-        self.intermediate = arch.intermediate_size
-        self.gate_up_proj = PackedLinear(arch.hidden_size, [arch.intermediate_size] * 2)
-        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        self.intermediate = intermediate_size or arch.intermediate_size
+        self.gate_up_proj = PackedLinear(arch.hidden_size, [self.intermediate] * 2)
+        self.down_proj = nn.Linear(self.intermediate, arch.hidden_size, bias=False)
         self.act = _ACTIVATIONS[arch.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -124,15 +127,17 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)). `mlp`: the
+    family's own (a mixture of experts), else the gated MLP."""
 
     def __init__(self, arch: ModelArchConfig, rope: RotaryEmbedding, layer: int,
-                 qk_norm: type[nn.Module] | None = None, o_bias: bool = False):
+                 qk_norm: type[nn.Module] | None = None, o_bias: bool = False,
+                 mlp: nn.Module | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.self_attn = Attention(arch, rope, layer, qk_norm, o_bias)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = MLP(arch)
+        self.mlp = MLP(arch) if mlp is None else mlp
 
     def forward(self, x, positions, cache, meta):
         x = x + self.self_attn(self.input_layernorm(x), positions, cache, meta)
@@ -160,6 +165,9 @@ class CausalLM(nn.Module):
     architectures: ClassVar[tuple[str, ...]] = ()
     model_types: ClassVar[tuple[str, ...]] = ()  # config.json "model_type"
     gguf_architectures: ClassVar[tuple[str, ...]] = ()  # GGUF general.architecture
+    # A mixture of experts: llama.cpp writes Mixtral as "llama" and tells them apart by
+    # `{arch}.expert_count` (models/registry.py gguf_family)
+    moe: ClassVar[bool] = False
     # module -> the checkpoint linears stacked (along out) into it, Hugging Face names
     packed_modules_mapping: ClassVar[dict[str, tuple[str, ...]]] = {
         "qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -179,6 +187,12 @@ class CausalLM(nn.Module):
     def fill_hf_config(cls, cfg: dict) -> dict:
         """config.json as the common reader should see it: the family's defaults filled in."""
         return cls.hf_defaults | cfg
+
+    @classmethod
+    def hf_config(cls, cfg: dict) -> dict:
+        """ModelArchConfig fields the family reads from config.json (with its defaults filled
+        in) beyond the common ones; a ConfigError names a bad key."""
+        return {}
 
     @classmethod
     def gguf_config(cls, arch: dict, key: Callable, tensor: Callable) -> dict:

@@ -15,11 +15,14 @@ from qserve.models.base import CausalLM
 from qserve.models.gemma2 import Gemma2ForCausalLM
 from qserve.models.gemma3 import Gemma3ForCausalLM
 from qserve.models.llama import LlamaForCausalLM
+from qserve.models.mixtral import MixtralForCausalLM
 from qserve.models.phi3 import Phi3ForCausalLM
 from qserve.models.qwen3 import Qwen3ForCausalLM
+from qserve.models.qwen3_moe import Qwen3MoeForCausalLM
 
 FAMILIES: tuple[type[CausalLM], ...] = (
-    LlamaForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM)
+    LlamaForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM,
+    MixtralForCausalLM, Qwen3MoeForCausalLM)
 
 
 def supported() -> list[str]:
@@ -43,11 +46,13 @@ def hf_architecture(model_type: str) -> str:
     return names[family.model_types.index(model_type)] if len(names) > 1 else names[0]
 
 
-def gguf_family(name: str) -> tuple[type[CausalLM], str]:
-    """A GGUF general.architecture -> (family, the model_type it stands for)."""
-    for family in FAMILIES:
-        if name in family.gguf_architectures:
-            return family, name if name in family.model_types else family.model_types[0]
+def gguf_family(name: str, experts: int = 0) -> tuple[type[CausalLM], str]:
+    """A GGUF general.architecture and its `{name}.expert_count` (0: none) -> (family, the
+    model_type it stands for). A name two families share (llama: Llama and Mixtral) goes to
+    the one that is, or is not, a mixture of experts."""
+    claims = [f for f in FAMILIES if name in f.gguf_architectures]
+    for family in sorted(claims, key=lambda f: f.moe != (experts > 0)):
+        return family, name if name in family.model_types else family.model_types[0]
     names = [n for f in FAMILIES for n in f.gguf_architectures]
     raise ConfigError(f"architecture {name!r} is not supported; qserve reads "
                       f"{', '.join(names)} GGUFs (Mistral files say llama)")
