@@ -477,6 +477,54 @@ def eval_(model, ref, text_file, context, max_tokens, as_json, engine):
 
 
 # ---- serve -------------------------------------------------------------------------------
+_CLUSTER_FLAGS = [
+    click.option("--replicas", type=int, metavar="N",
+                 help="Serve N copies of the model as Ray Serve replicas behind one endpoint, "
+                      "routing by prompt prefix (needs pip install 'qserve[cluster]')."),
+    click.option("--ray-address", metavar="ADDRESS",
+                 help="Join this Ray cluster (e.g. ray://head:10001 or auto)  [default: start "
+                      "a local one; needs --replicas]"),
+    click.option("--replica-cpus", type=float, default=1.0, show_default=True,
+                 help="CPUs Ray reserves for each replica."),
+    click.option("--replica-gpus", type=float, default=0.0, show_default=True,
+                 help="GPUs Ray reserves for each replica (> 0: --device auto is that GPU)."),
+    click.option("--min-replicas", type=int, metavar="N",
+                 help="Autoscale between --min-replicas and --max-replicas."),
+    click.option("--max-replicas", type=int, metavar="N"),
+    click.option("--target-ongoing-requests", type=float, metavar="N",
+                 help="Autoscaling target of requests in flight per replica."),
+    click.option("--routing", type=click.Choice(["prefix", "round-robin"]), default="prefix",
+                 show_default=True,
+                 help="prefix: a request goes to the replica that ran its prompt's prefix, "
+                      "else the least loaded; round-robin: the baseline."),
+]
+_CLUSTER_NAMES = ("replicas", "ray_address", "replica_cpus", "replica_gpus", "min_replicas",
+                  "max_replicas", "target_ongoing_requests", "routing")
+
+
+def cluster_flags(f):
+    """Add the --replicas flags; the command receives them as one dict, `cluster`."""
+    @functools.wraps(f)
+    def wrapper(**kw):
+        return f(cluster={name: kw.pop(name) for name in _CLUSTER_NAMES}, **kw)
+    for flag in reversed(_CLUSTER_FLAGS):
+        wrapper = flag(wrapper)
+    return wrapper
+
+
+def _serve_replicas(cluster: dict, model, engine: dict, model_name: str, config) -> None:
+    """`serve --replicas`: the same app on Ray Serve (Ray is imported only here)."""
+    try:
+        from qserve.server import cluster as ray_cluster
+    except ImportError as e:
+        raise QServeError(f"--replicas needs Ray Serve ({e}); install it with pip install "
+                          f"'qserve[cluster]'") from None
+    cfg = ray_cluster.ClusterConfig(**cluster)
+    if engine.get("max_num_seqs"):
+        cfg.max_ongoing_requests = engine["max_num_seqs"]
+    ray_cluster.run(cfg, model, engine, model_name, config)
+
+
 @main.command()
 @model_argument
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
@@ -496,10 +544,11 @@ def eval_(model, ref, text_file, context, max_tokens, as_json, engine):
               help="The model id clients send  [default: MODEL, or the default model's alias]")
 @click.option("--max-waiting", type=click.IntRange(min=1), default=1024, show_default=True,
               help="Queued requests beyond this are refused with 503.")
+@cluster_flags
 @speculative_flags
 @engine_flags
 def serve(model, host, port, api_key, allowed_origins, max_request_bytes, shutdown_timeout,
-          served_model_name, max_waiting, engine):
+          served_model_name, max_waiting, cluster, engine):
     """An OpenAI-compatible HTTP server for MODEL (Ctrl-C or SIGTERM stops it)."""
     from qserve.config import parse_size
     from qserve.loader.registry import DEFAULT_MODEL
@@ -513,8 +562,15 @@ def serve(model, host, port, api_key, allowed_origins, max_request_bytes, shutdo
     if host not in LOOPBACK and not api_key:
         click.echo(f"warning: serving on {host} without an API key; anyone who can reach "
                    f"port {port} can use it (set --api-key or QSERVE_API_KEY)", err=True)
-    eng = _build_engine(model, dict(engine, max_waiting=max_waiting))
-    run_server(eng, served_model_name or model or DEFAULT_MODEL, config)
+    if cluster["replicas"] is None:
+        if any(cluster[k] is not None for k in ("ray_address", "min_replicas", "max_replicas",
+                                                "target_ongoing_requests")):
+            raise click.UsageError("--ray-address and the autoscaling flags need --replicas")
+        eng = _build_engine(model, dict(engine, max_waiting=max_waiting))
+        run_server(eng, served_model_name or model or DEFAULT_MODEL, config)
+        return
+    _serve_replicas(cluster, model, dict(engine, max_waiting=max_waiting),
+                    served_model_name or model or DEFAULT_MODEL, config)
 
 
 # ---- chat --------------------------------------------------------------------------------

@@ -34,6 +34,8 @@ _COUNTERS = {
     "kv_bytes_fetched": ("qserve_kv_fetched_bytes",
                          "KV bytes layer-wise prefills read back from host blocks."),
     "prompt_tokens": ("qserve_prompt_tokens", "Prompt tokens of requests added."),
+    "prefix_cache_hit_blocks": ("qserve_prefix_cache_hit_blocks",
+                                "Prompt KV blocks served from the prefix cache."),
     "generated_tokens": ("qserve_generation_tokens", "Tokens generated."),
 }
 # with speculative decoding only
