@@ -3,6 +3,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
 
 from qserve.errors import QServeError
 
@@ -21,6 +25,20 @@ class SamplingParamsError(QServeError):
     def __init__(self, message: str, param: str):
         super().__init__(message)
         self.param = param
+
+
+class TokenConstraint(Protocol):
+    """Which tokens may come next, for the sequences of one request (a compiled grammar, say).
+
+    Handed down as data: the sampler calls `mask` before it samples, with every row of the
+    step that carries this constraint. It keeps whatever per-sequence state it needs, keyed by
+    the output so far, which survives preemption (a recomputed or swapped sequence keeps its
+    tokens) and lets n > 1 samples diverge.
+    """
+
+    def mask(self, logits: torch.Tensor, outputs: list[list[int]]) -> None:
+        """logits (R, V): in place, -inf on each row's tokens that may not follow outputs[r]
+        (that row's output token ids so far); a row may be left untouched."""
 
 
 @dataclass
@@ -44,6 +62,9 @@ class SamplingParams:
     logprobs: int | None = None  # return the logprobs of the chosen token and of the top-N
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Constrained decoding (a grammar's token mask), shared by the request's samples. Such a
+    # row's stop tokens are the constraint's to allow: min_tokens does not mask them.
+    constraint: TokenConstraint | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         if isinstance(self.stop, str):

@@ -1,7 +1,8 @@
 """Turn a batch of next-token logits into one token id per sequence.
 
 Order, as in vLLM:
-    penalties (on raw logits) -> min_tokens mask -> temperature -> top-k -> top-p -> min-p -> sample
+    penalties (on raw logits) -> min_tokens mask -> constraint mask (a grammar's)
+    -> temperature -> top-k -> top-p -> min-p -> sample
 Greedy rows take the argmax (ties go to the lowest id). Random rows use the exponential race,
 argmax(p / E) with E ~ Exponential(1), which draws a token with probability p. A seeded row draws
 E from its own generator only, so its token does not depend on the rest of the batch.
@@ -47,16 +48,20 @@ class Sampler:
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (logits.shape, len(rows))
         raw = logits
         penalized = [i for i, r in enumerate(rows) if r.params.has_penalties]
-        under_min = [i for i, r in enumerate(rows) if len(r.output_token_ids) < r.params.min_tokens]
+        under_min = [i for i, r in enumerate(rows) if len(r.output_token_ids) < r.params.min_tokens
+                     and r.params.constraint is None]
+        constrained = [i for i, r in enumerate(rows) if r.params.constraint is not None]
         rand = [i for i, r in enumerate(rows) if not r.params.greedy]
         want_lp = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
 
-        if penalized or under_min:
+        if penalized or under_min or constrained:
             logits = logits.clone()
             if penalized:
                 apply_penalties(logits, rows, penalized)
             if under_min:
                 self._mask_stop_tokens(logits, rows, under_min)
+            if constrained:
+                apply_constraints(logits, rows, constrained)
         token_ids = logits.argmax(dim=-1)  # (B,) greedy answer; random rows are overwritten
         if rand:
             idx = torch.tensor(rand, device=logits.device)
@@ -106,6 +111,19 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow], idx: list[int
         freq = torch.tensor([row.params.frequency_penalty for row in rows], device=device)
         pres = torch.tensor([row.params.presence_penalty for row in rows], device=device)
         logits[r, t] -= freq[r] * count + pres[r]
+
+
+def apply_constraints(logits: torch.Tensor, rows: list[SamplingRow], idx: list[int]) -> None:
+    """In place on rows `idx` of logits (B, V): each request's TokenConstraint masks its own
+    rows, all of them in one call."""
+    groups: dict[int, list[int]] = {}
+    for i in idx:
+        groups.setdefault(id(rows[i].params.constraint), []).append(i)
+    for members in groups.values():
+        t = torch.tensor(members, device=logits.device)
+        sub = logits[t]  # (R, V) a copy
+        rows[members[0]].params.constraint.mask(sub, [rows[i].output_token_ids for i in members])
+        logits[t] = sub
 
 
 def _occurrences(row_ids: list[int], seqs: list[list[int]], V: int, device: torch.device

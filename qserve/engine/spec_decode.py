@@ -73,9 +73,10 @@ class Speculator:
 
     A sequence speculates when one token is all it has left to compute (it is decoding, or its
     prompt came from the prefix cache), with plain sampling settings
-    (no penalties, logprobs or pending min_tokens, which would make the target's distribution
-    depend on the drafts themselves), while at most `spec_max_batch_size` sequences run. One
-    whose acceptance average drops below `spec_min_acceptance` sits out 2, 4, ... 32 steps.
+    (no penalties, logprobs, pending min_tokens or a grammar constraint, which would make the
+    target's distribution depend on the drafts themselves), while at most
+    `spec_max_batch_size` sequences run. One whose acceptance average drops below
+    `spec_min_acceptance` sits out 2, 4, ... 32 steps.
     """
 
     EWMA = 0.3  # weight of the newest step in the acceptance average
@@ -108,7 +109,7 @@ class Speculator:
     def _num_to_propose(self, seq: Sequence) -> int:
         p = seq.params
         if (seq.num_computed_tokens != seq.num_tokens - 1 or seq.num_spec_tokens
-                or seq.num_forks or p.has_penalties
+                or seq.num_forks or p.has_penalties or p.constraint is not None
                 or p.logprobs is not None or seq.num_output_tokens < p.min_tokens):
             return 0
         b = self.backoff.setdefault(seq.seq_id, _Backoff())

@@ -9,6 +9,7 @@ the engine's next step boundary.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -29,6 +30,8 @@ from qserve.server.async_engine import AsyncEngine, EngineStopped, Generation
 from qserve.server.config import ServerConfig
 from qserve.server.guard import RequestGuard
 from qserve.server.metrics import CONTENT_TYPE, Metrics
+from qserve.server.structured import (Grammars, StructureError, ToolStream, parse_tool_calls,
+                                      tool_messages)
 
 log = logging.getLogger("qserve.server")
 # A lone UTF-16 surrogate can only come from a \uD800-\uDFFF escape (raw UTF-8 cannot hold one)
@@ -101,6 +104,7 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: Metrics,
     app = FastAPI(title="qserve", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
     created = P.now()
+    grammars = Grammars(engine.tokenizer, engine.vocab_size)
 
     # ---- errors and auth ---------------------------------------------------------------
     @app.exception_handler(P.APIError)
@@ -181,7 +185,8 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: Metrics,
 
         def render() -> list[int]:
             try:
-                text = tok.apply_chat_template(req.messages, add_generation_prompt=True)
+                text = tok.apply_chat_template(tool_messages(req.messages, req.structure),
+                                               add_generation_prompt=True)
             except QServeError as e:  # a template that refuses this conversation
                 raise P.bad(str(e), "messages") from None
             return _encode(tok, [text], False)[0]
@@ -195,6 +200,13 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: Metrics,
             raise P.bad("the prompt is empty; give at least one token of text", "prompt")
         param = "messages" if kind == "chat.completion" else "prompt"
         params = P.fit_to_context(req, [len(p) for p in prompts], engine.max_model_len, param)
+        if req.structure.grammar is not None:  # compiling takes milliseconds: off the loop
+            try:
+                constraint = await asyncio.get_running_loop().run_in_executor(
+                    None, grammars.constraint, req.structure)
+            except StructureError as e:
+                raise P.bad(str(e), e.param) from None
+            params = dataclasses.replace(params, constraint=constraint)
         gen = Generation(engine, f"{prefix}-{uuid.uuid4().hex[:16]}", prompts, params)
         try:
             await gen.start()
@@ -292,6 +304,7 @@ class _Response:
                  engine: AsyncEngine, echo_texts: list[str] | None):
         self.id, self.kind, self.model, self.req, self.n = rid, kind, model, req, n
         self.chat = kind == "chat.completion"
+        self.tools = req.structure  # parses_tools: chat text holds tool calls
         self.created = P.now()
         self.echo = echo_texts
         self.lp = (P.LogprobFormatter(engine.tokenizer, req.logprobs)
@@ -308,11 +321,16 @@ class _Response:
         for i, out in enumerate(finals):
             for c in out.outputs:
                 head = self.echo[i] if self.echo else ""
+                content, calls = c.text, []
+                if self.tools.parses_tools:
+                    content, calls = parse_tool_calls(c.text, self.tools)
                 choice = {"index": i * self.n + c.index,
                           "logprobs": self._logprobs(c, 0, len(head)),
-                          "finish_reason": P.finish_reason(c)}
+                          "finish_reason": P.finish_reason(c, bool(calls))}
                 if self.chat:
-                    choice["message"] = {"role": "assistant", "content": c.text}
+                    choice["message"] = {"role": "assistant", "content": content}
+                    if calls:
+                        choice["message"]["tool_calls"] = calls
                 else:
                     choice["text"] = head + c.text
                 choices.append(choice)
@@ -327,17 +345,24 @@ class _Response:
         offsets: dict[int, int] = {}  # choice index -> characters sent (completions' offsets)
         finished: set[int] = set()
         last: dict[int, object] = {}
+        tool_streams: dict[int, ToolStream] = {}  # choice index -> its held-back text
         try:
             async for i, out in gen:
                 last[i] = out
                 choices = []
                 for c in out.outputs:
                     index = i * self.n + c.index
-                    reason = P.finish_reason(c)
+                    text, calls = c.delta_text, []
+                    if self.tools.parses_tools and index not in finished:
+                        ts = tool_streams.setdefault(index, ToolStream(self.tools))
+                        text = ts.feed(text)
+                        if c.finish_reason is not None:
+                            rest, calls = ts.finish()
+                            text += rest
+                    reason = P.finish_reason(c, bool(calls))
                     first = index not in sent_tokens
-                    if not (first or c.delta_text or (reason and index not in finished)):
+                    if not (first or text or (reason and index not in finished)):
                         continue
-                    text = c.delta_text
                     if first and self.echo:
                         text = self.echo[i] + text
                     choice = {"index": index,
@@ -347,6 +372,9 @@ class _Response:
                     if self.chat:
                         choice["delta"] = ({"role": "assistant", "content": text} if first
                                            else {"content": text} if text or not reason else {})
+                        if calls:
+                            choice["delta"]["tool_calls"] = [dict(call, index=k)
+                                                             for k, call in enumerate(calls)]
                     else:
                         choice["text"] = text
                     sent_tokens[index] = len(c.token_ids)

@@ -12,9 +12,11 @@ from dataclasses import dataclass
 
 from qserve.outputs import CompletionOutput, RequestOutput
 from qserve.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
+from qserve.server.structured import (Structure, StructureError, check_tool_history,
+                                      parse_structure)
 
 MAX_N = 32
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class APIError(Exception):
@@ -48,6 +50,7 @@ class GenerateRequest:
     include_usage: bool
     echo: bool
     logprobs: int | None  # top-N alternatives to report per token; None: no logprobs
+    structure: Structure = dataclasses.field(default_factory=Structure)  # response_format, tools
 
 
 # ---- requests ---------------------------------------------------------------------------
@@ -103,8 +106,14 @@ def parse_chat(body: dict) -> GenerateRequest:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
             raise bad(f"messages[{i}] must have a role of {', '.join(CHAT_ROLES)}", "messages")
+        try:
+            calls = check_tool_history(m, i)
+        except StructureError as e:
+            raise bad(str(e), e.param) from None
+        content = m.get("content")
         clean.append({"role": "system" if m["role"] == "developer" else m["role"],
-                      "content": _content(m.get("content"), i)})
+                      "content": "" if content is None and calls else _content(content, i),
+                      **calls})
     max_tokens = _get(body, "max_completion_tokens", (int,), "an integer")
     if max_tokens is None:
         max_tokens = _get(body, "max_tokens", (int,), "an integer")
@@ -172,9 +181,13 @@ def _common(body: dict, prompts, messages, max_tokens: int | None, logprobs: int
                                 **sampling)
     except SamplingParamsError as e:
         raise bad(str(e), e.param) from None
+    try:
+        structure = parse_structure(body, chat=messages is not None)
+    except StructureError as e:
+        raise bad(str(e), e.param) from None
     return GenerateRequest(model, prompts, messages, params, max_tokens,
                            _get(body, "stream", (bool,), "a boolean", False),
-                           bool(stream_options.get("include_usage")), echo, logprobs)
+                           bool(stream_options.get("include_usage")), echo, logprobs, structure)
 
 
 def fit_to_context(req: GenerateRequest, prompt_lens: list[int], max_model_len: int,
@@ -203,10 +216,12 @@ def fit_to_context(req: GenerateRequest, prompt_lens: list[int], max_model_len: 
 
 
 # ---- responses --------------------------------------------------------------------------
-def finish_reason(c: CompletionOutput) -> str | None:
-    """OpenAI's two reasons; an abort (only at shutdown) reads as "stop"."""
+def finish_reason(c: CompletionOutput, tool_calls: bool = False) -> str | None:
+    """OpenAI's reasons; an abort (only at shutdown) reads as "stop"."""
     if c.finish_reason is None:
         return None
+    if tool_calls:
+        return "tool_calls"
     return "length" if c.finish_reason == "length" else "stop"
 
 

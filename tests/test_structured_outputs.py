@@ -1,0 +1,333 @@
+"""Structured outputs and tool calls on the real default model, through a real HTTP server
+(uvicorn in a thread of this process, so the test can read the engine's block manager) and the
+unmodified `openai` client.
+
+Every constrained answer must parse and validate against its schema, whatever a 135M model
+would write unconstrained; several requests run at once (continuous batching, each sample its
+own grammar matcher), with n > 1, and under a KV pool small enough to preempt.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+jsonschema = pytest.importorskip("jsonschema")
+pytest.importorskip("xgrammar")
+pytest.importorskip("fastapi")
+
+MODEL = "smollm2-135m-instruct"
+
+PERSON = {  # nested objects, enums, an array, bounded strings (a 135M model rambles)
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "role": {"enum": ["admin", "editor", "viewer"]},
+        "address": {"type": "object",
+                    "properties": {"city": {"type": "string", "maxLength": 12},
+                                   "country": {"enum": ["FR", "DE", "US"]}},
+                    "required": ["city", "country"], "additionalProperties": False},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+        "active": {"type": "boolean"},
+    },
+    "required": ["name", "role", "address", "active"],
+    "additionalProperties": False,
+}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object",
+                   "properties": {"city": {"type": "string", "maxLength": 16},
+                                  "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+        "required": ["zone"], "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "Describe a user of our site as JSON."}]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class InProcessServer:
+    """make_server's uvicorn server on a thread; `engine` is the LLMEngine it serves."""
+
+    def __init__(self, engine, **config):
+        from qserve.server.api import make_server
+        from qserve.server.config import ServerConfig
+
+        self.engine = engine
+        port = _free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.server = make_server(engine, MODEL, ServerConfig(port=port, log_level="warning",
+                                                              **config))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "no server"
+            time.sleep(0.05)
+
+    def idle_blocks(self) -> int:
+        """The free KV blocks once the engine has nothing left to run."""
+        deadline = time.monotonic() + 30
+        while self.engine.has_unfinished_requests() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)  # the engine thread's last step boundary
+        return self.engine.block_manager.num_free_blocks
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(60)
+
+
+def make_served_engine(model, **options):
+    from qserve.config import engine_config
+    from qserve.llm import make_engine
+
+    torch.manual_seed(0)
+    options.setdefault("max_model_len", 1024)
+    return make_engine(engine_config(None, **options), loaded=model)
+
+
+@pytest.fixture(scope="module")
+def served(native_model):
+    # the prefix cache off, so free blocks return to the start count after every request
+    srv = InProcessServer(make_served_engine(native_model, kv_cache_memory="64MiB",
+                                             enable_prefix_caching=False))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=served.url + "/v1", api_key="x", max_retries=0, timeout=300)
+
+
+def _post(srv, path, body):
+    return httpx.post(srv.url + path, json=body, timeout=300)
+
+
+# ---- response_format --------------------------------------------------------------------
+def test_json_schema_valid_at_concurrent_requests_and_n(served):
+    """Eight concurrent requests (two with n=2, sampled), nested objects and enums: every
+    answer parses and validates, and the KV pool is back where it started."""
+    start = served.idle_blocks()
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON,
+                                                  "strict": True}}
+
+    async def one(http, k):
+        body = {"model": MODEL, "messages": ASK, "max_tokens": 120, "response_format": fmt,
+                "temperature": 0.0 if k % 2 else 0.9, "seed": k, "n": 2 if k < 2 else 1}
+        r = await http.post(served.url + "/v1/chat/completions", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"]
+
+    async def run():
+        async with httpx.AsyncClient() as http:
+            return await asyncio.gather(*(one(http, k) for k in range(8)))
+
+    choices = [c for cs in asyncio.run(run()) for c in cs]
+    assert len(choices) == 10
+    for c in choices:
+        assert c["finish_reason"] == "stop", c
+        jsonschema.validate(json.loads(c["message"]["content"]), PERSON)
+    assert served.idle_blocks() == start
+
+
+def test_json_object_is_valid_json_streamed_and_on_completions(served, client):
+    # json_object leaves the keys and values to the model: a prompt it answers briefly
+    ask = 'Is the sky blue? Answer as JSON like {"answer": "yes"}.'
+    stream = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": ask}], max_tokens=100,
+        temperature=0, stream=True, response_format={"type": "json_object"})
+    chunks = [ch.choices[0] for ch in stream if ch.choices]
+    text = "".join(c.delta.content or "" for c in chunks)
+    assert chunks[-1].finish_reason == "stop", text
+    assert isinstance(json.loads(text), dict)
+    r = _post(served, "/v1/completions", {"model": MODEL, "prompt": 'JSON: {"a": 1}\nJSON:',
+                                          "max_tokens": 100, "temperature": 0,
+                                          "response_format": {"type": "json_object"}})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop", choice
+    assert isinstance(json.loads(choice["text"]), dict)
+
+
+def test_constraint_survives_preemption(native_model):
+    """A pool of a few blocks and four long constrained requests: sequences are preempted
+    (recomputed) mid-answer and resume with their grammar state."""
+    from qserve.sampling_params import SamplingParams
+    from qserve.server.structured import Grammars, Structure
+
+    # room for about 700 tokens: four answers of ~300 tokens cannot all stay resident
+    engine = make_served_engine(native_model, max_model_len=512, kv_cache_memory="30MiB",
+                                swap_space=0, enable_prefix_caching=False)
+    grammars = Grammars(engine.tokenizer, engine.arch.vocab_size)
+    schema = {"type": "object", "properties": {
+        "items": {"type": "array", "minItems": 5, "maxItems": 5, "items": PERSON}},
+        "required": ["items"], "additionalProperties": False}
+    constraint = grammars.constraint(Structure(grammar=("json_schema", json.dumps(schema))))
+    prompt = engine.tokenizer.encode("List five users as JSON:")
+    for k in range(4):
+        engine.add_request(f"r{k}", None, SamplingParams(max_tokens=480, temperature=0.8,
+                                                         seed=k, constraint=constraint),
+                           prompt_token_ids=prompt)
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out.outputs[0]
+    assert engine.scheduler.num_preemptions > 0
+    for c in finals.values():
+        assert c.finish_reason == "stop", c.text[-80:]
+        jsonschema.validate(json.loads(c.text), schema)
+
+
+def test_speculative_decoding_skips_constrained_requests(native_model):
+    """With an n-gram draft, a constrained request is never speculated (no draft escapes the
+    grammar), and its output still validates; an unconstrained one speculates."""
+    from qserve.sampling_params import SamplingParams
+    from qserve.server.structured import Grammars, Structure
+
+    engine = make_served_engine(native_model, kv_cache_memory="64MiB", draft="ngram",
+                                spec_max_batch_size=2)
+    grammars = Grammars(engine.tokenizer, engine.arch.vocab_size)
+    constraint = grammars.constraint(Structure(grammar=("json_schema", json.dumps(PERSON))))
+    prompt = engine.tokenizer.encode('{"name": "ann", "role": "admin"} {"name": "ann", '
+                                     '"role": "admin"} again:')
+    engine.add_request("c", None, SamplingParams(max_tokens=100, temperature=0,
+                                                 constraint=constraint),
+                       prompt_token_ids=prompt)
+    engine.add_request("u", None, SamplingParams(max_tokens=40, temperature=0),
+                       prompt_token_ids=prompt)
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out.outputs[0]
+    assert finals["c"].spec_draft_tokens == 0
+    assert finals["u"].spec_draft_tokens > 0
+    jsonschema.validate(json.loads(finals["c"].text), PERSON)
+
+
+# ---- tools ------------------------------------------------------------------------------
+def test_named_and_required_tool_calls(client):
+    msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+    named = client.chat.completions.create(
+        model=MODEL, messages=msgs, tools=[WEATHER, TIME], max_tokens=60, temperature=0,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = named.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.id.startswith("call_") and call.type == "function"
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+
+    # one call: a 135M model left to it repeats calls until max_tokens
+    req = client.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER, TIME],
+                                         tool_choice="required", max_tokens=120, temperature=0,
+                                         parallel_tool_calls=False)
+    calls = req.choices[0].message.tool_calls
+    assert req.choices[0].finish_reason == "tool_calls" and calls
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    for c in calls:
+        jsonschema.validate(json.loads(c.function.arguments), schemas[c.function.name])
+    assert len(calls) == 1
+
+
+def test_tool_calls_stream_as_deltas_and_a_tool_round_trip(client):
+    msgs = [{"role": "user", "content": "What is the weather in Oslo?"}]
+    stream = client.chat.completions.create(
+        model=MODEL, messages=msgs, tools=[WEATHER], tool_choice="required", max_tokens=120,
+        temperature=0, stream=True)
+    calls, reasons = {}, []
+    for ch in stream:
+        for c in ch.choices:
+            reasons.append(c.finish_reason)
+            for d in c.delta.tool_calls or []:
+                calls.setdefault(d.index, {"id": d.id, "name": d.function.name, "args": ""})
+                calls[d.index]["args"] += d.function.arguments or ""
+    assert reasons[-1] == "tool_calls" and calls
+    call = calls[0]
+    assert call["name"] == "get_weather" and call["id"].startswith("call_")
+    args = json.loads(call["args"])
+    # the call and its result go back in: role "tool" and assistant tool_calls are accepted
+    follow = msgs + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call["id"], "type": "function",
+             "function": {"name": call["name"], "arguments": json.dumps(args)}}]},
+        {"role": "tool", "tool_call_id": call["id"], "content": '{"temp": 21}'}]
+    r = client.chat.completions.create(model=MODEL, messages=follow, tools=[WEATHER],
+                                       tool_choice="none", max_tokens=8, temperature=0)
+    assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
+
+
+def test_auto_tool_choice_parses_tagged_calls():
+    from qserve.server.structured import Structure, ToolStream, Tool, parse_tool_calls
+
+    s = Structure(tools=[Tool("f", {})], tool_mode="auto")
+    text = 'Let me look. <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>'
+    content, calls = parse_tool_calls(text, s)
+    assert content == "Let me look." and calls[0]["function"] == {"name": "f",
+                                                                   "arguments": '{"x": 1}'}
+    ts = ToolStream(s)
+    sent = "".join(ts.feed(text[i:i + 3]) for i in range(0, len(text), 3))
+    rest, calls = ts.finish()
+    assert (sent + rest).strip() == "Let me look." and len(calls) == 1
+    assert parse_tool_calls("plain answer", s) == ("plain answer", [])
+
+
+def test_auto_tool_choice_over_http_answers(served):
+    """auto: free text or a tagged call; either way a well-formed OpenAI message."""
+    r = _post(served, "/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": "Weather in Rome?"}],
+        "tools": [WEATHER], "max_tokens": 60, "temperature": 0})
+    assert r.status_code == 200, r.text
+    msg = r.json()["choices"][0]["message"]
+    for c in msg.get("tool_calls") or []:
+        jsonschema.validate(json.loads(c["function"]["arguments"]),
+                            WEATHER["function"]["parameters"])
+    assert msg.get("tool_calls") or msg["content"]
+
+
+# ---- errors -----------------------------------------------------------------------------
+@pytest.mark.parametrize("body, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "nonsense"}}}}, "response_format"),
+    ({"response_format": {"type": "yaml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"response_format": "json"}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
+    ({"tools": []}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "nonsense"}}}}}],
+      "tool_choice": "required"}, "tools"),
+    ({"messages": [{"role": "assistant", "tool_calls": "x"}]}, "messages"),
+])
+def test_bad_structures_are_openai_400s(served, body, param):
+    full = {"model": MODEL, "messages": ASK, "max_tokens": 4, **body}
+    r = _post(served, "/v1/chat/completions", full)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["param"] == param
+    assert err["type"] == "invalid_request_error" and "Traceback" not in err["message"]
+
+
+def test_tools_on_completions_is_a_400(served):
+    r = _post(served, "/v1/completions", {"model": MODEL, "prompt": "hi", "tools": [WEATHER]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
