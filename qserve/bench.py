@@ -34,8 +34,9 @@ def _check_fits(engine, input_len: int, output_len: int) -> None:
 
 
 def run_bench(engine, batch_sizes: list[int], input_len: int = 128, output_len: int = 128,
-              seed: int = 0, warmup: bool = True) -> list[dict]:
-    """Measure `engine` (an idle LLMEngine) at each batch size.
+              seed: int = 0, warmup: bool = True, progress: bool = False) -> list[dict]:
+    """Measure `engine` (an idle LLMEngine) at each batch size; with `progress`, a bar of the
+    tokens generated so far on a terminal's stderr (qserve/progress.py).
 
     Returns:
         one dict per batch size: batch_size, input_len, output_len, prefill_tokens_per_s,
@@ -44,13 +45,23 @@ def run_bench(engine, batch_sizes: list[int], input_len: int = 128, output_len: 
         spec_mean_accepted_tokens with speculative decoding. A rate is None when its interval
         is empty (e.g. decode with output_len 1).
     """
+    from qserve.progress import bar
+
     _check_fits(engine, input_len, output_len)
     rng = random.Random(seed)
     vocab = _ordinary_tokens(engine)
-    if warmup:  # first-call costs (allocation, kernel compilation) at the largest shape
-        _run_batch(engine, rng, vocab, max(batch_sizes), input_len, min(output_len, 2), "warmup")
-    return [_run_batch(engine, rng, vocab, b, input_len, output_len, f"b{b}")
-            for b in batch_sizes]
+    warm_len = min(output_len, 2)
+    total = sum(batch_sizes) * output_len + (max(batch_sizes) * warm_len if warmup else 0)
+    with bar(total, "bench", unit="tok", disable=not progress) as shown:
+        if warmup:  # first-call costs (allocation, kernel compilation) at the largest shape
+            _run_batch(engine, rng, vocab, max(batch_sizes), input_len, warm_len, "warmup",
+                       shown.update)
+        rows = []
+        for b in batch_sizes:
+            shown.set_postfix_str(f"batch {b}")
+            rows.append(_run_batch(engine, rng, vocab, b, input_len, output_len, f"b{b}",
+                                   shown.update))
+    return rows
 
 
 def _ordinary_tokens(engine) -> list[int]:
@@ -63,7 +74,8 @@ def _ordinary_tokens(engine) -> list[int]:
 
 
 def _run_batch(engine, rng: random.Random, vocab: list[int], batch: int, input_len: int,
-               output_len: int, tag: str) -> dict:
+               output_len: int, tag: str, on_tokens=None) -> dict:
+    """One row; `on_tokens(n)` hears of each step's n newly generated tokens."""
     cuda = engine.device.type == "cuda"
     if cuda:
         import torch
@@ -81,11 +93,14 @@ def _run_batch(engine, rng: random.Random, vocab: list[int], batch: int, input_l
             prompt = [rng.choice(vocab) for _ in range(input_len)]
             engine.add_request(rid, None, params, prompt_token_ids=prompt, arrival_time=t0)
         while len(done) < batch:
+            so_far = sum(tokens.values()) if on_tokens is not None else 0
             for out in engine.step():
                 metrics[out.request_id] = out.metrics
                 tokens[out.request_id] = len(out.outputs[0].token_ids)
                 if out.finished:
                     done.add(out.request_id)
+            if on_tokens is not None:
+                on_tokens(sum(tokens.values()) - so_far)
             if t_first is None and len(metrics) == batch:
                 t_first, generated_at_first = time.monotonic(), sum(tokens.values())
         t_end = time.monotonic()

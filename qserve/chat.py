@@ -263,18 +263,42 @@ def _handle(session: ChatSession, line: str) -> bool:
     return True
 
 
-def _line_reader():
-    from prompt_toolkit import PromptSession
-    from prompt_toolkit.history import FileHistory, InMemoryHistory
+def history_path() -> Path | None:
+    """Where the REPL keeps the lines typed at its prompt: $QSERVE_CHAT_HISTORY (empty: keep
+    none), else $QSERVE_HOME/chat_history. It is plain text in prompt_toolkit's format (each
+    entry a `# date` line, then the entry's lines prefixed with `+`), holds what you typed
+    (never the replies) and grows until you delete it."""
+    import os
 
-    from qserve.loader.registry import model_home
+    from qserve.config import model_home
+
+    if "QSERVE_CHAT_HISTORY" in os.environ:
+        value = os.environ["QSERVE_CHAT_HISTORY"]
+        return Path(value).expanduser() if value else None
+    return model_home() / "chat_history"
+
+
+def _line_reader():
+    """A function that reads one line at the prompt: prompt_toolkit's (editing, and history
+    kept in history_path()), or without it (the `server` extra not installed) input() with
+    readline's editing and this session's history only."""
+    try:
+        from prompt_toolkit import PromptSession
+        from prompt_toolkit.history import FileHistory, InMemoryHistory
+    except ImportError:
+        try:
+            import readline  # noqa: F401  (input() edits lines once it is imported)
+        except ImportError:  # not on every platform
+            pass
+        return lambda: input(PROMPT)
 
     history = InMemoryHistory()
+    path = history_path()
     try:
-        path = model_home() / "chat_history"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.touch()
-        history = FileHistory(str(path))
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.touch()
+            history = FileHistory(str(path))
     except OSError:  # a read-only home: history for this session only
         pass
     prompt_session = PromptSession(history=history)

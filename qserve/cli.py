@@ -57,13 +57,16 @@ def main():
 # ---- engine flags, shared by every command that runs a model ------------------------------
 _ENGINE_FLAGS = [
     click.option("--kv-cache-memory", metavar="SIZE",
-                 help="KV cache budget, e.g. 512MiB  [default: 10% of free memory]"),
+                 help="KV cache budget, e.g. 512MiB  [default: room for --max-num-seqs "
+                      "sequences of --max-model-len tokens, at most 10% of free memory]"),
     click.option("--swap-space", metavar="SIZE", default="1GiB", show_default=True,
                  help="Host memory for swapped-out KV blocks."),
     click.option("--block-size", type=int, default=16, show_default=True,
                  help="Tokens per KV cache block."),
-    click.option("--max-num-seqs", type=int, default=256, show_default=True,
-                 help="Most sequences in one step."),
+    click.option("--max-num-seqs", type=int,
+                 help="Most sequences in one step; the default KV pool holds this many full "
+                      "sequences  [default: 256; chat: 1; generate: the completions asked "
+                      "for; bench: the largest batch]"),
     click.option("--max-num-batched-tokens", type=int, default=2048, show_default=True,
                  help="Most tokens in one step."),
     click.option("--max-model-len", type=int,
@@ -75,8 +78,9 @@ _ENGINE_FLAGS = [
     click.option("--kv-dtype",
                  type=click.Choice(["auto", "fp32", "fp16", "bf16", "int8", "int4"]),
                  default="auto", show_default=True,
-                 help="KV cache dtype (auto: --dtype; int8/int4: quantized in the blocks; "
-                      "int4: 4 bits a value, keys by a per-model calibrated codebook)."),
+                 help="KV cache dtype (auto: a qserve checkpoint's recipe KV dtype, else "
+                      "--dtype; int8/int4: quantized in the blocks; int4: 4 bits a value, "
+                      "keys by a per-model calibrated codebook)."),
     click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default="fp32",
                  show_default=True, help="Activation and dense weight dtype."),
     click.option("--weights", type=click.Choice(["native", "dense"]), default="native",
@@ -121,16 +125,23 @@ def speculative_flags(f):
     return f
 
 
-def engine_flags(f):
+def engine_flags(f=None, *, only: tuple[str, ...] | None = None):
     """Add the engine flags to a command; it receives them as one dict, `engine`, keyed by
-    `engine_config()` field names (with the speculative flags, when the command has them)."""
+    `engine_config()` field names (with the speculative flags, when the command has them).
+    `only`: the flags (by their --long-name) a command that does not run a model uses."""
+    if f is None:
+        return functools.partial(engine_flags, only=only)
+
     @functools.wraps(f)
     def wrapper(**kw):
         engine = {name: kw.pop(name) for name in _ENGINE_NAMES + _SPEC_NAMES if name in kw}
-        engine["enable_prefix_caching"] = not kw.pop("no_prefix_caching")
+        if "no_prefix_caching" in kw:
+            engine["enable_prefix_caching"] = not kw.pop("no_prefix_caching")
         return f(engine=engine, **kw)
     for flag in reversed(_ENGINE_FLAGS):
-        wrapper = flag(wrapper)
+        probe = flag(lambda: None)  # the option's name, to filter by `only`
+        if only is None or probe.__click_params__[0].opts[0] in only:
+            wrapper = flag(wrapper)
     return wrapper
 
 
@@ -149,10 +160,58 @@ def model_argument(f):
 
 
 def _build_engine(model: str | None, engine: dict):
+    """The engine for MODEL, with a spinner on a terminal while it loads, then one status line
+    on stderr: what runs, at which precision, where, and the KV budget."""
+    import time
+
     from qserve.config import engine_config
     from qserve.llm import make_engine
+    from qserve.loader.registry import resolve_model
+    from qserve.progress import spinner
 
-    return make_engine(engine_config(model, **engine))
+    config = engine_config(model, **engine)  # a bad flag fails before the spinner starts
+    resolve_model(model)  # a first run's download draws its own progress, not under a spinner
+    t0 = time.monotonic()
+    with spinner(f"loading {model or 'the default model'}"):
+        eng = make_engine(config)
+    click.echo(f"qserve: {status_line(eng)}, loaded in {time.monotonic() - t0:.1f}s", err=True)
+    return eng
+
+
+def status_line(eng) -> str:
+    """`SmolLM2-135M-Instruct.Q4_1.gguf (llama, 135M params) · weights int4 94%, ... ·
+    cpu fp32 · 2 threads · KV fp32 8,192 tokens (360 MiB)`: what `eng` runs, and how."""
+    import torch
+
+    from qserve.engine.cache_engine import bytes_per_block
+    from qserve.models.registry import num_params
+
+    weights = ""
+    plan = getattr(eng, "memory_plan", None)
+    if plan is not None and plan.weight_formats:
+        total = sum(v["bytes"] for v in plan.weight_formats.values()) or 1
+        shares = sorted(((v["bytes"] / total, f) for f, v in plan.weight_formats.items()),
+                        reverse=True)
+        weights = (" · weights " + ", ".join(f"{f} {100 * r:.0f}%" for r, f in shares
+                                             if r >= 0.01)
+                   + f" ({total / 2**20:,.0f} MiB)")
+    blocks = eng.stats()["kv_blocks_total"]
+    tokens = blocks * eng.config.cache.block_size
+    per_block = bytes_per_block(eng.arch, eng.config.cache.block_size, eng.kv_dtype)
+    kv_mib = blocks * per_block / 2**20
+    threads = (f" · {torch.get_num_threads()} threads" if eng.device.type == "cpu" else "")
+    spec = eng.config.speculative
+    return (f"{Path(str(eng.model_path)).name} ({eng.arch.architecture}, "
+            f"{num_params(eng.arch) / 1e6:,.0f}M params){weights} · {eng.device.type} "
+            f"{_dtype_name(eng.dtype)}{threads} · KV {_dtype_name(eng.kv_dtype)} "
+            f"{tokens:,} tokens ({kv_mib:,.0f} MiB)"
+            + (f" · draft {spec.draft}" if spec is not None else ""))
+
+
+def _dtype_name(dtype) -> str:
+    from qserve.eval import dtype_name
+
+    return dtype_name(dtype)
 
 
 # ---- pull --------------------------------------------------------------------------------
@@ -174,16 +233,22 @@ def pull(model, force):
 
 
 # ---- info --------------------------------------------------------------------------------
+# the engine flags that change what info reports (the pools, the plan); it runs nothing
+_INFO_FLAGS = ("--kv-cache-memory", "--swap-space", "--block-size", "--max-num-seqs",
+               "--max-num-batched-tokens", "--max-model-len", "--device", "--kv-dtype",
+               "--dtype", "--weights")
+
+
 @main.command()
 @model_argument
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-@engine_flags
+@engine_flags(only=_INFO_FLAGS)
 def info(model, as_json, engine):
     """Shape, size and KV cache footprint of MODEL, without loading its weights."""
     import torch
 
     from qserve.config import engine_config
-    from qserve.engine.cache_engine import KV_STORAGE, bytes_per_block, kv_budget_bytes
+    from qserve.engine.cache_engine import KV_STORAGE, bytes_per_block, plan_num_blocks
     from qserve.errors import ConfigError
     from qserve.loader import load_arch, resolve_model
 
@@ -192,7 +257,16 @@ def info(model, as_json, engine):
     arch = load_arch(path)
     files = [p for p in path.rglob("*") if p.is_file()] if path.is_dir() else [path]
     bs, device = config.cache.block_size, torch.device(config.resolved_device())
-    budget = kv_budget_bytes(config.cache, device)
+    max_len = config.scheduler.max_model_len or arch.max_position_embeddings
+
+    def pool(kv_dtype) -> tuple[int, int]:
+        """The engine's (device, host) KV blocks; (0, 0) where it would refuse the budget."""
+        try:
+            return plan_num_blocks(arch, config.cache, kv_dtype, device, max_len,
+                                   config.scheduler.max_num_seqs)
+        except ConfigError:  # info reports; the engine refuses
+            return 0, 0
+
     kv_per_token, kv_tokens, kv_per_gib = {}, {}, {}
     for name, dtype in KV_STORAGE.items():  # int8 / int4 count their scales and offsets too
         try:
@@ -200,7 +274,7 @@ def info(model, as_json, engine):
         except ConfigError:  # a KV dtype this model's shape cannot use
             continue
         kv_per_token[name] = per_block // bs
-        kv_tokens[name] = budget // per_block * bs  # whole blocks only, as the engine allocates
+        kv_tokens[name] = pool(dtype)[0] * bs  # whole blocks only, as the engine allocates
         kv_per_gib[name] = (1 << 30) // per_block * bs
     from qserve.models.registry import num_params
 
@@ -214,23 +288,21 @@ def info(model, as_json, engine):
         "weight_bytes": {"fp32": 4 * n, "fp16": 2 * n},
         "file_bytes": sum(p.stat().st_size for p in files),
         "kv_bytes_per_token": kv_per_token,
-        "kv_cache_memory": budget,
-        "kv_tokens": kv_tokens,  # tokens of KV cache that budget holds, per KV dtype
+        "kv_cache_memory": None,  # the pool at the KV dtype in use, filled in below
+        "kv_tokens": kv_tokens,  # tokens of KV cache the engine's pool holds, per KV dtype
         "kv_tokens_per_gib": kv_per_gib,
     }
-    from qserve.engine.cache_engine import DTYPES, kv_torch_dtype, plan_num_blocks
+    from qserve.engine.cache_engine import DTYPES, kv_torch_dtype
     from qserve.engine.memory_plan import plan_memory
     from qserve.loader.checkpoint import quantization_config
 
     quant = quantization_config(path) if path.is_dir() else None
     dtype = DTYPES[config.dtype]
     kv_dtype = kv_torch_dtype(config.cache, dtype, (quant or {}).get("kv_dtype"))
-    max_len = config.scheduler.max_model_len or arch.max_position_embeddings
-    try:
-        blocks, host_blocks = plan_num_blocks(arch, config.cache, kv_dtype, device, max_len)
-    except ConfigError:  # info reports; the engine refuses
-        blocks = host_blocks = 0
+    blocks, host_blocks = pool(kv_dtype)
     per_block = bytes_per_block(arch, bs, kv_dtype)
+    report["kv_cache_memory"] = blocks * per_block
+    report["kv_dtype"] = _dtype_name(kv_dtype)
     plan = plan_memory(path, arch, device=device, dtype=dtype,
                        native=config.weights == "native", kv_bytes=blocks * per_block,
                        host_kv_bytes=host_blocks * per_block,
@@ -308,6 +380,8 @@ def generate(prompts, model, prompts_file, chat, system, as_json, engine, **samp
     for i, text in enumerate(texts):  # the engine checks too, but only after loading the model
         if not text:
             raise QServeError(f"prompt {i + 1} is empty; give at least one token of text")
+    if engine.get("max_num_seqs") is None:  # a KV pool for what was asked, not 256 sequences
+        engine["max_num_seqs"] = min(256, len(texts) * params.n)
     eng = _build_engine(model, engine)
     chat = chat or system is not None
     ids = [_chat_ids(eng.tokenizer, t, system) if chat else None for t in texts]
@@ -424,7 +498,12 @@ def bench(model, batch_sizes, input_len, output_len, seed, as_json, engine):
     (greedy, ignoring EOS), one row per batch size."""
     from qserve.bench import format_table, run_bench
 
-    rows = run_bench(_build_engine(model, engine), batch_sizes, input_len, output_len, seed=seed)
+    if engine.get("max_num_seqs") is None:  # the default KV pool: the largest batch, no more
+        engine["max_num_seqs"] = max(batch_sizes)
+    if engine.get("max_model_len") is None:
+        engine["max_model_len"] = input_len + output_len
+    rows = run_bench(_build_engine(model, engine), batch_sizes, input_len, output_len, seed=seed,
+                     progress=not as_json)
     if as_json:
         for row in rows:
             click.echo(json.dumps(row))
@@ -442,15 +521,21 @@ def bench(model, batch_sizes, input_len, output_len, seed, as_json, engine):
               help="UTF-8 text to score  [default: Python's pydoc topics text]")
 @click.option("--context", type=click.IntRange(min=2), default=1024, show_default=True,
               help="Tokens per window; windows do not overlap.")
-@click.option("--max-tokens", type=click.IntRange(min=2),
+@click.option("--score-tokens", type=click.IntRange(min=2), metavar="N",
               help="Score only the text's first N tokens  [default: all]")
+@click.option("--max-tokens", "old_max_tokens", type=int, hidden=True)  # its old name
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @engine_flags
-def eval_(model, ref, text_file, context, max_tokens, as_json, engine):
+def eval_(model, ref, text_file, context, score_tokens, old_max_tokens, as_json, engine):
     """Perplexity of MODEL over a text through the engine (quantized KV included); with
     --ref, KL divergence and top-1 agreement against a reference model."""
     from qserve.eval import default_text, eval_engine, evaluate, tokenize_for_eval
+    from qserve.progress import spinner
 
+    if old_max_tokens is not None:  # --max-tokens counts output tokens in every other command
+        raise QServeError(f"eval generates no tokens, so it has no --max-tokens; to score the "
+                          f"text's first {old_max_tokens} tokens use --score-tokens "
+                          f"{old_max_tokens}")
     if text_file is None:
         text = default_text()
     else:
@@ -459,13 +544,20 @@ def eval_(model, ref, text_file, context, max_tokens, as_json, engine):
         except (OSError, UnicodeDecodeError) as e:
             why = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
             raise QServeError(f"--text {text_file!r} cannot be read: {why}") from None
-    eng = eval_engine(model, context, **engine)
-    ref_eng = eval_engine(ref, context, **{**engine, "kv_dtype": "auto"}) if ref else None
-    result = evaluate(eng, tokenize_for_eval(eng, text, max_tokens, ref_eng), context, ref_eng)
+    with spinner(f"loading {model or 'the default model'}"):
+        eng = eval_engine(model, context, **engine)
+    click.echo(f"qserve: {status_line(eng)}", err=True)
+    ref_eng = None
+    if ref:
+        with spinner(f"loading the reference {ref}"):
+            ref_eng = eval_engine(ref, context, **{**engine, "kv_dtype": "auto"})
+        click.echo(f"qserve: reference {status_line(ref_eng)}", err=True)
+    result = evaluate(eng, tokenize_for_eval(eng, text, score_tokens, ref_eng), context,
+                      ref_eng, progress=not as_json)
     if as_json:
         click.echo(json.dumps(result.to_dict()))
         return
-    click.echo(f"model    {result.model}  (KV {result.kv_dtype})")
+    click.echo(f"model    {result.model}  ({result.dtype}, KV {result.kv_dtype})")
     click.echo(f"tokens   {result.num_tokens:,} scored in {result.num_windows} windows of "
                f"{result.context}")
     click.echo(f"PPL      {result.ppl:.4f}")
@@ -550,6 +642,7 @@ def _serve_replicas(cluster: dict, model, engine: dict, model_name: str, config)
 def serve(model, host, port, api_key, allowed_origins, max_request_bytes, shutdown_timeout,
           served_model_name, max_waiting, cluster, engine):
     """An OpenAI-compatible HTTP server for MODEL (Ctrl-C or SIGTERM stops it)."""
+    _require_extra("server", "qserve serve", "fastapi", "uvicorn", "prometheus_client")
     from qserve.config import parse_size
     from qserve.loader.registry import DEFAULT_MODEL
     from qserve.server.api import serve as run_server
@@ -567,10 +660,36 @@ def serve(model, host, port, api_key, allowed_origins, max_request_bytes, shutdo
                                                 "target_ongoing_requests")):
             raise click.UsageError("--ray-address and the autoscaling flags need --replicas")
         eng = _build_engine(model, dict(engine, max_waiting=max_waiting))
-        run_server(eng, served_model_name or model or DEFAULT_MODEL, config)
+        name = served_model_name or model or DEFAULT_MODEL
+        click.echo(f"qserve: serving {name!r} at {_url(host, port)}/v1 (OpenAI-compatible; "
+                   f"Ctrl-C stops it)", err=True)
+        run_server(eng, name, config)
         return
     _serve_replicas(cluster, model, dict(engine, max_waiting=max_waiting),
                     served_model_name or model or DEFAULT_MODEL, config)
+
+
+def _url(host: str, port: int) -> str:
+    if port == 0:
+        return f"http://{host}:<a free port, in uvicorn's line below>"
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _require_extra(extra: str, what: str, *modules: str) -> None:
+    """One line naming the extra to install when an optional dependency is missing."""
+    import importlib.util
+
+    def absent(module: str) -> bool:
+        try:
+            return importlib.util.find_spec(module) is None
+        except ImportError:  # a finder that refuses it (a broken install, the tests' blocker)
+            return True
+
+    missing = [m for m in modules if absent(m)]
+    if missing:
+        raise QServeError(f"{what} needs {', '.join(missing)}, from the {extra!r} extra: "
+                          f"pip install 'qserve[{extra}]' (in a checkout: pip install -e "
+                          f"'.[{extra}]')")
 
 
 # ---- chat --------------------------------------------------------------------------------
@@ -608,6 +727,8 @@ def chat(model, system, engine, **sampling):
     from qserve.sampling_params import SamplingParams
 
     params = SamplingParams(**sampling)
+    if engine.get("max_num_seqs") is None:  # one conversation: a KV pool for one sequence
+        engine["max_num_seqs"] = 1
     run(ChatSession(_build_engine(model, engine), params, system, model or DEFAULT_MODEL))
 
 
@@ -626,31 +747,40 @@ def chat(model, system, engine, **sampling):
 def quantize(src, out, recipe, calib_text, force, as_json):
     """Quantize SRC (alias, .gguf, HF directory or ORG/NAME) into the qserve checkpoint OUT,
     which every command then loads like any model."""
-    from tqdm import tqdm
-
+    from qserve.progress import bar as progress_bar
     from qserve.quant.quantize import quantize as run_quantize
 
-    bar = None  # made at the first finished layer, so an early error prints alone
+    shown = None  # made at the first finished step, so an early error prints alone
 
-    def progress(label: str) -> None:
-        nonlocal bar
-        if bar is None:
-            bar = tqdm(desc="quantize", unit="layer", disable=as_json, leave=False)
-        bar.set_postfix_str(label)
-        bar.update()
+    def progress(label: str, total: int) -> None:
+        nonlocal shown
+        if shown is None:
+            shown = progress_bar(total, "quantize", unit="step", disable=as_json)
+        shown.set_postfix_str(label)
+        shown.update()
     try:
         summary = run_quantize(src, out, recipe, calib_text, force, progress)
     finally:
-        if bar is not None:
-            bar.close()
+        if shown is not None:
+            shown.close()
     if as_json:
         click.echo(json.dumps(summary))
         return
-    for row in summary["layers"]:
-        click.echo(f"{row['name']:<40} {'x'.join(map(str, row['shape'])):>10}  "
-                   f"{row['scheme']:<20} {row['bytes_fp16']:>11,} -> {row['bytes']:>10,}  "
-                   f"{row['note']}")
+    click.echo(_layer_summary(summary["layers"]))
     click.echo(f"recipe {summary['recipe']}: {summary['out']}\n"
                f"bytes  fp16 {summary['bytes_fp16']:,} -> written {summary['bytes']:,}\n"
                f"resident at --dtype fp16: {summary['resident_ratio']:.3f}x fp16 with the "
                f"embedding, {summary['resident_ratio_without_embedding']:.3f}x without")
+
+
+def _layer_summary(layers: list[dict]) -> str:
+    """quantize's per-layer rows folded into one line per (scheme, note): how many tensors,
+    their bytes at fp16 and as written (--json lists every layer)."""
+    groups: dict[tuple[str, str], list[int]] = {}
+    for row in layers:
+        g = groups.setdefault((row["scheme"], row["note"]), [0, 0, 0])
+        g[0], g[1], g[2] = g[0] + 1, g[1] + row["bytes_fp16"], g[2] + row["bytes"]
+    lines = [f"{'tensors':>7}  {'scheme':<20} {'fp16 bytes':>13}    {'bytes':>11}  note"]
+    for (scheme, note), (n, fp16, written) in groups.items():
+        lines.append(f"{n:>7}  {scheme:<20} {fp16:>13,} -> {written:>11,}  {note}")
+    return "\n".join(lines)

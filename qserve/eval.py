@@ -67,7 +67,7 @@ class Scorer:
 @dataclass
 class EvalResult:
     model: str
-    kv_dtype: str
+    kv_dtype: str  # the KV storage dtype the engine used (never "auto")
     num_tokens: int  # tokens evaluated (predicted), over all windows
     num_windows: int
     context: int
@@ -77,6 +77,7 @@ class EvalResult:
     ref_ppl: float | None = None
     kl: float | None = None  # mean KL(ref || model), nats
     top1: float | None = None  # top-1 agreement with the reference, in [0, 1]
+    dtype: str | None = None  # the engine's activation dtype (None for a Scorer)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -91,25 +92,28 @@ def windows(token_ids: list[int], context: int) -> list[list[int]]:
 
 @torch.inference_mode()
 def evaluate(engine: LLMEngine, token_ids: list[int], context: int,
-             ref_engine: LLMEngine | None = None) -> EvalResult:
+             ref_engine: LLMEngine | None = None, progress: bool = False) -> EvalResult:
     """Perplexity of `engine` over `token_ids` in windows of `context`; with `ref_engine`,
     KL(ref || model) and top-1 agreement as well (both engines see the same windows)."""
-    return evaluate_all([engine], token_ids, context, ref_engine)[0]
+    return evaluate_all([engine], token_ids, context, ref_engine, progress)[0]
 
 
 @torch.inference_mode()
 def evaluate_all(engines: list[LLMEngine | Scorer], token_ids: list[int], context: int,
-                 ref_engine: LLMEngine | None = None) -> list[EvalResult]:
+                 ref_engine: LLMEngine | None = None, progress: bool = False
+                 ) -> list[EvalResult]:
     """evaluate() for several engines (or Scorers) over the same windows, scoring the reference
     once per window (a window's log-probs, (context, vocab) fp32, are too big to keep for a
-    whole text)."""
+    whole text). `progress`: a bar over the windows on a terminal's stderr."""
+    from qserve.progress import bar
+
     wins = windows(token_ids, context)
     if not wins:
         raise QServeError("the text has fewer than 2 tokens; give a longer text")
     m = len(engines)
     nll, kl, agree = [0.0] * m, [0.0] * m, [0] * m
     ref_nll = 0.0
-    for w in wins:
+    for w in bar(len(wins), "eval", unit="window", disable=not progress, iterable=wins):
         target = torch.tensor(w[1:]).unsqueeze(1)  # (n - 1, 1)
         ref_lp = None
         if ref_engine is not None:
@@ -128,9 +132,11 @@ def evaluate_all(engines: list[LLMEngine | Scorer], token_ids: list[int], contex
     n = sum(len(w) - 1 for w in wins)
     results = []
     for i, engine in enumerate(engines):
-        name, kv = ((engine.name, engine.kv_dtype) if isinstance(engine, Scorer) else
-                    (str(engine.model_path), engine.config.cache.kv_dtype))
-        res = EvalResult(model=name, kv_dtype=kv, num_tokens=n, num_windows=len(wins),
+        name, kv, dtype = ((engine.name, engine.kv_dtype, None) if isinstance(engine, Scorer)
+                           else (str(engine.model_path), dtype_name(engine.kv_dtype),
+                                 dtype_name(engine.dtype)))
+        res = EvalResult(model=name, kv_dtype=kv, dtype=dtype, num_tokens=n,
+                         num_windows=len(wins),
                          context=context, ppl=math.exp(nll[i] / n), nll=nll[i] / n)
         if ref_engine is not None:
             res.ref = str(ref_engine.model_path)
@@ -138,6 +144,13 @@ def evaluate_all(engines: list[LLMEngine | Scorer], token_ids: list[int], contex
             res.kl, res.top1 = kl[i] / n, agree[i] / n
         results.append(res)
     return results
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """fp32 / fp16 / bf16 / int8 / int4: a storage dtype as --dtype and --kv-dtype name it."""
+    from qserve.engine.cache_engine import KV_STORAGE
+
+    return {v: k for k, v in KV_STORAGE.items()}[dtype]
 
 
 def eval_engine(model: str | None, context: int, loaded=None, **engine) -> LLMEngine:

@@ -11,7 +11,11 @@ import torch
 from hf_reference import hf_reference_dir
 
 REPO = Path(__file__).resolve().parent.parent
-os.environ.setdefault("QSERVE_HOME", str(REPO / ".cache" / "qserve"))
+# The suite's model cache, kernel builds and Hugging Face reference live in the repository's
+# .cache (or $QSERVE_TEST_HOME), never in the user's $QSERVE_HOME; the chat REPL keeps no
+# history file unless a test names one under its tmp_path.
+os.environ["QSERVE_HOME"] = os.environ.get("QSERVE_TEST_HOME") or str(REPO / ".cache" / "qserve")
+os.environ["QSERVE_CHAT_HISTORY"] = ""
 torch.manual_seed(0)
 
 
@@ -68,3 +72,18 @@ def hf_tokenizer(hf_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(hf_dir))
+
+
+# The `slow` set (`pytest -m "not slow"` leaves it out): a test that uses a fixture loading the
+# real default model or transformers (directly or through another fixture), and the modules
+# that compare tiny random models with transformers, whatever their own marks say.
+_SLOW_FIXTURES = {"default_model_path", "loaded_model", "native_model", "tokenizer", "hf_dir",
+                  "hf_model", "hf_tokenizer"}
+_SLOW_MODULES = {"test_families.py", "test_moe.py", "test_awq_gptq_import.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if (_SLOW_FIXTURES & set(getattr(item, "fixturenames", ()))
+                or item.path.name in _SLOW_MODULES):
+            item.add_marker(pytest.mark.slow)

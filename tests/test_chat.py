@@ -19,7 +19,9 @@ CHAT = [sys.executable, "-m", "qserve", "chat", "--kv-cache-memory", "256MiB", "
 # No cursor-position requests: pexpect is not a terminal that would answer them.
 # fp32 activations: the default model's first reply token is a near-tie ("The" -1.88 vs "L"
 # -1.97 nats) that int8 activations flip, and these tests read the answer
-ENV = dict(os.environ, PROMPT_TOOLKIT_NO_CPR="1", TERM="xterm", QSERVE_CPU_ACTIVATIONS="fp32")
+# No history file unless a test names one in its tmp_path: tests never write the user's.
+ENV = dict(os.environ, PROMPT_TOOLKIT_NO_CPR="1", TERM="xterm", QSERVE_CPU_ACTIVATIONS="fp32",
+           QSERVE_CHAT_HISTORY="")
 PROMPT = ">>>"
 REPLY_STARTS = r"\x1b\[\?2004l"  # prompt_toolkit leaves bracketed-paste mode; the reply follows
 
@@ -29,9 +31,13 @@ def saved(path) -> list[dict]:
 
 
 def test_repl_in_a_terminal(tmp_path):
+    history = tmp_path / "history"
     child = pexpect.spawn(CHAT[0], CHAT[1:] + ["--max-model-len", "512", "--max-tokens", "12"],
-                          env=ENV, encoding="utf-8", timeout=120, dimensions=(24, 200))
+                          env=dict(ENV, QSERVE_CHAT_HISTORY=str(history)), encoding="utf-8",
+                          timeout=120, dimensions=(24, 200))
     try:
+        child.expect(r"qserve: SmolLM2-135M-Instruct\.Q4_1\.gguf \(llama, 135M params\)")
+        child.expect(r"KV fp32 [\d,]+ tokens")
         child.expect(PROMPT)
         child.sendline("What is the capital of France?")
         child.expect("Paris")  # the answer streams out ...
@@ -65,6 +71,7 @@ def test_repl_in_a_terminal(tmp_path):
     finally:
         child.close(force=True)
     assert child.exitstatus == 0
+    assert "+What is the capital of France?" in history.read_text().splitlines()
 
 
 def test_ctrl_d_at_the_prompt_exits_0():

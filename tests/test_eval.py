@@ -65,6 +65,7 @@ def test_against_itself_and_with_quantized_kv(loaded_model, ref, ids):
     assert same.ppl == same.ref_ppl and 1 < same.ppl < 100
     assert same.nll == pytest.approx(math.log(same.ppl))
     assert evaluate(ref, ids, CONTEXT) == evaluate_all([ref], ids, CONTEXT)[0]  # deterministic
+    assert same.kv_dtype == "fp32" and same.dtype == "fp32"  # what ran, not "auto"
     for r, kv in ((int8, "int8"), (int4, "int4")):
         assert r.kv_dtype == kv and r.ref_ppl == same.ppl and r.kl > 0
     # int8 KV is close to lossless, int4 less so
@@ -80,7 +81,7 @@ def qserve(*args: str) -> subprocess.CompletedProcess:
 def test_cli_eval_json_is_deterministic(tmp_path):
     text = tmp_path / "t.txt"
     text.write_text(default_text()[:4000], encoding="utf-8")
-    args = ("eval", "--text", str(text), "--max-tokens", "96", "--context", "48",
+    args = ("eval", "--text", str(text), "--score-tokens", "96", "--context", "48",
             "--kv-dtype", "int4", "--json")
     runs = [qserve(*args) for _ in range(2)]
     for proc in runs:
@@ -88,7 +89,17 @@ def test_cli_eval_json_is_deterministic(tmp_path):
     assert runs[0].stdout == runs[1].stdout
     result = json.loads(runs[0].stdout)
     assert result["kv_dtype"] == "int4" and result["num_tokens"] == 94
+    assert result["dtype"] == "fp32"
     assert result["kl"] is None and result["ppl"] > 1
+
+
+def test_cli_eval_max_tokens_is_not_the_scored_tokens():
+    """--max-tokens means output tokens in every other command; eval names its limit
+    --score-tokens and says so, before any model loads."""
+    proc = qserve("eval", "--max-tokens", "96")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr == ("error: eval generates no tokens, so it has no --max-tokens; to "
+                           "score the text's first 96 tokens use --score-tokens 96\n")
 
 
 def test_cli_eval_unreadable_text():

@@ -25,6 +25,8 @@ before layer i, so moving layer 5 overlaps computing layer 4.
 """
 from __future__ import annotations
 
+import math
+
 import queue
 import threading
 
@@ -254,13 +256,19 @@ def _ids(pairs: list[tuple[int, int]], which: int) -> torch.Tensor:
 
 
 def plan_num_blocks(arch: ModelArchConfig, cache: CacheConfig, dtype: torch.dtype,
-                    device: torch.device, max_model_len: int) -> tuple[int, int]:
+                    device: torch.device, max_model_len: int, max_num_seqs: int | None = None
+                    ) -> tuple[int, int]:
     """Number of device and host blocks that fit the budgets; refuses a pool too small for
-    one full-length sequence."""
+    one full-length sequence. Without --kv-cache-memory the pool holds `max_num_seqs`
+    full-length sequences, capped by free memory (kv_budget_bytes)."""
     per_block = bytes_per_block(arch, cache.block_size, dtype)
-    budget = kv_budget_bytes(cache, device)
-    num_blocks = budget // per_block
     need = -(-max_model_len // cache.block_size)
+    want = None
+    if max_num_seqs is not None:  # room for them above the blocks admission keeps free
+        keep = max(cache.watermark, cache.kv_offload_reserve if cache.kv_offload != "off" else 0)
+        want = math.ceil(max_num_seqs * need / (1 - keep)) * per_block
+    budget = kv_budget_bytes(cache, device, want)
+    num_blocks = budget // per_block
     if num_blocks < need:
         raise ConfigError(
             f"the KV cache budget of {budget / 2**20:.1f} MiB holds {num_blocks * cache.block_size}"
@@ -270,11 +278,14 @@ def plan_num_blocks(arch: ModelArchConfig, cache: CacheConfig, dtype: torch.dtyp
     return int(num_blocks), int(cache.swap_space // per_block)
 
 
-def kv_budget_bytes(cache: CacheConfig, device: torch.device) -> int:
-    """The device KV pool's budget: --kv-cache-memory, else a fraction of free memory."""
+def kv_budget_bytes(cache: CacheConfig, device: torch.device, want: int | None = None) -> int:
+    """The device KV pool's budget: --kv-cache-memory; else what the workload can use,
+    `want` bytes (max_num_seqs full-length sequences), capped at kv_cache_fraction of the
+    memory free now (without `want`, that cap)."""
     if cache.kv_cache_memory is not None:
         return cache.kv_cache_memory
-    return int(free_memory(device) * cache.kv_cache_fraction)
+    cap = int(free_memory(device) * cache.kv_cache_fraction)
+    return cap if want is None else min(want, cap)
 
 
 def free_memory(device: torch.device) -> int:

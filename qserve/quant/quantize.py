@@ -118,9 +118,12 @@ def quantize_weights(loaded, recipe: Recipe, plans: list[LayerPlan], calib_ids=N
                      progress=None) -> tuple[dict[str, torch.Tensor], dict]:
     """HF state dict -> the checkpoint's weights: dense tensors, and each packed linear as a
     QuantizedTensor under `<name>.weight`. Returns (weights, extra info for the summary: AWQ
-    alphas). progress(label) is called once per finished transformer block."""
+    alphas). progress(label, total) is called once per finished step: each transformer
+    block's calibration (AWQ), then each block's rounding; `total` counts them all."""
     weights, info = loaded.weights, {}
     by_name = {p.name: p for p in plans}
+    total = sum(1 for _ in itertools.groupby(plans, key=_block_of)) + (
+        loaded.arch.num_layers if recipe.method == "awq" else 0)
     if recipe.method == "awq":
         import qserve.quant.awq as awq
 
@@ -130,7 +133,7 @@ def quantize_weights(loaded, recipe: Recipe, plans: list[LayerPlan], calib_ids=N
 
         weights, info["awq_alpha"] = awq.calibrate(
             loaded.arch, weights, calib_ids, fake_quant,
-            progress=progress and (lambda i: progress(f"calibrated layer {i}")))
+            progress=progress and (lambda i: progress(f"calibrated layer {i}", total)))
     dense = None if recipe.dense_dtype == "source" else _DTYPES[recipe.dense_dtype]
     out: dict[str, torch.Tensor] = {}
     for name in weights:  # dense tensors: norms, biases, embedding, kept linears
@@ -156,7 +159,7 @@ def quantize_weights(loaded, recipe: Recipe, plans: list[LayerPlan], calib_ids=N
                 w = w.dequantize() if isinstance(w, QuantizedTensor) else w.float()
                 out[plan.name + ".weight"] = rtn(w, plan.scheme, plan.group_size)
         if progress:
-            progress(block)
+            progress(block, total)
     return out, info
 
 
