@@ -512,6 +512,12 @@ def bench(model, batch_sizes, input_len, output_len, seed, as_json, engine):
 
 
 # ---- eval --------------------------------------------------------------------------------
+# eval scores one window at a time with no prefix cache: --max-model-len is --context, and the
+# batching, preemption, swap and offload flags have nothing to act on
+_EVAL_FLAGS = ("--kv-cache-memory", "--block-size", "--max-num-batched-tokens", "--device",
+               "--kv-dtype", "--dtype", "--weights")
+
+
 @main.command("eval")
 @model_argument
 @click.option("--ref", metavar="MODEL",
@@ -525,7 +531,7 @@ def bench(model, batch_sizes, input_len, output_len, seed, as_json, engine):
               help="Score only the text's first N tokens  [default: all]")
 @click.option("--max-tokens", "old_max_tokens", type=int, hidden=True)  # its old name
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-@engine_flags
+@engine_flags(only=_EVAL_FLAGS)
 def eval_(model, ref, text_file, context, score_tokens, old_max_tokens, as_json, engine):
     """Perplexity of MODEL over a text through the engine (quantized KV included); with
     --ref, KL divergence and top-1 agreement against a reference model."""

@@ -62,6 +62,32 @@ def test_an_explicit_budget_wins(free_8gib):
     assert blocks == 100
 
 
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("args, sized", [
+    (["generate", "-n", "3", "a", "b"], {"max_num_seqs": 6}),  # the completions asked for
+    (["generate", "--max-num-seqs", "2", "a"], {"max_num_seqs": 2}),  # the flag wins
+    (["chat"], {"max_num_seqs": 1}),  # one conversation
+    (["bench", "--batch-sizes", "1,4", "--input-len", "8", "--output-len", "4"],
+     {"max_num_seqs": 4, "max_model_len": 12}),  # the largest batch, input + output
+    (["bench", "--batch-sizes", "2", "--max-model-len", "64"],
+     {"max_num_seqs": 2, "max_model_len": 64}),
+    (["serve"], {"max_num_seqs": None}),  # many clients: the config's 256, capped by memory
+])
+def test_each_command_sizes_the_default_pool_for_its_work(monkeypatch, args, sized):
+    seen = {}
+
+    def build(model, engine):
+        seen.update(engine)
+        raise _Stop
+    monkeypatch.setattr(cli, "_build_engine", build)
+    r = CliRunner().invoke(cli.main, args, input="")
+    assert isinstance(r.exception, _Stop), r.output
+    assert {k: seen.get(k) for k in sized} == sized
+
+
 # ---- progress only on a terminal -----------------------------------------------------------
 class _Tty(io.StringIO):
     def isatty(self) -> bool:
@@ -109,6 +135,14 @@ def test_bar_is_silent_off_a_terminal_or_when_disabled(monkeypatch):
                                   ["--kv-offload", "layerwise"], ["--draft", "ngram"]])
 def test_info_takes_no_flag_it_would_ignore(flag):
     r = CliRunner().invoke(cli.info, flag)
+    assert r.exit_code == 2 and "No such option" in r.output
+
+
+@pytest.mark.parametrize("flag", [["--max-model-len", "64"], ["--no-prefix-caching"],
+                                  ["--max-num-seqs", "4"], ["--kv-offload", "layerwise"],
+                                  ["--preemption-mode", "swap"], ["--swap-space", "0"]])
+def test_eval_takes_no_flag_it_would_ignore(flag):
+    r = CliRunner().invoke(cli.eval_, flag)
     assert r.exit_code == 2 and "No such option" in r.output
 
 
@@ -162,6 +196,24 @@ def test_quantize_summary_is_one_line_per_scheme():
     assert re.match(r"\s+200  int4 g64 asym\s+20,000 ->\s+6,000\s*$", lines[1])
     assert re.match(r"\s+3  int4 g64 asym\s+30 ->\s+12  576 inputs: padded$", lines[2])
     assert re.match(r"\s+1  dense\s+7 ->\s+7  kept by the recipe$", lines[3])
+
+
+def test_quantize_progress_counts_every_step_with_its_total():
+    from types import SimpleNamespace
+
+    from qserve.loader.hf_loader import expected_shapes
+    from qserve.quant.quantize import plan_layers, quantize_weights
+    from qserve.quant.recipe import load_recipe
+
+    arch = ModelArchConfig("llama", 64, 32, 64, 3, 2, 1, 16, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    loaded = SimpleNamespace(arch=arch, weights={
+        n: torch.randn(s) for n, s in expected_shapes(arch).items()})
+    recipe = load_recipe("w8")
+    calls = []
+    quantize_weights(loaded, recipe, plan_layers(arch, recipe),
+                     progress=lambda label, total: calls.append((label, total)))
+    assert calls == [("layer 0", 3), ("layer 1", 3), ("layer 2", 3)]
 
 
 # ---- the status line ---------------------------------------------------------------------
