@@ -88,10 +88,11 @@ def paged_attention(q: torch.Tensor, cache: dict[str, torch.Tensor],
     """
     if meta.decode_only:
         return _decode_attention(q, cache, meta, scale)
+    _check_devices(q, cache, meta)
     out = torch.empty_like(q)
-    starts = meta.query_start_loc.tolist()
+    e = 0
     for i, (qlen, slen) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
-        s, e = starts[i], starts[i + 1]
+        s, e = e, e + qlen  # query_start_loc[i : i + 2], from the host copy (no sync)
         if qlen == slen and k_new is not None:
             k, v = k_new[s:e], v_new[s:e]
         else:
@@ -101,6 +102,16 @@ def paged_attention(q: torch.Tensor, cache: dict[str, torch.Tensor],
     return out
 
 
+def _check_devices(q: torch.Tensor, cache: dict[str, torch.Tensor],
+                   meta: PagedAttentionMetadata) -> None:
+    """Every tensor on q's device: torch would compare a CPU index with a CUDA one only to
+    fail later, inside an op, with a less helpful message."""
+    for name, t in (*cache.items(), ("slot_mapping", meta.slot_mapping),
+                    ("query_start_loc", meta.query_start_loc), ("seq_lens", meta.seq_lens),
+                    ("block_tables", meta.block_tables)):
+        assert t.device == q.device, (name, t.device, q.device)
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
             window: int | None) -> torch.Tensor:
     """One sequence: q (n, H, d) are the last n positions of k, v (L, Hkv, d)."""
@@ -108,8 +119,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # (heads, len, d)
     mask = None
     if window is not None or (n != L and n > 1):
-        qpos = torch.arange(L - n, L).unsqueeze(1)
-        kpos = torch.arange(L).unsqueeze(0)
+        qpos = torch.arange(L - n, L, device=q.device).unsqueeze(1)
+        kpos = torch.arange(L, device=q.device).unsqueeze(0)
         mask = kpos <= qpos  # (n, L)
         if window is not None:
             mask &= kpos > qpos - window
@@ -122,6 +133,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
 def _decode_attention(q: torch.Tensor, cache: dict[str, torch.Tensor],
                       meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
     """One query per sequence, batched: gather every context padded to the longest, mask."""
+    _check_devices(q, cache, meta)
     B, H, d = q.shape
     bs, hkv = cache["k"].shape[1:3]
     g = H // hkv
@@ -135,7 +147,7 @@ def _decode_attention(q: torch.Tensor, cache: dict[str, torch.Tensor],
     k = gather("k").permute(0, 2, 3, 1)  # (B, hkv, d, L)
     v = gather("v").transpose(1, 2)  # (B, hkv, L, d)
     scores = torch.matmul(q.view(B, hkv, g, d), k) * scale  # (B, hkv, g, L)
-    pos = torch.arange(nblk * bs)
+    pos = torch.arange(nblk * bs, device=q.device)
     valid = pos.unsqueeze(0) < meta.seq_lens.unsqueeze(1)  # (B, L)
     if meta.sliding_window is not None:
         valid &= pos.unsqueeze(0) >= (meta.seq_lens - meta.sliding_window).unsqueeze(1)

@@ -2,12 +2,15 @@
 dequantized in registers. The reference is `F.linear(x, qt.dequantize().to(x.dtype), bias)`
 (qserve/quant/schemes.py has the layout).
 
-One kernel serves both shapes:
+One kernel serves every M, with a plan that never looks at M (batch invariance: a row's
+result is bit for bit the same alone and in any batch, so greedy output does not depend on
+what else is running):
 
-    decode   M <= 32: BLOCK_M = 16 or 32, and K split over SPLIT_K programs so that
-             N / BLOCK_N * SPLIT_K fills the GPU; every packed weight byte is read once, the
-             fp32 partials (SPLIT_K, M, N) are summed by torch (a few KB).
-    prefill  larger M: BLOCK_M = 64, no split; W is re-read once per 64 rows.
+    BLOCK_M = 16 always (the smallest tl.dot tile: batch-1 decode wastes the least), and K
+    split over SPLIT_K programs chosen from N and K only, so that N / BLOCK_N * SPLIT_K fills
+    the GPU. The fp32 partials (SPLIT_K, rows, N) are summed in split order by one small
+    kernel; rows go ROWS_PER_LAUNCH at a time so the partials stay a few MB. Prefill pays for
+    the fixed tile by reading W once per 16 rows (from L2, mostly; unmeasured on a GPU).
 
 Scales are applied per K tile, not per weight: when a tile lies inside one group,
 
@@ -16,7 +19,8 @@ Scales are applied per K tile, not per weight: when a tile lies inside one group
 so the inner loop dots x with the raw codes (small integers, exact in fp16/bf16) and the
 scale costs BLOCK_N multiplies per tile. An int4 tile is two dots, x's even columns with
 the low nibbles and its odd columns with the high ones, so packed bytes load as contiguous
-runs and are never interleaved. A group the tile cannot lie in (only the "divisor" plan
+runs and are never interleaved; the load is masked on the packed byte index (not on the
+input column), so it vectorises, and a nibble becomes a float by one bitcast (_codes). A group the tile cannot lie in (only the "divisor" plan
 makes one, e.g. g24) falls back to dequantizing each weight before the dot.
 """
 from __future__ import annotations
@@ -38,6 +42,26 @@ def dot_dtype(dtype: torch.dtype):
     if dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1":
         return tl.float32
     return _TL_DTYPE[dtype]
+
+
+@triton.jit
+def _codes(nib, SYM: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """4-bit codes nib (int32 in [0, 15]) -> nib (minus 8 when SYM) in DOT_DTYPE, exact, with
+    no int-to-float conversion: OR-ed into the mantissa of 2^e where the ulp is 1 (fp16 1024
+    = 0x6400, bf16 128 = 0x4300, fp32 2^23 = 0x4B000000), a bitcast reads 2^e + nib, and
+    one subtraction leaves the code."""
+    if DOT_DTYPE == tl.float16:
+        x = (nib | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+        base = 1024.0
+    elif DOT_DTYPE == tl.bfloat16:
+        x = (nib | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        base = 128.0
+    else:
+        x = (nib | 0x4B000000).to(tl.float32, bitcast=True)
+        base = 8388608.0
+    if SYM:
+        base += 8.0
+    return x - base
 
 
 @triton.jit
@@ -68,7 +92,7 @@ def _dequant_matmul_kernel(
     # pointers
     x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr,
     # sizes
-    M, N, K, GROUP, k_tiles_per_split,
+    M, N, K, KP, GROUP, k_tiles_per_split,
     # strides
     stride_xm, stride_xk,
     stride_wn, stride_wk,  # over qweight's own columns (bytes for int4)
@@ -95,14 +119,14 @@ def _dequant_matmul_kernel(
             # Byte j holds input 2j in its low nibble and 2j + 1 in its high one. Rather than
             # interleave nibbles, split x: x . w = x[:, 0::2] . lo + x[:, 1::2] . hi, so the
             # bytes load as one contiguous (vectorisable) run per row of W.
+            # Masked on the packed index against KP, qweight's own width (the group padding
+            # past K is stored; it meets x = 0), so whole 16-byte runs load at once.
             offs_j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
             w_ptrs = w_ptr + offs_j[:, None] * stride_wk + offs_n[None, :] * stride_wn
-            packed = tl.load(w_ptrs, mask=(2 * offs_j < K)[:, None] & mask_n[None, :], other=0)
-            lo = (packed & 0xF).to(tl.float32)  # (BK / 2, BN)
-            hi = (packed >> 4).to(tl.float32)
-            if SYM:
-                lo -= 8.0
-                hi -= 8.0
+            packed = tl.load(w_ptrs, mask=(offs_j < KP)[:, None] & mask_n[None, :], other=0)
+            packed = packed.to(tl.int32)
+            lo = _codes(packed & 0xF, SYM, DOT_DTYPE)  # (BK / 2, BN)
+            hi = _codes((packed >> 4) & 0xF, SYM, DOT_DTYPE)
             for half in tl.static_range(2):
                 cols = 2 * offs_j + half  # (BK / 2,) input columns of this nibble
                 x_ptrs = x_ptr + offs_m[:, None] * stride_xm + cols[None, :] * stride_xk
@@ -128,31 +152,65 @@ def _dequant_matmul_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
+@triton.jit
+def _sum_splits_kernel(part_ptr, out_ptr, S, MN, BLOCK: tl.constexpr):
+    """out (MN,) = sum over s of part (S, MN) fp32, added in the order s = 0, 1, ...: the
+    same adds for every row whatever the batch (torch's sum may pick its order by shape)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for s in range(S):
+        acc += tl.load(part_ptr + s * MN + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+BLOCK_M = 16  # for every M: see the module docstring
+ROWS_PER_LAUNCH = 1024  # split launches take rows this many at a time (bounded partials)
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4  # the interpreter: a few splits, so the split path is exercised on CPU too
 
 
-def split_plan(x: torch.Tensor, M: int, N: int, k_units: int, BLOCK_M: int, BLOCK_N: int,
-               split_k: int | None) -> tuple[int, int, torch.Tensor]:
-    """How many programs share K (decode: enough to fill the GPU; prefill: one), K units
-    each, and the output they write: (split_k, M, N) fp32 partials, or (1, M, N) in x's dtype
-    when unsplit. Returns (split_k, units per split, out)."""
-    grid_mn = triton.cdiv(M, BLOCK_M) * triton.cdiv(N, BLOCK_N)
+def split_plan(device: torch.device, N: int, k_units: int, BLOCK_N: int,
+               split_k: int | None) -> tuple[int, int]:
+    """How many programs share K, and how many K units each: enough to fill the GPU with
+    N / BLOCK_N tiles per split. Chosen from N and K, never M, so a row's sum runs in the
+    same order in any batch. Returns (split_k, units per split)."""
     if split_k is None:
-        split_k = 1 if M > 32 else max(1, min(k_units, 2 * _num_sms(x.device) // grid_mn))
+        split_k = max(1, min(k_units, 2 * _num_sms(device) // triton.cdiv(N, BLOCK_N)))
     per_split = triton.cdiv(k_units, split_k)
-    split_k = triton.cdiv(k_units, per_split)  # no empty splits
-    dtype = x.dtype if split_k == 1 else torch.float32
-    return split_k, per_split, torch.empty(split_k, M, N, device=x.device, dtype=dtype)
+    return triton.cdiv(k_units, per_split), per_split  # no empty splits
+
+
+def run_split(x: torch.Tensor, N: int, split_k: int, launch) -> torch.Tensor:
+    """y (M, N) in x's dtype from launch(x_rows, out, grid): one launch writing y when
+    unsplit, else launches over ROWS_PER_LAUNCH rows at a time into fp32 partials
+    (split_k, rows, N), each summed by _sum_splits_kernel."""
+    M = x.shape[0]
+    y = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    if split_k == 1:
+        launch(x, y.unsqueeze(0), (triton.cdiv(M, BLOCK_M), None, 1))
+        return y
+    buf = torch.empty(split_k * min(M, ROWS_PER_LAUNCH) * N, device=x.device,
+                      dtype=torch.float32)
+    for m0 in range(0, M, ROWS_PER_LAUNCH):
+        rows = min(ROWS_PER_LAUNCH, M - m0)
+        p = buf[: split_k * rows * N].view(split_k, rows, N)  # contiguous, as the sum reads it
+        launch(x[m0:m0 + rows], p, (triton.cdiv(rows, BLOCK_M), None, split_k))
+        BLOCK = 1024
+        _sum_splits_kernel[(triton.cdiv(rows * N, BLOCK),)](p, y[m0:m0 + rows], split_k,
+                                                           rows * N, BLOCK=BLOCK)
+    return y
 
 
 def dequant_matmul(x: torch.Tensor, qt: QuantizedTensor, bias: torch.Tensor | None = None,
                    split_k: int | None = None) -> torch.Tensor:
     """x (M, K) fp16/bf16/fp32, qt packing an (N, K) weight -> (M, N) in x's dtype.
 
-    split_k: programs along K (None picks one: decode shapes split to fill the GPU).
+    split_k: programs along K (None picks one from N and K: enough to fill the GPU).
     """
     assert x.dim() == 2 and x.dtype in _TL_DTYPE, (x.shape, x.dtype)
     M, K = x.shape
@@ -168,10 +226,7 @@ def dequant_matmul(x: torch.Tensor, qt: QuantizedTensor, bias: torch.Tensor | No
     if M == 0:
         return x.new_empty(0, N)
 
-    if M <= 32:
-        BLOCK_M, BLOCK_N = (16 if M <= 16 else 32), 64
-    else:
-        BLOCK_M, BLOCK_N = 64, 64
+    BLOCK_N = 64
     if G == 1:  # one scale per row: any tile lies in the one group
         BLOCK_K, scale_per_tile = min(128, max(32, triton.next_power_of_2(K))), True
     else:  # a tile inside one group: the largest power of two dividing it, up to 128
@@ -180,21 +235,24 @@ def dequant_matmul(x: torch.Tensor, qt: QuantizedTensor, bias: torch.Tensor | No
         # weight (any even group: both nibbles of a byte share it)
         scale_per_tile = BLOCK_K >= 16 * (8 // qt.bits)
         BLOCK_K = BLOCK_K if scale_per_tile else 32
-    k_tiles = triton.cdiv(K, BLOCK_K)
-    split_k, per_split, out = split_plan(x, M, N, k_tiles, BLOCK_M, BLOCK_N, split_k)
+    split_k, per_split = split_plan(x.device, N, triton.cdiv(K, BLOCK_K), BLOCK_N, split_k)
     s = qt.scales
     o = qt.offsets if qt.offsets is not None else s  # unread when symmetric
-    grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N), split_k)
-    _dequant_matmul_kernel[grid](
-        x, qt.qweight, s, o, bias if bias is not None else s, out,
-        M, N, K, group if G > 1 else qt.padded_in, per_split,
-        x.stride(0), x.stride(1),
-        qt.qweight.stride(0), qt.qweight.stride(1),
-        s.stride(0), s.stride(1),
-        out.stride(0), out.stride(1), out.stride(2),
-        BITS=qt.bits, SYM=qt.bits == 8 or qt.offsets is None, HAS_BIAS=bias is not None,
-        SCALE_PER_TILE=scale_per_tile, DOT_DTYPE=dot_dtype(x.dtype),
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 x: no tf32 rounding
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-    )
-    return out[0] if split_k == 1 else out.sum(0).to(x.dtype)
+
+    def launch(xs: torch.Tensor, out: torch.Tensor, grid: tuple) -> None:
+        # out: (split_k, rows, N) partials, or (1, rows, N) y itself
+        _dequant_matmul_kernel[(grid[0], triton.cdiv(N, BLOCK_N), grid[2])](
+            xs, qt.qweight, s, o, bias if bias is not None else s, out,
+            xs.shape[0], N, K, qt.qweight.shape[1], group if G > 1 else qt.padded_in,
+            per_split,
+            xs.stride(0), xs.stride(1),
+            qt.qweight.stride(0), qt.qweight.stride(1),
+            s.stride(0), s.stride(1),
+            out.stride(0), out.stride(1), out.stride(2),
+            BITS=qt.bits, SYM=qt.bits == 8 or qt.offsets is None, HAS_BIAS=bias is not None,
+            SCALE_PER_TILE=scale_per_tile, DOT_DTYPE=dot_dtype(x.dtype),
+            PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32: no tf32 rounding
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        )
+
+    return run_split(x, N, split_k, launch)

@@ -6,9 +6,9 @@ registers. The reference is `F.linear(x, qt.dequantize().to(x.dtype), bias)`
 Every format runs fused; there is no host-side unpacking. The grid is (M tiles, N tiles, K
 splits), as in triton_dequant_gemm.py:
 
-    decode   M <= 32: one M tile, so every weight byte is read once; GGML blocks split over
-             SPLIT_K programs to fill the GPU, their fp32 partials (SPLIT_K, M, N) summed by torch.
-    prefill  larger M: BLOCK_M = 64, no split.
+    BLOCK_M = 16 for every M and GGML blocks split over SPLIT_K programs chosen from N and K
+    only, the fp32 partials summed in split order: triton_dequant_gemm's plan (split_plan,
+    run_split), so a row's result does not depend on its batch.
 
 A program walks its GGML blocks 32 inputs ("a chunk") at a time: for each row of its N tile
 it gathers the bytes holding the chunk's codes and scales, forms each weight in fp32 in
@@ -27,7 +27,8 @@ import triton
 import triton.language as tl
 
 from qserve.formats import QuantizedTensor, ggml
-from qserve.kernels.triton_dequant_gemm import _TL_DTYPE, dot_dtype, split_plan
+from qserve.kernels.triton_dequant_gemm import (_TL_DTYPE, BLOCK_M, dot_dtype, run_split,
+                                                split_plan)
 
 
 # ---- reading a chunk of blocks: blk (BN,) pointers to each row's block, j = arange(32) ------
@@ -218,7 +219,7 @@ def ggml_matmul(x: torch.Tensor, qt: QuantizedTensor, bias: torch.Tensor | None 
     """x (M, K) fp16/bf16/fp32, qt an (N, K) GGML in-place weight (q5_0 ... q6_k) with its
     rows (N, K / block * block_bytes) uint8 -> (M, N) in x's dtype.
 
-    split_k: programs along K, in whole GGML blocks (None picks one: decode shapes split to
+    split_k: programs along K, in whole GGML blocks (None picks one from N and K: enough to
     fill the GPU).
     """
     assert x.dim() == 2 and x.dtype in _TL_DTYPE, (x.shape, x.dtype)
@@ -236,22 +237,22 @@ def ggml_matmul(x: torch.Tensor, qt: QuantizedTensor, bias: torch.Tensor | None 
     if M == 0:
         return x.new_empty(0, N)
 
-    if M <= 32:
-        BLOCK_M, BLOCK_N = (16 if M <= 16 else 32), 64
-    else:
-        BLOCK_M, BLOCK_N = 64, 64
-    split_k, per_split, out = split_plan(x, M, N, n_blocks, BLOCK_M, BLOCK_N, split_k)
-    grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N), split_k)
-    _ggml_matmul_kernel[grid](
-        x, qt.qweight, bias if bias is not None else x, out,
-        M, N, n_blocks, per_split,
-        x.stride(0), x.stride(1),
-        qt.qweight.stride(0),
-        out.stride(0), out.stride(1), out.stride(2),
-        FORMAT=qt.format, QK=t.block, BLOCK_BYTES=t.block_bytes,
-        HAS_BIAS=bias is not None, DOT_DTYPE=dot_dtype(x.dtype),
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 x: no tf32 rounding
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        enable_fp_fusion=False,  # no fma in (d * sc) * q - dmin * mn: the weights stay gguf-py's
-    )
-    return out[0] if split_k == 1 else out.sum(0).to(x.dtype)
+    BLOCK_N = 64
+    split_k, per_split = split_plan(x.device, N, n_blocks, BLOCK_N, split_k)
+
+    def launch(xs: torch.Tensor, out: torch.Tensor, grid: tuple) -> None:
+        # out: (split_k, rows, N) partials, or (1, rows, N) y itself
+        _ggml_matmul_kernel[(grid[0], triton.cdiv(N, BLOCK_N), grid[2])](
+            xs, qt.qweight, bias if bias is not None else xs, out,
+            xs.shape[0], N, n_blocks, per_split,
+            xs.stride(0), xs.stride(1),
+            qt.qweight.stride(0),
+            out.stride(0), out.stride(1), out.stride(2),
+            FORMAT=qt.format, QK=t.block, BLOCK_BYTES=t.block_bytes,
+            HAS_BIAS=bias is not None, DOT_DTYPE=dot_dtype(x.dtype),
+            PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32: no tf32 rounding
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+            enable_fp_fusion=False,  # no fma in (d * sc) * q - dmin * mn: gguf-py's weights
+        )
+
+    return run_split(x, N, split_k, launch)

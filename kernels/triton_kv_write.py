@@ -18,7 +18,8 @@ y = H x is the Hadamard rotation, done in the kernel with the reference's own bu
 (`hadamard_rows`: the same adds in the same order), so y too is the reference's to the bit;
 the values returned are dequantized (and rotated back, where rotated) the same way. Divisions
 are `div_rn` (IEEE round-to-nearest, as torch divides; a plain `/` in Triton may be
-approximate on GPUs).
+approximate on GPUs), and the launch disables FMA contraction (`enable_fp_fusion=False`), so
+every multiply and add rounds on its own, as torch's separate ops do.
 """
 from __future__ import annotations
 
@@ -128,6 +129,8 @@ def _kv_write_kernel(
     x = tl.load(x_ptr + pid_t * stride_xt + head * stride_xh + offs_d * stride_xd,
                 mask=mask, other=0.0)
     slot = tl.load(slot_ptr + pid_t)
+    if slot < 0:  # a padding row (cuda_graph.PAD_SLOT): no slot, and deq is not read
+        return
     row = (slot // PAGE) * stride_vb + (slot % PAGE) * stride_vs + head * stride_vh
     srow = (slot // PAGE) * stride_sb + (slot % PAGE) * stride_ss + head * stride_sh
     deq_ptrs = deq_ptr + (pid_t * tl.num_programs(1) + head) * D + offs_d
@@ -163,7 +166,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, cache: dict[str, torch.Tensor],
              slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """k, v (T, num_kv_heads, head_dim), slot_mapping (T,) -> k, v (T, num_kv_heads, head_dim)
     in k's dtype as attention will read them back (see paged_attention.write_kv). Slots must
-    be distinct: which of two writes to one slot lands is unspecified."""
+    be distinct: which of two writes to one slot lands is unspecified. A negative slot (a
+    padding row of a CUDA-graph batch) writes nothing, and its returned row is undefined."""
     T, hkv, d = k.shape
     assert v.shape == k.shape and v.dtype == k.dtype, (k.shape, v.shape)
     assert slot_mapping.shape == (T,) and not slot_mapping.is_floating_point()
@@ -192,6 +196,9 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, cache: dict[str, torch.Tensor],
                 d, page, had_scale, *x.stride(), *args[3:],
                 QUANT=quant, KEYS=which == "k", BLOCK_D=max(8, triton.next_power_of_2(d)),
                 LOG2_N=log2_n,
+                # No FMA contraction: (y - m) / s and q * s + m round twice, as the reference
+                # does; a fused multiply-add would round once and flip codes near a tie.
+                enable_fp_fusion=False,
             )
         out.append(deq.to(k.dtype))
     return out[0], out[1]

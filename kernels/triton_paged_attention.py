@@ -129,6 +129,26 @@ def load_kv_tile(v_ptr, s_ptr, o_ptr, blk, off, kv_head, mask_n, D,
 
 
 @triton.jit
+def online_softmax_step(m_i, l_i, acc, s, v, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+    """One key tile of FlashAttention-2's online softmax, shared by the decode and prefill
+    kernels. s (R, BN): scores in log2 units, -inf where hidden; v (BN, BD) the tile's values;
+    running max m_i, sum l_i (R,) and unnormalised output acc (R, BD), fp32:
+
+        m' = max(m, max_n s_n)    l' = 2^(m - m') l + sum_n 2^(s_n - m')
+        acc' = 2^(m - m') acc + sum_n 2^(s_n - m') v_n
+
+    A row with every key hidden keeps m (never -inf: it starts at _NEG_BIG), and adds exactly
+    0 to l and acc, so tiles past a row's last key change nothing, bit for bit."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE),
+                                        input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _decode_kernel(
     # pointers
     q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, vo_ptr, bt_ptr, seq_lens_ptr,
@@ -182,16 +202,10 @@ def _decode_kernel(
                          stride_ksh, k_sigma, k_width, k_start, QUANT, True, BLOCK_D)  # (BN, BD)
         s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=PRECISION) * qk_scale
         s = tl.where(mask_n[None, :], s, float("-inf"))  # (BG, BN), log2 units
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
         v = load_kv_tile(v_ptr, vs_ptr, vo_ptr, blk, off, kv_head, mask_n, D,
                          stride_vb, stride_vs, stride_vh, stride_vd, stride_vsb, stride_vss,
                          stride_vsh, k_sigma, k_width, k_start, QUANT, False, BLOCK_D)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE),
-                                            input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, DOT_DTYPE, PRECISION)
 
     row = (pid_b * G * tl.num_programs(1) + heads) * S + pid_s  # (BG,) index into (B, H, S)
     tl.store(m_ptr + row, m_i, mask=mask_g)
@@ -208,20 +222,25 @@ def _reduce_kernel(
     # strides
     stride_ob, stride_oh, stride_od,
     # meta-parameters
-    QUANT: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, LOG2_N: tl.constexpr,
+    QUANT: tl.constexpr, BLOCK_D: tl.constexpr, LOG2_N: tl.constexpr,
 ):
+    """Merge the S partials of (b, head) in split order, one at a time: a split past the
+    sequence's end (m = _NEG_BIG, l = 0, acc = 0) adds exactly 0, so the result does not
+    depend on how many splits the batch's longest sequence needed."""
     pid_b = tl.program_id(0)
     pid_h = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_s = offs_s < S
-    row = (pid_b * tl.num_programs(1) + pid_h) * S + offs_s  # (BS,)
-    m = tl.load(m_ptr + row, mask=mask_s, other=float("-inf"))
-    w = tl.exp2(m - tl.max(m, axis=0))  # (BS,); an empty split has l = 0
-    l_sum = tl.sum(tl.load(l_ptr + row, mask=mask_s, other=0.0) * w, axis=0)
-    acc = tl.load(acc_ptr + row[:, None] * BLOCK_D + offs_d[None, :], mask=mask_s[:, None],
-                  other=0.0)  # (BS, BD)
-    out = tl.sum(acc * w[:, None], axis=0) / l_sum  # (BD,)
+    row = (pid_b * tl.num_programs(1) + pid_h) * S  # partial s of this (b, head): row + s
+    m_max = tl.load(m_ptr + row)
+    for s in range(1, S):
+        m_max = tl.maximum(m_max, tl.load(m_ptr + row + s))
+    l_sum = 0.0
+    acc = tl.zeros((BLOCK_D,), tl.float32)
+    for s in range(S):
+        w = tl.exp2(tl.load(m_ptr + row + s) - m_max)
+        l_sum += tl.load(l_ptr + row + s) * w
+        acc += tl.load(acc_ptr + (row + s) * BLOCK_D + offs_d) * w
+    out = acc / l_sum  # (BD,)
     if QUANT > 0:  # values hold H y: sum_n p_n H y_n = H sum_n p_n y_n
         out = tl.reshape(hadamard_rows(tl.reshape(out, (1, BLOCK_D)), 1, BLOCK_D, LOG2_N),
                          (BLOCK_D,)) * had_scale
@@ -279,12 +298,12 @@ def check_cache(q: torch.Tensor, cache: dict[str, torch.Tensor]) -> None:
     assert k.device == q.device
 
 
-def _num_splits(batch_kv_heads: int, length: int, device: torch.device) -> int:
-    """Enough programs for two waves over the SMs, each over >= 256 tokens."""
-    if device.type != "cuda":
-        return max(1, min(4, triton.cdiv(length, 64)))
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(triton.cdiv(2 * sms, batch_kv_heads), triton.cdiv(length, 256)))
+def split_len(device: torch.device) -> int:
+    """Context tokens per program: fixed, so a sequence's splits (and the order its partials
+    are merged in) are the same whatever else is in the batch. 256 tokens on a GPU keeps a
+    program's loop long enough to hide the merge; the interpreter uses 64 so small tests
+    split too."""
+    return 256 if device.type == "cuda" else 64
 
 
 def decode_attention(q: torch.Tensor, cache: dict[str, torch.Tensor],
@@ -292,7 +311,8 @@ def decode_attention(q: torch.Tensor, cache: dict[str, torch.Tensor],
                      num_splits: int | None = None) -> torch.Tensor:
     """q (B, H, d), one query per sequence, against its seq_lens[b] cached tokens
     -> (B, H, d) in q's dtype. num_splits: programs per (sequence, KV head) along the
-    context (None picks one)."""
+    context (None: one per split_len tokens, fixed, so a row's result is the same in any
+    batch)."""
     check_cache(q, cache)
     B, H, d = q.shape
     page, hkv = cache["k"].shape[1:3]
@@ -301,12 +321,14 @@ def decode_attention(q: torch.Tensor, cache: dict[str, torch.Tensor],
     had_scale, log2_n = hadamard_args(d)
     window = meta.sliding_window
     length = max(1, min(meta.max_seq_len, window or meta.max_seq_len))
-    S = num_splits or _num_splits(B * hkv, length, q.device)
     BLOCK_N = 64
-    split_len = triton.cdiv(length, S)
-    if split_len > BLOCK_N:
-        split_len = triton.cdiv(split_len, BLOCK_N) * BLOCK_N
-    S = triton.cdiv(length, split_len)
+    if num_splits is None:
+        tokens = split_len(q.device)
+    else:  # a given count (tests): tokens from the batch's longest, whole tiles when > 1
+        tokens = triton.cdiv(length, num_splits)
+        if tokens > BLOCK_N:
+            tokens = triton.cdiv(tokens, BLOCK_N) * BLOCK_N
+    S = triton.cdiv(length, tokens)
     BLOCK_D = max(16, triton.next_power_of_2(d))
     BLOCK_G = max(16, triton.next_power_of_2(H // hkv))
 
@@ -318,7 +340,7 @@ def decode_attention(q: torch.Tensor, cache: dict[str, torch.Tensor],
     _decode_kernel[(B, hkv, S)](
         q, *k_args[:2], *v_args[:3], bt, meta.seq_lens, *codebook_args(cache),
         acc, m, l_,
-        scale * _LOG2E, window or 0, split_len, d, H // hkv, page, S, had_scale,
+        scale * _LOG2E, window or 0, tokens, d, H // hkv, page, S, had_scale,
         *q.stride(), *k_args[3:], *v_args[3:], *bt.stride(),
         QUANT=quant, HAS_WINDOW=window is not None,
         DOT_DTYPE=dot_dtype(q.dtype), PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
@@ -327,6 +349,6 @@ def decode_attention(q: torch.Tensor, cache: dict[str, torch.Tensor],
     out = torch.empty(B, H, d, device=q.device, dtype=q.dtype)
     _reduce_kernel[(B, H)](
         acc, m, l_, out, d, S, had_scale, *out.stride(),
-        QUANT=quant, BLOCK_S=triton.next_power_of_2(S), BLOCK_D=BLOCK_D, LOG2_N=log2_n,
+        QUANT=quant, BLOCK_D=BLOCK_D, LOG2_N=log2_n,
     )
     return out

@@ -3,16 +3,21 @@ whole cached context (prefix-cache hits, earlier chunks and this step's tokens a
 write_kv has already stored them), causal, read through the block table. The reference is
 `paged_attention` in kernels/paged_attention.py, whose docstring has the layouts.
 
-    grid (B, cdiv(max query_len, BLOCK_M), H): program (b, i, h) holds query rows
-    i * BLOCK_M ... of sequence b, head h; those are positions L - n + row (n = query_len,
-    L = seq_len), so row r sees keys [lo, L - n + r] with lo = 0, or the window's start.
-    Keys stream in BLOCK_N tiles with an online softmax (FlashAttention-2), stopping at the
-    tile's last row's position, so a chunk after a long prefix pays for the prefix once per
-    row tile and the causal triangle only up to the diagonal.
+    grid (B, cdiv(max query_len, BLOCK_M), Hkv): program (b, i, h) holds query rows
+    i * BLOCK_M ... of sequence b for all G = H / Hkv query heads that share KV head h,
+    as the R = BLOCK_M * BLOCK_G rows of one tile (row r: query row r // BLOCK_G, head
+    h * G + r % BLOCK_G), so each K/V tile is loaded and dequantized once for the group
+    (GQA sharing). R stays 64 (the register budget of acc), so long chunks read as much K/V
+    as one head per program would; chunks shorter than 64 rows and decode rows in a mixed
+    batch, which used to fill a 64-row tile alone, read it G times less. Query rows are positions L - n + row (n = query_len, L = seq_len), so a
+    row sees keys [lo, L - n + row] with lo = 0, or the window's start. Keys stream in
+    BLOCK_N tiles with an online softmax (FlashAttention-2, online_softmax_step), stopping at
+    the tile's last row's position, so a chunk after a long prefix pays for the prefix once
+    per row tile and the causal triangle only up to the diagonal.
 
 Quantized K/V as in triton_paged_attention: the kernel rotates q by H for int8 keys (int4
 keys are not rotated; they are read through their codebook), and the output for both int8
-and int4 values. The heads of a GQA group run as separate programs and share K/V through L2.
+and int4 values.
 """
 from __future__ import annotations
 
@@ -25,7 +30,7 @@ from qserve.kernels.triton_dequant_gemm import dot_dtype
 from qserve.kernels.triton_paged_attention import (_LOG2E, _NEG_BIG, check_cache,
                                                    codebook_args, hadamard_args, hadamard_rows,
                                                    kv_args, kv_quant_code, load_key_codebook,
-                                                   load_kv_tile)
+                                                   load_kv_tile, online_softmax_step)
 
 
 @triton.jit
@@ -43,28 +48,30 @@ def _prefill_kernel(
     stride_ot, stride_oh, stride_od,
     # meta-parameters
     QUANT: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, LOG2_N: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, LOG2_N: tl.constexpr,
 ):
     pid_b = tl.program_id(0)
     pid_m = tl.program_id(1)
-    head = tl.program_id(2)
+    kv_head = tl.program_id(2)
     q_start = tl.load(qsl_ptr + pid_b)
     n_q = tl.load(qsl_ptr + pid_b + 1) - q_start
     if pid_m * BLOCK_M >= n_q:
         return
     seq_len = tl.load(seq_lens_ptr + pid_b)
-    kv_head = head // G
 
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # query rows within the sequence
+    offs_r = tl.arange(0, BLOCK_M * BLOCK_G)  # (R,) tile rows: (query row, head in group)
+    offs_m = pid_m * BLOCK_M + offs_r // BLOCK_G  # query rows within the sequence
+    offs_g = offs_r % BLOCK_G
+    heads = kv_head * G + offs_g
     offs_d = tl.arange(0, BLOCK_D)
-    mask_m = offs_m < n_q
-    q_pos = seq_len - n_q + offs_m  # (BM,) their positions in the context
-    q_ptrs = q_ptr + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh \
+    mask_r = (offs_m < n_q) & (offs_g < G)
+    q_pos = seq_len - n_q + offs_m  # (R,) their positions in the context
+    q_ptrs = q_ptr + (q_start + offs_m)[:, None] * stride_qt + heads[:, None] * stride_qh \
         + offs_d[None, :] * stride_qd
-    q = tl.load(q_ptrs, mask=mask_m[:, None] & (offs_d < D)[None, :], other=0.0)  # (BM, BD)
+    q = tl.load(q_ptrs, mask=mask_r[:, None] & (offs_d < D)[None, :], other=0.0)  # (R, BD)
     if QUANT == 1:  # q . (H y) = (H q) . y
-        q = hadamard_rows(q.to(tl.float32), BLOCK_M, BLOCK_D, LOG2_N) * had_scale
+        q = hadamard_rows(q.to(tl.float32), BLOCK_M * BLOCK_G, BLOCK_D, LOG2_N) * had_scale
     q = q.to(DOT_DTYPE)
     k_sigma, k_width, k_start = load_key_codebook(sigma_ptr, width_ptr, start_ptr, kv_head, D,
                                                   QUANT, BLOCK_D)
@@ -73,9 +80,9 @@ def _prefill_kernel(
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(seq_len - n_q + pid_m * BLOCK_M - window + 1, 0)
-    m_i = tl.full((BLOCK_M,), _NEG_BIG, tl.float32)
-    l_i = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    m_i = tl.full((BLOCK_M * BLOCK_G,), _NEG_BIG, tl.float32)
+    l_i = tl.zeros((BLOCK_M * BLOCK_G,), tl.float32)
+    acc = tl.zeros((BLOCK_M * BLOCK_G, BLOCK_D), tl.float32)
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)  # key positions
         mask_n = offs_n < hi
@@ -86,28 +93,22 @@ def _prefill_kernel(
                          stride_kb, stride_ks, stride_kh, stride_kd, stride_ksb, stride_kss,
                          stride_ksh, k_sigma, k_width, k_start, QUANT, True, BLOCK_D)  # (BN, BD)
         s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=PRECISION) * qk_scale
-        visible = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])  # (BM, BN) causal
+        visible = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])  # (R, BN) causal
         if HAS_WINDOW:
             visible &= offs_n[None, :] > q_pos[:, None] - window
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
         v = load_kv_tile(v_ptr, vs_ptr, vo_ptr, blk, off, kv_head, mask_n, D,
                          stride_vb, stride_vs, stride_vh, stride_vd, stride_vsb, stride_vss,
                          stride_vsh, k_sigma, k_width, k_start, QUANT, False, BLOCK_D)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE),
-                                            input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, DOT_DTYPE, PRECISION)
 
-    out = acc / tl.where(mask_m, l_i, 1.0)[:, None]  # a real row sees its own key: l_i > 0
+    out = acc / tl.where(mask_r, l_i, 1.0)[:, None]  # a real row sees its own key: l_i > 0
     if QUANT > 0:  # values hold H y: sum_n p_n H y_n = H sum_n p_n y_n
-        out = hadamard_rows(out, BLOCK_M, BLOCK_D, LOG2_N) * had_scale
-    out_ptrs = out_ptr + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh \
+        out = hadamard_rows(out, BLOCK_M * BLOCK_G, BLOCK_D, LOG2_N) * had_scale
+    out_ptrs = out_ptr + (q_start + offs_m)[:, None] * stride_ot + heads[:, None] * stride_oh \
         + offs_d[None, :] * stride_od
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty),
-             mask=mask_m[:, None] & (offs_d < D)[None, :])
+             mask=mask_r[:, None] & (offs_d < D)[None, :])
 
 
 def prefill_attention(q: torch.Tensor, cache: dict[str, torch.Tensor],
@@ -129,13 +130,14 @@ def prefill_attention(q: torch.Tensor, cache: dict[str, torch.Tensor],
     if T == 0:
         return out
 
-    BLOCK_M, BLOCK_N = 64, 64
+    BLOCK_G = triton.next_power_of_2(H // hkv)
+    BLOCK_M, BLOCK_N = max(1, 64 // BLOCK_G), 64  # tiles of 64 rows (BLOCK_G heads each)
     BLOCK_D = max(16, triton.next_power_of_2(d))
     max_q = max(meta.query_lens_list)
     window = meta.sliding_window
     bt = meta.block_tables
     k_args, v_args = kv_args(cache, "k"), kv_args(cache, "v")
-    _prefill_kernel[(B, triton.cdiv(max_q, BLOCK_M), H)](
+    _prefill_kernel[(B, triton.cdiv(max_q, BLOCK_M), hkv)](
         q, *k_args[:2], *v_args[:3], bt, meta.seq_lens, meta.query_start_loc, out,
         *codebook_args(cache),
         scale * _LOG2E, window or 0, d, H // hkv, page, had_scale,
@@ -143,6 +145,6 @@ def prefill_attention(q: torch.Tensor, cache: dict[str, torch.Tensor],
         *out.stride(),
         QUANT=quant, HAS_WINDOW=window is not None,
         DOT_DTYPE=dot_dtype(q.dtype), PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, LOG2_N=log2_n,
+        BLOCK_M=BLOCK_M, BLOCK_G=BLOCK_G, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, LOG2_N=log2_n,
     )
     return out

@@ -81,8 +81,9 @@ _ENGINE_FLAGS = [
                  help="KV cache dtype (auto: a qserve checkpoint's recipe KV dtype, else "
                       "--dtype; int8/int4: quantized in the blocks; int4: 4 bits a value, "
                       "keys by a per-model calibrated codebook)."),
-    click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default="fp32",
-                 show_default=True, help="Activation and dense weight dtype."),
+    click.option("--dtype", type=click.Choice(["auto", "fp32", "fp16", "bf16"]),
+                 default="auto", show_default=True,
+                 help="Activation and dense weight dtype (auto: bf16 on CUDA, fp32 on CPU)."),
     click.option("--weights", type=click.Choice(["native", "dense"]), default="native",
                  show_default=True,
                  help="native: run the file's own precision (a GGUF's Q4_K stays Q4_K, fp16 "
@@ -297,7 +298,7 @@ def info(model, as_json, engine):
     from qserve.loader.checkpoint import quantization_config
 
     quant = quantization_config(path) if path.is_dir() else None
-    dtype = DTYPES[config.dtype]
+    dtype = DTYPES[config.resolved_dtype()]
     kv_dtype = kv_torch_dtype(config.cache, dtype, (quant or {}).get("kv_dtype"))
     blocks, host_blocks = pool(kv_dtype)
     per_block = bytes_per_block(arch, bs, kv_dtype)

@@ -244,7 +244,9 @@ class EngineConfig:
 
     model: str | None = None  # alias, GGUF file or HF directory; None: the default model
     device: str = "auto"
-    dtype: str = "fp32"  # activations, and dense weights that are not kept as stored
+    # activations, and dense weights that are not kept as stored; auto: bf16 on CUDA (tensor
+    # cores, fp32's range), fp32 on the CPU (whose kernels compute in fp32 anyway)
+    dtype: str = "auto"
     weights: str = "native"  # native: the file's own precision; dense: dequantize to `dtype`
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -254,11 +256,17 @@ class EngineConfig:
     def __post_init__(self):
         if self.device not in DEVICES:
             raise ConfigError(f"--device={self.device!r}; choose auto, cpu or cuda")
-        if self.dtype not in ("fp32", "fp16", "bf16"):
-            raise ConfigError(f"--dtype={self.dtype!r}; choose fp32, fp16 or bf16")
+        if self.dtype not in ("auto", "fp32", "fp16", "bf16"):
+            raise ConfigError(f"--dtype={self.dtype!r}; choose auto, fp32, fp16 or bf16")
         if self.weights not in ("native", "dense"):
             raise ConfigError(f"--weights={self.weights!r}; choose native (the file's own "
                               f"precision) or dense (dequantized to --dtype)")
+
+    def resolved_dtype(self) -> str:
+        """fp32, fp16 or bf16: `dtype`, with auto resolved for the device."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "bf16" if self.resolved_device() == "cuda" else "fp32"
 
     def resolved_device(self) -> str:
         import torch

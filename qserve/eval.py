@@ -166,7 +166,8 @@ def eval_engine(model: str | None, context: int, loaded=None, **engine) -> LLMEn
     if config.cache.kv_cache_memory is None:
         arch = loaded.arch if loaded is not None else load_arch(model)
         bs = config.cache.block_size
-        per_block = bytes_per_block(arch, bs, kv_torch_dtype(config.cache, DTYPES[config.dtype]))
+        dtype = DTYPES[config.resolved_dtype()]
+        per_block = bytes_per_block(arch, bs, kv_torch_dtype(config.cache, dtype))
         config.cache.kv_cache_memory = -(-context // bs) * per_block
     from qserve.llm import make_engine
 

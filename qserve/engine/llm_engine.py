@@ -65,7 +65,7 @@ class LLMEngine:
         # sequence is refused before any weights are read.
         arch = loaded.arch if loaded is not None else load_arch(config.model)
         self.device = torch.device(config.resolved_device())
-        self.dtype = DTYPES[config.dtype]
+        self.dtype = DTYPES[config.resolved_dtype()]
         sched = config.scheduler
         self.max_model_len = sched.max_model_len or arch.max_position_embeddings
         if self.max_model_len > arch.max_position_embeddings:
@@ -146,7 +146,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config.scheduler, self.block_manager,
                                    self.max_model_len, staging)
         self.runner = ModelRunner(self.model, self.cache_engine, self.block_manager, self.device,
-                                  staging)
+                                  staging, max_num_seqs=self.config.scheduler.max_num_seqs)
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | None = None,
@@ -185,7 +185,7 @@ class LLMEngine:
 
     def _init_seq(self, seq: Sequence) -> None:
         if seq.params.seed is not None:
-            seq.generator = torch.Generator(device="cpu")
+            seq.generator = torch.Generator(device=self.device)  # where the logits are
             seq.generator.manual_seed(hash((seq.params.seed, seq.index)) & (2**63 - 1))
         if self.detokenize:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids,

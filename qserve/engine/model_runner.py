@@ -9,6 +9,7 @@ import torch
 
 from qserve.engine.block_manager import BlockManager
 from qserve.engine.cache_engine import CacheEngine
+from qserve.engine.cuda_graph import DecodeGraphs, enabled as cuda_graphs_enabled
 from qserve.engine.layerwise import StepLayers
 from qserve.engine.scheduler import SchedulerOutput, StagingPlan
 from qserve.kernels.paged_attention import PagedAttentionMetadata
@@ -20,7 +21,9 @@ class ModelRunner:
 
     def __init__(self, model: LlamaForCausalLM, cache_engine: CacheEngine,
                  block_manager: BlockManager, device: torch.device,
-                 staging: StagingPlan | None = None):
+                 staging: StagingPlan | None = None, max_num_seqs: int | None = None):
+        """max_num_seqs: the most sequences a step decodes; given on CUDA, decode steps run
+        as CUDA graphs (engine/cuda_graph.py) up to that batch."""
         self.model = model
         self.staging = staging
         self.cache_engine = cache_engine
@@ -29,6 +32,11 @@ class ModelRunner:
         self.block_size = cache_engine.block_size
         self.layer_caches = [cache_engine.layer(i) for i in range(model.arch.num_layers)]
         self.sliding_window = model.arch.sliding_window
+        self.graphs = None
+        if max_num_seqs and cuda_graphs_enabled(device):
+            self.graphs = DecodeGraphs(model, self.layer_caches, device, max_num_seqs,
+                                       model.rope.max_positions, self.block_size,
+                                       self.sliding_window)
 
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor,
                                                       PagedAttentionMetadata, list[int]]:
@@ -38,6 +46,28 @@ class ModelRunner:
             input_ids (T,), positions (T,), attention metadata, and the flat row of each
             sampling sequence's last token (where its logits come from).
         """
+        input_ids, positions, slots, starts, seq_lens, query_lens, tables, logit_rows = (
+            self._pack(out))
+        max_blocks = max(len(t) for t in tables)
+        padded = [t + [0] * (max_blocks - len(t)) for t in tables]
+        dev = self.device
+        meta = PagedAttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor(starts, dtype=torch.int64, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
+            block_tables=torch.tensor(padded, dtype=torch.int64, device=dev),
+            query_lens_list=query_lens,
+            seq_lens_list=seq_lens,
+            max_seq_len=max(seq_lens),
+            decode_only=all(n == 1 for n in query_lens),
+            sliding_window=self.sliding_window,
+        )
+        return (torch.tensor(input_ids, dtype=torch.int64, device=dev),
+                torch.tensor(positions, dtype=torch.int64, device=dev), meta, logit_rows)
+
+    def _pack(self, out: SchedulerOutput) -> tuple[list[int], ...]:
+        """The step's host lists: input ids, positions, slots (T each), query start offsets
+        (B + 1), seq_lens, query_lens (B), block tables (B lists) and logit rows."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -66,22 +96,7 @@ class ModelRunner:
             tables.append(table)
             if s.samples:
                 logit_rows.append(starts[-1] - 1)
-        max_blocks = max(len(t) for t in tables)
-        padded = [t + [0] * (max_blocks - len(t)) for t in tables]
-        dev = self.device
-        meta = PagedAttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor(starts, dtype=torch.int64, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
-            block_tables=torch.tensor(padded, dtype=torch.int64, device=dev),
-            query_lens_list=query_lens,
-            seq_lens_list=seq_lens,
-            max_seq_len=max(seq_lens),
-            decode_only=all(n == 1 for n in query_lens),
-            sliding_window=self.sliding_window,
-        )
-        return (torch.tensor(input_ids, dtype=torch.int64, device=dev),
-                torch.tensor(positions, dtype=torch.int64, device=dev), meta, logit_rows)
+        return input_ids, positions, slots, starts, seq_lens, query_lens, tables, logit_rows
 
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> torch.Tensor:
@@ -137,6 +152,14 @@ class ModelRunner:
         of the sampling sequences' last tokens. `one_query_per_row` runs every token as its
         own one-token query (see run_speculative)."""
         ce = self.cache_engine
+        if (self.graphs is not None and not one_query_per_row and not out.staging
+                and not (out.swap_out or out.swap_in or out.copies)
+                and all(s.num_new_tokens == 1 for s in out.scheduled)
+                and self.graphs.fits(len(out.scheduled))):
+            ids, pos, slots, _, seq_lens, _, tables, rows = self._pack(out)
+            hidden = self.graphs.run(ids, pos, slots, seq_lens, tables)
+            if hidden is not None:
+                return hidden, rows
         moves = ce.start_moves(out.swap_out, out.swap_in, out.copies)  # run beside prepare()
         input_ids, positions, meta, rows = self.prepare(out)
         if one_query_per_row:

@@ -27,7 +27,8 @@ class SamplingRow:
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    generator: torch.Generator | None = None  # on the logits' device; set iff params.seed is set
+    generator: torch.Generator | None = None  # set iff params.seed is set; best on the logits'
+    # device (one on another device is drawn there and copied, so a CPU seed still works)
 
 
 @dataclass
@@ -166,9 +167,12 @@ def race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch
     if any(g is None for g in generators):
         u.uniform_()  # one draw for the unseeded rows; seeded rows redraw below
     for j, g in enumerate(generators):
-        if g is not None:
-            assert g.device == u.device, (g.device, u.device)
+        if g is None:
+            continue
+        if g.device.type == u.device.type:
             u[j].uniform_(generator=g)
+        else:  # a generator elsewhere (the engine makes them on its device): draw, then copy
+            u[j].copy_(torch.empty(u.shape[1], device=g.device).uniform_(generator=g))
     return probs.div_(u.log_().neg_()).argmax(dim=-1)
 
 
