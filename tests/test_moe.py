@@ -261,7 +261,8 @@ def test_moe_takes_the_per_layer_path(checkpoints, monkeypatch):
     calls = []
     for i, layer in enumerate(llm.engine.model.layers):
         for e, expert in enumerate(layer.mlp.experts):
-            expert.register_forward_hook(lambda m, a, out, i=i, e=e: calls.append((i, e, len(a[0]))))
+            expert.register_forward_hook(
+                lambda m, args, out, i=i, e=e: calls.append((i, e, len(args[0]))))
     [out] = llm.generate([list(prompt())], SamplingParams(temperature=0, max_tokens=3,
                                                           ignore_eos=True))
     assert len(out.outputs[0].token_ids) == 3
@@ -399,3 +400,53 @@ def test_unsupported_qwen3_moe_layout_is_one_line(tmp_path):
                                              r"decoder_sparse_step=1: qserve runs Qwen3-MoE with "
                                              r"experts in every layer"):
         load_arch(tmp_path)
+
+
+def test_awq_refuses_a_mixture_in_one_line(checkpoints, tmp_path):
+    from qserve.errors import ConfigError
+    from qserve.quant.quantize import quantize
+
+    with pytest.raises(ConfigError, match=r"^AWQ does not calibrate a mixture of experts "
+                                          r"\(mixtral\) yet; use a round-to-nearest recipe"):
+        quantize(str(checkpoints["mixtral"]), tmp_path / "q", "w4g64-awq")
+    assert not (tmp_path / "q").exists()
+
+
+def _prompts() -> list[list[int]]:
+    """Six prompts: three share their first 16 tokens (four blocks of 4), and one repeats
+    itself, so prompt-lookup drafts get accepted."""
+    base = list(prompt())
+    return [base, base[:16] + base[20:], base[:16] + base[3:9], base[8:] + base[:5],
+            base[:12] * 3, base[::-1]]
+
+
+@pytest.mark.parametrize("options", [
+    dict(preemption_mode="recompute"), dict(preemption_mode="swap"),
+    dict(draft="ngram", num_speculative_tokens=3)], ids=["recompute", "swap", "ngram-draft"])
+def test_batched_engine_features_keep_greedy_tokens(options, checkpoints):
+    """Batched decode (several tokens in one MoE call, grouped by expert), prefix hits, both
+    preemption modes under a KV pool too small for the batch, and speculative verification
+    (several positions of one sequence at once) give each prompt its solo greedy tokens."""
+    from qserve.engine.cache_engine import KV_STORAGE, bytes_per_block
+    from qserve.loader import load_arch
+
+    path = checkpoints["qwen3_moe"]
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    solo = LLM(str(path), kv_cache_memory="16MiB", max_model_len=256, block_size=4)
+    want = [solo.generate([p], params)[0].outputs[0].token_ids for p in _prompts()]
+    if "draft" in options:
+        llm = LLM(str(path), kv_cache_memory="16MiB", max_model_len=256, block_size=4,
+                  spec_max_batch_size=8, **options)
+    else:  # 20 blocks of 4 for six sequences of up to 48 tokens
+        per_block = bytes_per_block(load_arch(path), 4, KV_STORAGE["fp32"])
+        llm = LLM(str(path), kv_cache_memory=20 * per_block, max_model_len=64, block_size=4,
+                  swap_space="16MiB", watermark=0.0, **options)
+    llm.generate(_prompts()[:1], params)  # its blocks are the others' prefix hits
+    got = [o.outputs[0].token_ids for o in llm.generate(_prompts(), params)]
+    assert got == want
+    stats = llm.engine.stats()
+    assert stats["prefix_cache_hit_blocks"] > 0
+    if "draft" in options:
+        assert stats["spec_accepted_tokens"] > 0
+    else:
+        assert stats["swap_outs" if options["preemption_mode"] == "swap" else "recomputes"] > 0

@@ -37,8 +37,12 @@ def calibrate(arch, weights: dict[str, torch.Tensor], ids: list[int], fake_quant
         the new weights (same names; untouched tensors shared) and the chosen alpha per group,
         keyed "<layer prefix>.<qkv|o|gate_up|down>".
     """
+    from qserve.errors import ConfigError
     from qserve.models.build import build_model, prefill
 
+    if arch.num_experts:  # the groups below are the dense MLP's
+        raise ConfigError(f"AWQ does not calibrate a mixture of experts ({arch.architecture}) "
+                          f"yet; use a round-to-nearest recipe such as w4g64")
     w = {k: v.float() for k, v in weights.items()}
     inputs = _capture_inputs(build_model(arch, w, len(ids)), ids, prefill)
     alphas = {}
