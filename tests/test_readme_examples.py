@@ -63,6 +63,14 @@ EXAMPLES: dict[str, Run | Parse] = {
     "qserve serve --port 8000 --api-key sk-local":
         Parse("a server that runs until stopped (tests/test_server.py serves for real)",
               engine_check=True),
+    "qserve serve --replicas 2 --replica-cpus 4 --kv-cache-memory 2GiB":
+        Parse("a Ray Serve deployment that runs until stopped (tests/test_cluster.py deploys "
+              "one)"),
+    "python scripts/bench_routing.py":
+        Parse("a benchmark: two deployments of 2 replicas, minutes on a CPU"),
+    "python scripts/bench_routing.py --systems 8 --users 4 --system-words 100 --max-tokens 2 "
+    "--concurrency 4 --kv-cache-memory 30MiB --max-model-len 384":
+        Parse("a benchmark: two deployments of 2 replicas, a few minutes on a CPU"),
     "qserve pull": Run(),
     "qserve info --json": Run(),
     'qserve generate "Once upon a time"': Run(SMALL_GEN),

@@ -42,6 +42,7 @@ import hmac
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -60,7 +61,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from qserve.errors import ConfigError
+from qserve.errors import ConfigError, QServeError
 from qserve.server import protocol as P
 from qserve.server.config import ServerConfig
 from qserve.server.guard import RequestGuard
@@ -522,7 +523,8 @@ def build(cluster: ClusterConfig, model: str | None, engine: dict, model_name: s
         **cluster.scaling_options())
     ingress = serve.deployment(serve.ingress()(QServeIngress), name="QServeIngress").options(
         num_replicas=1, ray_actor_options={"num_cpus": 0},
-        max_ongoing_requests=4 * cluster.max_ongoing_requests * cluster.replicas)
+        max_ongoing_requests=4 * cluster.max_ongoing_requests * max(cluster.replicas,
+                                                                     cluster.max_replicas or 0))
     return ingress.bind(replica.bind(model, engine, model_name, server), server)
 
 
@@ -530,8 +532,21 @@ def deploy(cluster: ClusterConfig, model: str | None, engine: dict, model_name: 
            server: ServerConfig) -> None:
     """Start Serve's HTTP proxy on server.host:port and deploy (Ray must be initialized)."""
     serve.start(http_options={"host": server.host, "port": server.port})
-    serve.run(build(cluster, model, engine, model_name, server), name=APP_NAME,
-              route_prefix="/")
+    try:
+        serve.run(build(cluster, model, engine, model_name, server), name=APP_NAME,
+                  route_prefix="/")
+    except RuntimeError as e:  # a replica's constructor failed: say why in one line
+        raise QServeError(f"the replicas did not start: {_replica_error() or e}") from None
+
+
+def _replica_error() -> str | None:
+    """The qserve error a replica failed with, from Serve's status of the deployment."""
+    try:
+        status = serve.status().applications[APP_NAME].deployments[REPLICA_DEPLOYMENT]
+    except (KeyError, AttributeError):
+        return None
+    found = re.findall(r"qserve\.errors\.\w+: (.+)", status.message or "")
+    return found[-1].strip() if found else None
 
 
 def run(cluster: ClusterConfig, model: str | None, engine: dict, model_name: str,

@@ -11,8 +11,8 @@ each key:
 
     "[{"content":"You are a pirate...","role":"system"},{"content":"hi","role":"user"}]"
      |--- block 1 ---|--- block 2 ---|--- block 3 ---|--- ...          (64 characters each)
-     key k1 = H(block 1), k2 = H(k1, block 2), k3 = H(k2, block 3), ...   (chained, as the
-                                                                         KV blocks' own keys)
+     key k1 = H(block 1), k2 = H(blocks 1-2), k3 = H(blocks 1-3), ...   (a key names the
+                                                        whole prefix, as a KV block's key does)
 
 The text is the request body's messages (chat) or prompt (completions), as canonical JSON:
 the rendered prompt is a function of it, and a conversation's next turn extends the previous
