@@ -50,10 +50,12 @@ def gguf_family(name: str, experts: int = 0) -> tuple[type[CausalLM], str]:
     """A GGUF general.architecture and its `{name}.expert_count` (0: none) -> (family, the
     model_type it stands for). A name two families share (llama: Llama and Mixtral) goes to
     the one that is, or is not, a mixture of experts."""
-    claims = [f for f in FAMILIES if name in f.gguf_architectures]
-    for family in sorted(claims, key=lambda f: f.moe != (experts > 0)):
+    claims = sorted((f for f in FAMILIES if name in f.gguf_architectures),
+                    key=lambda f: f.moe != (experts > 0))  # the matching kind first
+    if claims:
+        family = claims[0]
         return family, name if name in family.model_types else family.model_types[0]
-    names = [n for f in FAMILIES for n in f.gguf_architectures]
+    names = dict.fromkeys(n for f in FAMILIES for n in f.gguf_architectures)
     raise ConfigError(f"architecture {name!r} is not supported; qserve reads "
                       f"{', '.join(names)} GGUFs (Mistral files say llama)")
 
