@@ -21,6 +21,7 @@ import statistics
 import sys
 import time
 
+from qserve.engine.cache_engine import dtype_name
 from qserve.errors import QServeError
 from qserve.sampling_params import SamplingParams
 
@@ -122,6 +123,7 @@ def _run_batch(engine, rng: random.Random, vocab: list[int], batch: int, input_l
         "peak_rss_mib": peak_rss_bytes() / 2**20,
         "peak_gpu_mib": _peak_gpu_bytes(engine.device) / 2**20 if cuda else None,
         "preemptions": engine.stats()["preemptions"] - before["preemptions"],
+        "dtype": dtype_name(engine.dtype), "kv_dtype": dtype_name(engine.kv_dtype),
     } | spec_row_stats(before, engine.stats())
 
 

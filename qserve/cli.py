@@ -210,7 +210,7 @@ def status_line(eng) -> str:
 
 
 def _dtype_name(dtype) -> str:
-    from qserve.eval import dtype_name
+    from qserve.engine.cache_engine import dtype_name
 
     return dtype_name(dtype)
 
@@ -303,7 +303,7 @@ def info(model, as_json, engine):
     blocks, host_blocks = pool(kv_dtype)
     per_block = bytes_per_block(arch, bs, kv_dtype)
     report["kv_cache_memory"] = blocks * per_block
-    report["kv_dtype"] = _dtype_name(kv_dtype)
+    report["dtype"], report["kv_dtype"] = _dtype_name(dtype), _dtype_name(kv_dtype)
     plan = plan_memory(path, arch, device=device, dtype=dtype,
                        native=config.weights == "native", kv_bytes=blocks * per_block,
                        host_kv_bytes=host_blocks * per_block,

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from qserve.engine.cache_engine import dtype_name
 from qserve.engine.llm_engine import LLMEngine
 from qserve.engine.sequence import Sequence
 from qserve.errors import QServeError
@@ -144,13 +145,6 @@ def evaluate_all(engines: list[LLMEngine | Scorer], token_ids: list[int], contex
             res.kl, res.top1 = kl[i] / n, agree[i] / n
         results.append(res)
     return results
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """fp32 / fp16 / bf16 / int8 / int4: a storage dtype as --dtype and --kv-dtype name it."""
-    from qserve.engine.cache_engine import KV_STORAGE
-
-    return {v: k for k, v in KV_STORAGE.items()}[dtype]
 
 
 def eval_engine(model: str | None, context: int, loaded=None, **engine) -> LLMEngine:

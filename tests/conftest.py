@@ -12,10 +12,11 @@ from hf_reference import hf_reference_dir
 
 REPO = Path(__file__).resolve().parent.parent
 # The suite's model cache, kernel builds and Hugging Face reference live in the repository's
-# .cache (or $QSERVE_TEST_HOME), never in the user's $QSERVE_HOME; the chat REPL keeps no
-# history file unless a test names one under its tmp_path.
+# .cache (or $QSERVE_TEST_HOME), never in the user's $QSERVE_HOME, and so does Triton's cache;
+# the chat REPL keeps no history file unless a test names one under its tmp_path.
 os.environ["QSERVE_HOME"] = os.environ.get("QSERVE_TEST_HOME") or str(REPO / ".cache" / "qserve")
 os.environ["QSERVE_CHAT_HISTORY"] = ""
+os.environ["TRITON_HOME"] = str(REPO / ".cache")  # Triton's kernel cache: .cache/.triton
 torch.manual_seed(0)
 
 

@@ -206,6 +206,7 @@ def test_info_json():
                                           "int8": 11880, "int4": 6300}
     assert info["kv_tokens_per_gib"]["int4"] >= 3.5 * info["kv_tokens_per_gib"]["fp16"]
     assert info["kv_tokens"]["fp32"] == 256 * 2**20 // (46080 * 16) * 16
+    assert info["dtype"] == info["kv_dtype"] == "fp32"  # what runs, never "auto"
     assert info["weight_bytes"]["fp16"] == 2 * info["num_params"]
     assert 0 < info["file_bytes"] < info["weight_bytes"]["fp16"]  # Q4_1 on disk
 
@@ -221,3 +222,4 @@ def test_bench_json():
         assert r["prefill_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0
         assert 0 < r["ttft_p50_s"] and 0 < r["tpot_mean_s"]
         assert r["peak_rss_mib"] > 0 and r["preemptions"] == 0
+        assert r["dtype"] == r["kv_dtype"] == "fp32"

@@ -83,8 +83,8 @@ EXAMPLES: dict[str, Run | Parse] = {
     "python scripts/bench_quantize_memory.py ~/.cache/qserve-bench/llama-3.1-8b-2L/hf "
     "--layers-of-model 32":
         Parse("needs an 8B-shaped checkpoint from scripts/make_shaped_model.py (minutes, GBs)"),
-    "qserve info --json | python -c 'import json,sys; print(json.load(sys.stdin)[\"memory_plan\"])'":
-        Run(),
+    "qserve info --json | python -c "
+    "'import json,sys; print(json.load(sys.stdin)[\"memory_plan\"])'": Run(),
     'qserve generate --kv-cache-memory 1TiB "hi"':
         Run(fails=r"^error: .* needs [\d.]+ GiB on cpu \(weights .* try --kv-cache-memory \d+MiB"),
     SMOL_W8: Run(),
@@ -111,6 +111,10 @@ EXAMPLES: dict[str, Run | Parse] = {
     "from openai import OpenAI":
         Parse("needs `qserve serve --api-key sk-local` on port 8000 (tests/test_server.py "
               "drives the openai client against a live server)"),
+    'r = client.chat.completions.create(model="smollm2-135m-instruct", messages=[...], '
+    'tools=[...],':
+        Parse("a fragment: the client above, with [...] for the reader's messages and tools "
+              "(tests/test_structured_outputs.py runs tool calls against a live server)"),
 }
 
 

@@ -43,6 +43,11 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 KV_STORAGE = {**DTYPES, "int8": torch.int8, "int4": torch.uint8}
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """fp32 / fp16 / bf16 / int8 / int4: a storage dtype as --dtype and --kv-dtype name it."""
+    return {v: k for k, v in KV_STORAGE.items()}[dtype]
+
+
 def kv_torch_dtype(cache: CacheConfig, model_dtype: torch.dtype, suggested: str | None = None
                    ) -> torch.dtype:
     """Storage dtype of the K/V values: --kv-dtype; for "auto", the checkpoint's `suggested`
