@@ -559,7 +559,7 @@ static void ggml_matmul(const ggml_type *t, const wdesc *W, const float *x, int6
 #else
     i8 = 0;
 #endif
-#pragma omp parallel for num_threads(nthreads) schedule(static)
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, ROW_ITEM)
     for (int64_t n = 0; n < W->N; n++) {
         const uint8_t *row = (const uint8_t *)W->w + n * W->row_bytes;
         const int64_t tile = i8 ? MTI : MT;
@@ -585,7 +585,7 @@ static void ggml_matmul(const ggml_type *t, const wdesc *W, const float *x, int6
 static void ggml_dequant(const ggml_type *t, const wdesc *W, float *out, int nthreads)
 {
     const int64_t nb = W->K / t->block;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, ROW_ITEM)
     for (int64_t n = 0; n < W->N; n++)
         for (int64_t b = 0; b < nb; b++)
             t->dequant((const uint8_t *)W->w + n * W->row_bytes + b * t->block_bytes,
@@ -654,7 +654,7 @@ static void half_matmul(const wdesc *W, const float *x, int64_t M, int64_t ldx, 
     const uint16_t *w = (const uint16_t *)W->w;
     const int64_t N = W->N, K = W->K;
     const int bf16 = W->kind == KIND_BF16;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, ROW_ITEM)
     for (int64_t nb = 0; nb < (N + NR - 1) / NR; nb++) {
         const int64_t n = nb * NR;
         const int nr = N - n < NR ? (int)(N - n) : NR;
@@ -671,7 +671,7 @@ static void half_dequant(const wdesc *W, float *out, int nthreads)
 {
     const int64_t K = W->K;
     const int bf16 = W->kind == KIND_BF16;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, ROW_ITEM)
     for (int64_t n = 0; n < W->N; n++) {
         float *o = out + n * K;
         if (bf16) { /* one loop per kind, each vectorizable */

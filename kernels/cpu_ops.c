@@ -74,6 +74,14 @@ _Static_assert(sizeof(wdesc) == 10 * sizeof(int64_t), "wdesc is WDesc's 10 8-byt
     default: CALL(MTI);        \
     }
 
+/* Rows of a matmul (or a dequantization) that one thread takes at a time: OpenMP hands out
+ * these items as threads come for them (schedule(dynamic)), so when the OS deschedules one of
+ * our threads to run another process, the others take its share instead of waiting for it at
+ * the end of the loop (a static split stalls every parallel region for a time slice then). 16
+ * rows of the widest formats are ~2-20 KB, a few microseconds: the atomic add that hands one
+ * out is small beside that, and each thread still streams through consecutive rows. */
+#define ROW_ITEM 16
+
 /* ---- dequant-matmul ----------------------------------------------------------------------- */
 
 /* Activations are permuted chunk-wise so that int4 bytes are read straight: within each
@@ -450,7 +458,7 @@ static void q4_matmul(const float *x, int64_t M, int64_t K, int64_t ldx,
     i8 = 0;
 #endif
     float *xp = i8 ? NULL : pack_activations(x, M, K, ldx, Kp, 1);
-#pragma omp parallel for num_threads(nthreads) schedule(static)
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, ROW_ITEM)
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *row = qw + n * (Kp / 2);
         const half *sc = scales + n * G, *of = offsets ? offsets + n * G : NULL;
@@ -498,7 +506,7 @@ static void q8_matmul(const float *x, int64_t M, int64_t K, int64_t ldx,
     i8 = 0;
 #endif
     float *xp = i8 ? NULL : pack_activations(x, M, K, ldx, Kp, 0);
-#pragma omp parallel for num_threads(nthreads) schedule(static)
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, ROW_ITEM)
     for (int64_t n = 0; n < N; n++) {
         const int8_t *row = qw + n * Kp;
         const half *sc = scales + n * G;
@@ -536,7 +544,7 @@ static void q4_dequant(const uint8_t *qw, const half *scales, const half *offset
                        int64_t N, int64_t K, int64_t Kp, int64_t group_size, float *w, int nthreads)
 {
     const int64_t G = Kp / group_size;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, ROW_ITEM)
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *row = qw + n * (Kp / 2);
         float *out = w + n * K;
@@ -559,7 +567,7 @@ static void q8_dequant(const int8_t *qw, const half *scales, int64_t N, int64_t 
                        int64_t group_size, float *w, int nthreads)
 {
     const int64_t G = Kp / group_size;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, ROW_ITEM)
     for (int64_t n = 0; n < N; n++)
         for (int64_t g = 0; g < G; g++) {
             const float s = (float)scales[n * G + g];
@@ -1219,7 +1227,7 @@ void paged_decode(int kind, const float *q, float *out, int64_t B, int64_t H, in
 void f32_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const float *w, int64_t N,
                 const float *bias, float *y, int64_t ldy, int nthreads)
 {
-#pragma omp parallel for num_threads(nthreads) schedule(static)
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, ROW_ITEM)
     for (int64_t nb = 0; nb < (N + NR - 1) / NR; nb++) { /* NR weight rows, the last N % NR */
         const int64_t n = nb * NR;
         const int nr = N - n < NR ? (int)(N - n) : NR;
