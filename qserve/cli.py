@@ -743,17 +743,24 @@ def chat(model, system, engine, **sampling):
 @main.command()
 @click.argument("src")
 @click.option("--output", "-o", "out", required=True, metavar="OUT",
-              help="Checkpoint directory to write (must not exist unless --force).")
+              help="Checkpoint directory (with --format gguf, a .gguf file) to write; must not "
+                   "exist unless --force.")
 @click.option("--recipe", "-r", metavar="NAME|PATH",
               help="A recipes/*.yaml name or a YAML path  [default: gguf-native for a Q4_0/"
                    "Q4_1/Q8_0 GGUF, else w4g64]")
 @click.option("--calib-text", type=click.Path(dir_okay=False), metavar="FILE",
               help="Calibration text for AWQ recipes  [default: Python's pydoc_data.topics]")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@click.option("--format", "fmt", type=click.Choice(["qserve", "gguf", "compressed-tensors"]),
+              default="qserve", show_default=True,
+              help="qserve: a checkpoint directory; gguf: one .gguf file llama.cpp runs (w4g32 "
+                   "-> Q4_1, int4 g32 sym -> Q4_0, int8 g32 -> Q8_0); compressed-tensors: a "
+                   "directory vLLM reads (int8, int4 sym). Other recipes are refused.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
-def quantize(src, out, recipe, calib_text, force, as_json):
+def quantize(src, out, recipe, calib_text, force, fmt, as_json):
     """Quantize SRC (alias, .gguf, HF directory or ORG/NAME) into the qserve checkpoint OUT,
-    which every command then loads like any model."""
+    which every command then loads like any model, or export it (--format) for llama.cpp or
+    vLLM with the very same weights."""
     from qserve.progress import bar as progress_bar
     from qserve.quant.quantize import quantize as run_quantize
 
@@ -766,7 +773,7 @@ def quantize(src, out, recipe, calib_text, force, as_json):
         shown.set_postfix_str(label)
         shown.update()
     try:
-        summary = run_quantize(src, out, recipe, calib_text, force, progress)
+        summary = run_quantize(src, out, recipe, calib_text, force, progress, fmt)
     finally:
         if shown is not None:
             shown.close()

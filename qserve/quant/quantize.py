@@ -222,9 +222,15 @@ def resident_bytes(path: Path, arch) -> dict:
             "resident_ratio_without_embedding": (resident - embed) / (fp16_total - embed_fp16)}
 
 
+EXPORT_FORMATS = ("qserve", "gguf", "compressed-tensors")  # quantize(fmt=...)
+
+
 def quantize(src: str | None, out: str | Path, recipe: str | Path | None = None,
-             calib_text: str | Path | None = None, force: bool = False, progress=None) -> dict:
-    """Quantize the model `src` with `recipe` into the checkpoint directory `out`.
+             calib_text: str | Path | None = None, force: bool = False, progress=None,
+             fmt: str = "qserve") -> dict:
+    """Quantize the model `src` with `recipe` into the checkpoint directory `out`, or with
+    fmt "gguf" / "compressed-tensors" into that format (export_gguf.py, export_compressed.py:
+    recipes they cannot hold exactly are refused before any work).
 
     recipe None: gguf-native for a GGUF source whose linears are all Q4_0 / Q4_1 / Q8_0
     (lossless), else w4g64. Returns the summary. Nothing is left at `out` unless it succeeds.
@@ -235,8 +241,9 @@ def quantize(src: str | None, out: str | Path, recipe: str | Path | None = None,
     if out.exists() and not force:
         raise QServeError(f"{out} already exists; pass --force to replace it")
     src_path = resolve_model(src)
+    exporter = _exporter(fmt)
     if out.exists() or out.is_symlink():
-        _check_replaceable(out, src_path)
+        (exporter.check_replaceable if exporter else _check_replaceable)(out, src_path)
     arch = load_arch(src_path)
     gguf_types = _gguf_types(src_path, arch)
     if recipe is None:
@@ -248,6 +255,8 @@ def quantize(src: str | None, out: str | Path, recipe: str | Path | None = None,
         raise QServeError(f"recipe {r.name!r} imports GGUF blocks, but {src_path} is not a "
                           f"GGUF file; choose an rtn or awq recipe")
     plans = plan_layers(arch, r, gguf_types)  # ConfigError here: nothing loaded or written
+    if exporter:
+        exporter.check_plans(arch, plans)
     text = None
     if r.method == "awq":
         from qserve.quant.calibration import read_text
@@ -270,8 +279,24 @@ def quantize(src: str | None, out: str | Path, recipe: str | Path | None = None,
         "source": str(src_path), "out": str(out), "recipe": r.name, **info}
     quant = {"recipe": r.to_dict(), "kv_dtype": r.kv_dtype,
              "layers": {p.name: p.entry for p in plans if p.scheme is not None}}
+    if exporter:
+        exporter.export(out, loaded, tensors, plans)
+        return summary | {"format": fmt}
     _write_atomically(out, lambda tmp: _save(tmp, loaded, tensors, quant))
     return summary
+
+
+def _exporter(fmt: str):
+    """The export module of a --format (None: a qserve checkpoint)."""
+    if fmt == "gguf":
+        import qserve.quant.export_gguf as exporter
+    elif fmt == "compressed-tensors":
+        import qserve.quant.export_compressed as exporter
+    elif fmt == "qserve":
+        return None
+    else:
+        raise QServeError(f"unknown format {fmt!r}; choose one of {', '.join(EXPORT_FORMATS)}")
+    return exporter
 
 
 def _save(tmp: Path, loaded, tensors, quant) -> None:

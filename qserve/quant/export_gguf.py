@@ -1,0 +1,207 @@
+"""`qserve quantize SRC -o OUT.gguf --format gguf`: the quantized model as a GGUF llama.cpp runs.
+
+Only layouts GGML has exactly are written, so the file holds the very weights qserve runs:
+
+    qserve int4 g32 asym   w = q * s + offset   -> Q4_1  d = s, m = offset
+    qserve int4 g32 sym    w = (q - 8) * s      -> Q4_0  d = s
+    qserve int8 g32 sym    w = q * s            -> Q8_0  d = s
+    dense 2-D tensors (embedding, kept linears) -> F16 (F32 when stored so); norms, biases F32
+
+Any other scheme (groups of 64/128, per-channel int8, a padded last group) is refused before
+any work, naming the layer and the recipes that export losslessly. Metadata follow llama.cpp's
+convert_hf_to_gguf.py for the llama / qwen2 / qwen3 architectures (Mistral is written as
+llama, as the converter does); the tokenizer is copied from a GGUF source, or built from a
+Hugging Face directory's tokenizer files with the gguf package's vocab readers.
+
+The `gguf` package (GGUFWriter) is imported only here, when an export runs.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from qserve.errors import QServeError
+from qserve.formats import QuantizedTensor, unpack_int4
+
+GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+LOSSLESS = {(4, False): "Q4_1", (4, True): "Q4_0", (8, True): "Q8_0"}  # (bits, sym), groups of 32
+LOSSLESS_RECIPES = ("w4g32 (int4 g32 asym -> Q4_1), int4 g32 symmetric (-> Q4_0), int8 with "
+                    "group_size 32 (-> Q8_0), gguf-native from a Q4_0/Q4_1/Q8_0 GGUF")
+
+
+def check_plans(arch, plans) -> None:
+    """Raise QServeError unless every planned layer has an exact GGML type and llama.cpp
+    reads the architecture as qserve runs it."""
+    if arch.architecture not in GGUF_ARCH:
+        raise QServeError(f"GGUF export supports {', '.join(GGUF_ARCH)} models, not "
+                          f"{arch.architecture!r}")
+    kind = (arch.rope_scaling or {}).get("rope_type", "default")
+    if kind not in ("default", "linear", "llama3"):
+        raise QServeError(f"GGUF export: rope scaling {kind!r} is not written (default, "
+                          f"linear, llama3)")
+    for p in plans:
+        if p.scheme is None:
+            continue
+        if (p.scheme.bits, p.scheme.sym) not in LOSSLESS or p.group_size != 32 or p.shape[1] % 32:
+            raise QServeError(f"{p.name} would be {p.describe()}, which no GGUF type holds "
+                              f"exactly; GGUF export takes {LOSSLESS_RECIPES}")
+
+
+def check_replaceable(out: Path, src: Path) -> None:
+    """Raise unless `--force` may replace `out`: a GGUF file that is not the source."""
+    if out.resolve() == src.resolve():
+        raise QServeError(f"{out} is the source model; write the export somewhere else")
+    magic = b""
+    if out.is_file():
+        with open(out, "rb") as f:
+            magic = f.read(4)
+    if magic != b"GGUF":
+        raise QServeError(f"{out} exists and is not a GGUF file; --force only replaces a "
+                          f"GGUF. Remove it yourself or choose another path")
+
+
+def ggml_blocks(qt: QuantizedTensor) -> tuple[np.ndarray, str]:
+    """An int4/int8 g32 QuantizedTensor -> ((out, in / 32 * block_bytes) uint8 rows, type name):
+    the inverse of formats/ggml.repack, so codes, scales and offsets are the tensor's own."""
+    out, n_in = qt.shape
+    key = (qt.bits, qt.offsets is None)
+    assert qt.group_size == 32 and n_in == qt.padded_in and key in LOSSLESS, (qt.format, key)
+    fp16 = lambda t: t.contiguous().view(torch.uint8).view(out, -1, 2)  # noqa: E731  (out, G, 2)
+    head = [fp16(qt.scales)] + ([] if qt.offsets is None else [fp16(qt.offsets)])
+    if qt.bits == 8:
+        body = qt.qweight.view(torch.uint8).view(out, -1, 32)
+    else:  # a GGML Q4 block's byte j holds input j (low nibble) and j + 16 (high)
+        q = unpack_int4(qt.qweight).view(out, -1, 32)
+        body = q[..., :16] | (q[..., 16:] << 4)
+    rows = torch.cat(head + [body], dim=-1).reshape(out, -1)
+    return rows.numpy(), LOSSLESS[key]
+
+
+def permute_rows(n_rows: int, n_head: int) -> torch.Tensor:
+    """Row order llama.cpp keeps q/k in for llama (convert_hf_to_gguf's permute): within each
+    head the halves of HF's rotate-half layout interleave. (n_rows,) indices into HF rows."""
+    idx = torch.arange(n_rows)
+    return idx.reshape(n_head, 2, n_rows // n_head // 2).transpose(1, 2).reshape(-1)
+
+
+def export(out: Path, loaded, tensors: dict, plans) -> None:
+    """Write the GGUF `out` (atomically: a sibling temporary file renamed into place)."""
+    import gguf
+
+    from qserve.loader.gguf_loader import hf_names, llama3_rope_divisors, unpermute_rows
+
+    arch = loaded.arch
+    name = GGUF_ARCH[arch.architecture]
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    writer = gguf.GGUFWriter(str(tmp), name)
+    try:
+        _metadata(writer, arch, name, plans, loaded.path)
+        _tokenizer(writer, loaded)
+        if (arch.rope_scaling or {}).get("rope_type") == "llama3":  # as the converter bakes it
+            divisors = llama3_rope_divisors(arch.rope_scaling, arch.rope_theta, arch.head_dim)
+            writer.add_tensor("rope_freqs.weight", divisors.float().numpy())
+        for g_name, hf in hf_names(arch).items():
+            w = tensors[hf]
+            n_head = unpermute_rows(g_name, arch)
+            if isinstance(w, QuantizedTensor):
+                if n_head is not None:
+                    w = w.rows(permute_rows(w.shape[0], n_head))
+                if w.format in ("int4", "int8"):
+                    rows, type_name = ggml_blocks(w)
+                    writer.add_tensor(g_name, rows, raw_dtype=gguf.GGMLQuantizationType[type_name])
+                    continue
+                w = w.dequantize()
+            w = w.float() if w.dim() == 1 or w.dtype == torch.float32 else w.half()
+            if n_head is not None:
+                w = w[permute_rows(w.shape[0], n_head)]
+            writer.add_tensor(g_name, w.contiguous().numpy())
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(tmp, out)
+    except BaseException as e:
+        writer.close()
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise QServeError(f"cannot write {out}: {e.strerror or e}") from None
+        raise
+
+
+def _metadata(writer, arch, name: str, plans, source: Path) -> None:
+    """The hyperparameters convert_hf_to_gguf.py writes for these architectures."""
+    import gguf
+
+    writer.add_name(source.stem if source.is_file() else source.name)
+    types = [LOSSLESS[(p.scheme.bits, p.scheme.sym)] for p in plans if p.scheme is not None]
+    if types:  # the type most linears have, as llama-quantize labels a file
+        writer.add_file_type(gguf.LlamaFileType[f"MOSTLY_{max(set(types), key=types.count)}"])
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    writer.add_context_length(arch.max_position_embeddings)
+    writer.add_embedding_length(arch.hidden_size)
+    writer.add_block_count(arch.num_layers)
+    writer.add_feed_forward_length(arch.intermediate_size)
+    writer.add_head_count(arch.num_heads)
+    writer.add_head_count_kv(arch.num_kv_heads)
+    writer.add_rope_freq_base(arch.rope_theta)
+    writer.add_layer_norm_rms_eps(arch.rms_norm_eps)
+    writer.add_vocab_size(arch.vocab_size)
+    rot = int(arch.head_dim * arch.partial_rotary_factor)
+    if name == "llama" or rot != arch.head_dim:
+        writer.add_rope_dimension_count(rot)
+    if arch.head_dim != arch.hidden_size // arch.num_heads:
+        writer.add_key_length(arch.head_dim)
+        writer.add_value_length(arch.head_dim)
+    scaling = arch.rope_scaling or {}
+    if scaling.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(scaling["factor"])
+
+
+def _tokenizer(writer, loaded) -> None:
+    """From a GGUF source: its `tokenizer.*` keys as they are. From a Hugging Face directory
+    (or a qserve checkpoint): tokenizer.json (byte-level BPE) or tokenizer.model
+    (sentencepiece) through the gguf package's vocab readers, as the converter's fallbacks do."""
+    import gguf
+
+    path = Path(loaded.path)
+    if path.is_file():
+        reader = gguf.GGUFReader(str(path))
+        for key, field in reader.fields.items():
+            if key.startswith("tokenizer."):
+                sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+                writer.add_key_value(key, field.contents(), field.types[0], sub)
+        return
+    vocab = None
+    for cls in (gguf.vocab.BpeVocab, gguf.vocab.SentencePieceVocab):
+        try:
+            vocab = cls(path)
+            break
+        except (FileNotFoundError, ValueError, KeyError):
+            continue
+    if vocab is None:
+        raise QServeError(f"GGUF export: {path} has no byte-level BPE tokenizer.json or "
+                          f"sentencepiece tokenizer.model to write")
+    tokens, scores, types = [], [], []
+    for text, score, kind in vocab.all_tokens():
+        tokens.append(text)
+        scores.append(score)
+        types.append(kind)
+    pad = loaded.arch.vocab_size - len(tokens)  # embedding rows past the vocabulary
+    for i in range(max(pad, 0)):
+        tokens.append(f"[PAD{i}]".encode())
+        scores.append(-1000.0)
+        types.append(gguf.TokenType.UNUSED)
+    writer.add_tokenizer_model(vocab.tokenizer_model)
+    if vocab.tokenizer_model == "gpt2":
+        writer.add_tokenizer_pre("default")  # the converter's hash table of pre-tokenizers is
+        # not reproduced: llama.cpp then splits with its default GPT-2 regex
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    special = gguf.SpecialVocab(path, load_merges=vocab.tokenizer_model == "gpt2",
+                                n_vocab=len(tokens))
+    special.add_to_gguf(writer)
