@@ -8,14 +8,19 @@ decode speed of a random-weight 8B-shaped model built from them. Markdown tables
                                                  # TRITON_INTERPRET=1, tiny shapes, < 1 min
     python scripts/gpu_check.py --compile-only   # no GPU needed: compile every kernel variant
                                                  # the benchmarks launch, for sm_90 (--arch)
+    python scripts/gpu_check.py --sections gemm,decode --deadline 120
+                                                 # some sections (tests, copy, gemm, decode,
+                                                 # prefill, e2e); none starts after 120 s
+
+The run ends with a go / no-go summary: GO when every section that ran passed.
 
 Bandwidth is bytes the kernel must move (packed weights, scales, activations; K/V values and
 scales of the context) over its median time (`triton.testing.do_bench`), as a fraction of a
 device-to-device copy of 1 GiB measured in the same run (read + write bytes). Targets (issue 4):
 W4 GEMV >= 75% of copy and >= 3x torch fp16 at batch 1; int8-KV decode attention >= 70% at 8k.
 
-The end-to-end model is a layer loop written here over the kernels (qserve's
-LlamaForCausalLM does not dispatch to them yet): RMSNorm, fused QKV, KV write, decode
+The end-to-end model is a layer loop written here over the kernels alone (the engine's own
+decode, model code and CUDA graphs included, is scripts/gpu_e2e.py bench): RMSNorm, fused QKV, KV write, decode
 attention, output projection, fused gate/up, SiLU, down projection, fp16 embedding and LM
 head; no RoPE (elementwise, a few microseconds). Timed eagerly and as a replayed CUDA graph.
 In --tiny mode the times are the interpreter's and mean nothing; the mode checks the code.
@@ -35,19 +40,32 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 FAILURES: list[str] = []
+SECTIONS = ("tests", "copy", "gemm", "decode", "prefill", "e2e")
+SELECTED = set(SECTIONS)  # --sections
+DEADLINE: float | None = None  # --deadline: seconds from START after which no section starts
+START = time.monotonic()
+OUTCOMES: list[tuple[str, str]] = []  # (section, ok / FAILED / skipped ...) for the summary
 
 
-def section(title: str):
+def section(title: str, key: str):
     """Decorator: print the section's heading and elapsed time; a failure is reported and
-    remembered, and the run goes on to the next section."""
+    remembered, and the run goes on to the next section. A section not in --sections, or
+    reached after --deadline, is skipped."""
     def wrap(fn):
         def run(*args, **kwargs):
+            if key not in SELECTED:
+                return
+            if DEADLINE is not None and time.monotonic() - START > DEADLINE:
+                OUTCOMES.append((key, "skipped (deadline)"))
+                return
             print(f"\n## {title}\n", flush=True)
             t0 = time.perf_counter()
             try:
                 fn(*args, **kwargs)
+                OUTCOMES.append((key, "ok"))
             except Exception:  # noqa: BLE001 - one broken section must not hide the others
                 FAILURES.append(title)
+                OUTCOMES.append((key, "FAILED"))
                 print("```\n" + traceback.format_exc() + "```")
             print(f"\n({time.perf_counter() - t0:.1f} s)", flush=True)
         return run
@@ -189,7 +207,7 @@ def cache_bytes(cache, tokens: int) -> int:
 
 
 # ---- sections ----------------------------------------------------------------------------
-@section("Kernel tests")
+@section("Kernel tests", "tests")
 def run_tests(ctx: Ctx) -> None:
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
            str(REPO / "tests" / "test_triton_kernels.py"),
@@ -204,7 +222,7 @@ def run_tests(ctx: Ctx) -> None:
         raise RuntimeError("kernel tests failed")
 
 
-@section("Copy bandwidth")
+@section("Copy bandwidth", "copy")
 def measure_copy(ctx: Ctx) -> None:
     import torch
 
@@ -218,7 +236,7 @@ def measure_copy(ctx: Ctx) -> None:
           "(read + write); the 100% of the tables below")
 
 
-@section("Dequant GEMV / GEMM (`dequant_matmul`) vs torch fp16 `F.linear`")
+@section("Dequant GEMV / GEMM (`dequant_matmul`) vs torch fp16 `F.linear`", "gemm")
 def bench_gemm(ctx: Ctx) -> None:
     import torch
     import torch.nn.functional as F
@@ -248,7 +266,8 @@ def bench_gemm(ctx: Ctx) -> None:
         del weights
 
 
-@section("Paged attention, decode (`decode_attention`) vs torch SDPA on contiguous fp16 K/V")
+@section("Paged attention, decode (`decode_attention`) vs torch SDPA on contiguous fp16 K/V",
+         "decode")
 def bench_decode(ctx: Ctx) -> None:
     import torch
     import torch.nn.functional as F
@@ -277,7 +296,7 @@ def bench_decode(ctx: Ctx) -> None:
             del cache
 
 
-@section("Prefill attention (`prefill_attention`) and KV write (`write_kv`)")
+@section("Prefill attention (`prefill_attention`) and KV write (`write_kv`)", "prefill")
 def bench_prefill_and_write(ctx: Ctx) -> None:
     import torch
     import torch.nn.functional as F
@@ -376,7 +395,7 @@ class RandomLlama:
         return F.linear(self.rms_norm(h, self.norm), self.lm_head).argmax(-1)
 
 
-@section("End-to-end decode, random-weight Llama-3-8B-shaped model")
+@section("End-to-end decode, random-weight Llama-3-8B-shaped model", "e2e")
 def bench_e2e(ctx: Ctx) -> None:
     import torch
 
@@ -505,7 +524,25 @@ def main() -> int:
                     help="compile the kernels for a CUDA target without a GPU, then stop")
     ap.add_argument("--arch", type=int, default=90, help="compute capability for --compile-only")
     ap.add_argument("--skip-tests", action="store_true", help="skip the pytest run")
+    ap.add_argument("--sections", default=",".join(SECTIONS),
+                    help=f"comma-separated, of {', '.join(SECTIONS)} (copy runs whenever a "
+                         "benchmark does: they are reported against it)")
+    ap.add_argument("--deadline", type=float, default=None,
+                    help="seconds from start after which no further section starts")
     args = ap.parse_args()
+    global DEADLINE
+    DEADLINE = args.deadline
+    SELECTED.clear()
+    SELECTED.update(s.strip() for s in args.sections.split(",") if s.strip())
+    unknown = SELECTED - set(SECTIONS)
+    if unknown:
+        print(f"error: unknown section(s) {', '.join(sorted(unknown))}; choose from "
+              f"{', '.join(SECTIONS)}", file=sys.stderr)
+        return 2
+    if args.skip_tests:
+        SELECTED.discard("tests")
+    if SELECTED & {"gemm", "decode", "prefill", "e2e"}:
+        SELECTED.add("copy")
     if args.tiny:  # before triton is imported: triton.jit reads it when it decorates
         os.environ["TRITON_INTERPRET"] = "1"
     elif args.compile_only:
@@ -525,17 +562,20 @@ def main() -> int:
           f"\n\n{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; torch {torch.__version__}"
           f", triton {triton.__version__}")
     t0 = time.perf_counter()
-    if not args.skip_tests:
-        run_tests(ctx)
+    run_tests(ctx)
     measure_copy(ctx)
-    if ctx.copy_gbs is None:
-        return 1
-    bench_gemm(ctx)
-    bench_decode(ctx)
-    bench_prefill_and_write(ctx)
-    bench_e2e(ctx)
+    if ctx.copy_gbs is not None:
+        bench_gemm(ctx)
+        bench_decode(ctx)
+        bench_prefill_and_write(ctx)
+        bench_e2e(ctx)
     print(f"\nTotal {time.perf_counter() - t0:.0f} s. "
           + (f"FAILED: {', '.join(FAILURES)}" if FAILURES else "All sections ran."))
+    print("\n## Summary\n\n| section | outcome |\n|---|---|")
+    for key, outcome in OUTCOMES:
+        print(f"| {key} | {outcome} |")
+    verdict = "NO-GO: " + ", ".join(FAILURES) if FAILURES else "GO"
+    print(f"\n**{verdict}**")
     return 1 if FAILURES else 0
 
 

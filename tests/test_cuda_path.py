@@ -167,3 +167,33 @@ def test_cuda_graphs_only_on_cuda(monkeypatch):
     assert not cuda_graph.enabled(torch.device("cpu"))
     monkeypatch.setenv("QSERVE_CUDA_GRAPHS", "0")
     assert not cuda_graph.enabled(torch.device("cuda"))
+
+
+# ---- the GPU run's fixture and script -----------------------------------------------------
+def test_gpu_fixture_fits_a_device_run():
+    """.gpu/ (scripts/make_gpu_fixture.py) stays well under the 64 MiB a run may carry."""
+    import json
+
+    files = [f for f in (REPO / ".gpu").rglob("*") if f.is_file()]
+    assert sum(f.stat().st_size for f in files) < 45e6
+    ref = json.loads((REPO / ".gpu" / "reference.json").read_text())
+    assert set(ref["kv"]) == {"fp32", "int8", "int4"}
+    for outs in ref["kv"].values():
+        assert all(len(o["token_ids"]) == len(o["logprobs"]) == ref["max_tokens"] for o in outs)
+    assert (REPO / ".gpu" / "model" / "tokenizer.json").exists()
+
+
+def test_gpu_e2e_check_runs_on_cpu(tmp_path):
+    """scripts/gpu_e2e.py check on the CPU with the reference kernels: the fixture's own
+    path, so its greedy tokens must come back exactly (and gguf is blocked throughout)."""
+    import os
+
+    env = dict(os.environ, QSERVE_KERNELS="reference", QSERVE_HOME=str(tmp_path))
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_e2e.py"), "check",
+                        "--device", "cpu", "--dtypes", "fp32", "--kv", "fp32",
+                        "--cases", "greedy,chunked", "--max-tokens", "4"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "| greedy fp32 KV fp32 | PASS | 16/16 tokens" in r.stdout
+    assert "| chunked prefill | PASS |" in r.stdout
+    assert r.stdout.rstrip().splitlines()[-1].startswith("**GO**")

@@ -371,6 +371,19 @@ def test_write_kv(kv_dtype, dtype, T, hkv, d, codebook_seed):
         assert torch.equal(got, ref)
 
 
+@pytest.mark.parametrize("kv_dtype", [F16, torch.int8, torch.uint8])
+def test_write_kv_skips_padding_rows(kv_dtype):
+    """Slot -1 (a CUDA-graph batch's padding rows, engine/cuda_graph.py) writes nothing."""
+    cache = _poison(_empty_cache(3, 8, 2, 32, kv_dtype),
+                    torch.tensor([], dtype=torch.long, device=DEVICE))
+    expected = {n: t.clone() for n, t in cache.items()}
+    k = torch.randn(3, 2, 32, device=DEVICE).to(F16)
+    write_kv(k, k, cache, torch.tensor([-1, 5, -1], device=DEVICE))
+    ref_write_kv(k[1:2], k[1:2], expected, torch.tensor([5], device=DEVICE))
+    for name in cache:
+        assert torch.equal(cache[name].view(torch.uint8), expected[name].view(torch.uint8)), name
+
+
 def test_write_kv_launch_disables_fp_fusion(monkeypatch):
     """The int4 write must round (y - m) / s and q * s + m as torch does: a GPU compiler
     would otherwise fuse them into FMAs (one rounding), and codes near a tie would flip.
