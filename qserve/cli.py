@@ -761,20 +761,26 @@ def quantize(src, out, recipe, calib_text, force, fmt, as_json):
     """Quantize SRC (alias, .gguf, HF directory or ORG/NAME) into the qserve checkpoint OUT,
     which every command then loads like any model, or export it (--format) for llama.cpp or
     vLLM with the very same weights."""
-    from qserve.progress import bar as progress_bar
+    import contextlib
+
+    from qserve.progress import bar as progress_bar, spinner
     from qserve.quant.quantize import quantize as run_quantize
 
+    loading = contextlib.ExitStack()  # a spinner while the model loads, until the first step
+    loading.enter_context(spinner(f"loading {src}", disable=as_json))
     shown = None  # made at the first finished step, so an early error prints alone
 
     def progress(label: str, total: int) -> None:
         nonlocal shown
         if shown is None:
+            loading.close()
             shown = progress_bar(total, "quantize", unit="step", disable=as_json)
         shown.set_postfix_str(label)
         shown.update()
     try:
         summary = run_quantize(src, out, recipe, calib_text, force, progress, fmt)
     finally:
+        loading.close()
         if shown is not None:
             shown.close()
     if as_json:

@@ -113,10 +113,10 @@ def quantization_config(plans) -> dict:
             "config_groups": groups, "kv_cache_scheme": None}
 
 
-def export(out: Path, loaded, tensors: dict, plans) -> None:
-    """Write the directory `out` atomically (quantize's temporary sibling, then a rename)."""
+def export(out: Path, loaded, tensors: dict, plans, atomic_dir) -> None:
+    """Write the directory `out` through atomic_dir(out, write) (quantize's: a temporary
+    sibling, then a rename)."""
     from qserve.loader.checkpoint import WEIGHTS_FILE, hf_config, save_checkpoint
-    from qserve.quant.quantize import _write_atomically
 
     if not any(p.scheme is not None for p in plans):
         raise QServeError("the recipe keeps every linear dense: nothing to export quantized")
@@ -132,4 +132,4 @@ def export(out: Path, loaded, tensors: dict, plans) -> None:
     def write(tmp: Path) -> None:
         save_checkpoint(tmp, loaded.arch, loaded.tokenizer, flat, {})
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")  # not qserve's
-    _write_atomically(out, write)
+    atomic_dir(out, write)

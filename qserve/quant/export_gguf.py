@@ -87,8 +87,9 @@ def permute_rows(n_rows: int, n_head: int) -> torch.Tensor:
     return idx.reshape(n_head, 2, n_rows // n_head // 2).transpose(1, 2).reshape(-1)
 
 
-def export(out: Path, loaded, tensors: dict, plans) -> None:
-    """Write the GGUF `out` (atomically: a sibling temporary file renamed into place)."""
+def export(out: Path, loaded, tensors: dict, plans, atomic_dir=None) -> None:
+    """Write the GGUF `out` (atomically: a sibling temporary file renamed into place; one
+    file, so quantize's atomic_dir is not needed)."""
     import gguf
 
     from qserve.loader.gguf_loader import hf_names, llama3_rope_divisors, unpermute_rows

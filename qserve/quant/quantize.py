@@ -280,7 +280,7 @@ def quantize(src: str | None, out: str | Path, recipe: str | Path | None = None,
     quant = {"recipe": r.to_dict(), "kv_dtype": r.kv_dtype,
              "layers": {p.name: p.entry for p in plans if p.scheme is not None}}
     if exporter:
-        exporter.export(out, loaded, tensors, plans)
+        exporter.export(out, loaded, tensors, plans, atomic_dir=_write_atomically)
         return summary | {"format": fmt}
     _write_atomically(out, lambda tmp: _save(tmp, loaded, tensors, quant))
     return summary
