@@ -1,20 +1,31 @@
 """Serving benchmark: N concurrent streaming clients against `qserve serve` and, in the same
-run, against llama.cpp's server on the same GGUF. Prints one row per server and client count.
+run, against llama.cpp's own `llama-server` on the same GGUF. Prints one row per server,
+workload and client count.
 
-    python scripts/bench_serving.py --clients 1,16 --requests-per-client 2
+    python scripts/bench_serving.py --clients 1,4,16,64 --requests-per-client 4
+    python scripts/bench_serving.py --clients 1 --requests-per-client 2 --output-len 8 \
+        --structured-clients 1          # a smoke test
 
-Each client sends its requests one after another (a closed loop) to /v1/completions with
-stream=true, temperature 0 and ignore_eos, so both servers produce the requested lengths.
-Prompt and output lengths are drawn uniformly from --input-len and --output-len (same draws
-for every server). Output tokens are counted by re-tokenizing each streamed text with the
-model's tokenizer, identically for both servers.
+The peer is llama.cpp's `llama-server` built natively by scripts/peer.py, with continuous
+batching over one shared KV pool: `-np 16 -kvu -c 16384 -t 2` (--llama-parallel, --llama-ctx,
+--threads). qserve serves the same file at its own precision. Each server is started once and
+runs every client count.
+
+Workloads (closed loop: each client sends its requests one after another, streaming):
+    text   /v1/completions, temperature 0, ignore_eos, prompt and output lengths drawn
+           uniformly from --input-len / --output-len (same draws for every server)
+    json   /v1/chat/completions with response_format json_schema (nested objects, enums),
+           temperature 0; each answer is parsed and validated: `valid_pct`
+    twin   the json workload's prompts without the schema, ignore_eos, each request as long as
+           its json answer was: the same decode work unconstrained. The masking overhead is
+           json TPOT p50 / twin TPOT p50 - 1 (llama-server's grammar, or qserve's xgrammar).
+Output tokens are counted by re-tokenizing each streamed text with the model's tokenizer,
+identically for both servers.
 
     TTFT  request sent -> first text chunk            (client side, includes queueing)
     TPOT  (last chunk - first chunk) / (tokens - 1)   per request
 
-The peer is `llama-server` (llama.cpp, continuous batching with --parallel N) when it is on
-PATH, else llama-cpp-python's `llama_cpp.server` (pip install 'llama-cpp-python[server]'),
-which serves one request at a time. Needs httpx.
+Needs httpx (and jsonschema for the json workload).
 """
 from __future__ import annotations
 
@@ -23,7 +34,6 @@ import asyncio
 import json
 import os
 import random
-import shutil
 import signal
 import socket
 import subprocess
@@ -36,9 +46,37 @@ import httpx
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
 os.environ.setdefault("QSERVE_HOME", str(REPO / ".cache" / "qserve"))
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly judge every "
          "boxing match in the old town square near river banks and tall green hills").split()
+
+
+# The structured workload's schema: nested objects, enums, bounded strings and array.
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "plan": {"enum": ["free", "pro", "team"]},
+        "address": {"type": "object",
+                    "properties": {"city": {"type": "string", "maxLength": 16},
+                                   "country": {"enum": ["FR", "DE", "US", "JP"]}},
+                    "required": ["city", "country"], "additionalProperties": False},
+        "orders": {"type": "array", "maxItems": 3, "items": {
+            "type": "object",
+            "properties": {"item": {"enum": ["book", "lamp", "desk"]},
+                           "quantity": {"type": "integer", "minimum": 1, "maximum": 9}},
+            "required": ["item", "quantity"], "additionalProperties": False}},
+    },
+    "required": ["name", "plan", "address", "orders"],
+    "additionalProperties": False,
+}
+
+
+@dataclass
+class Request:
+    path: str  # /v1/completions or /v1/chat/completions
+    body: dict
 
 
 @dataclass
@@ -47,6 +85,7 @@ class Result:
     tpot: float | None
     tokens: int
     latency: float
+    text: str
 
 
 def free_port() -> int:
@@ -55,17 +94,40 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_workload(tokenizer, n: int, input_len: tuple[int, int], output_len: tuple[int, int],
-                  seed: int) -> list[tuple[str, int]]:
-    """n (prompt, max_tokens) pairs; each prompt is exactly its drawn length in tokens."""
+def text_workload(tokenizer, n: int, input_len: tuple[int, int], output_len: tuple[int, int],
+                  seed: int) -> list[Request]:
+    """n completions; each prompt is exactly its drawn length in tokens."""
     rng = random.Random(seed)
     work = []
     for _ in range(n):
         want = rng.randint(*input_len)
         text = " ".join(rng.choice(WORDS) for _ in range(want * 2))
         ids = tokenizer.encode(text, add_special_tokens=False)[:want]
-        work.append((tokenizer.decode(ids), rng.randint(*output_len)))
+        work.append(Request("/v1/completions", {
+            "prompt": tokenizer.decode(ids), "max_tokens": rng.randint(*output_len),
+            "temperature": 0, "ignore_eos": True}))
     return work
+
+
+def json_workload(n: int, max_tokens: int, seed: int) -> list[Request]:
+    """n chat requests for a customer record that must follow SCHEMA."""
+    rng = random.Random(seed)
+    fmt = {"type": "json_schema", "json_schema": {"name": "customer", "schema": SCHEMA,
+                                                  "strict": True}}
+    return [Request("/v1/chat/completions", {
+        "messages": [{"role": "user", "content": f"Invent customer number {rng.randint(1, 999)} "
+                                                 f"of a {rng.choice(WORDS)} shop, as JSON."}],
+        "max_tokens": max_tokens, "temperature": 0, "response_format": fmt}) for _ in range(n)]
+
+
+def twin_workload(json_work: list[Request], results: list[Result]) -> list[Request]:
+    """The json requests unconstrained, each forced to its json answer's length."""
+    twins = []
+    for req, res in zip(json_work, results):
+        body = {k: v for k, v in req.body.items() if k != "response_format"}
+        twins.append(Request(req.path, body | {"max_tokens": max(res.tokens, 2),
+                                               "ignore_eos": True}))
+    return twins
 
 
 class Process:
@@ -97,68 +159,72 @@ class Process:
         self._log.close()
 
 
-def start_qserve(gguf: str, port: int, clients: int, args, log: Path) -> Process:
+def start_qserve(gguf: str, port: int, args, log: Path) -> Process:
     argv = [sys.executable, "-m", "qserve", "serve", gguf, "--port", str(port),
             "--served-model-name", "bench", "--max-model-len", str(args.ctx),
             *args.qserve_flags.split()]
     return Process("qserve", argv, f"http://127.0.0.1:{port}", log)
 
 
-def start_llama(gguf: str, port: int, clients: int, args, log: Path) -> Process:
-    server = shutil.which("llama-server")
-    if server:  # llama.cpp's own server: continuous batching over `clients` slots
-        argv = [server, "-m", gguf, "--port", str(port), "--alias", "bench",
-                "-c", str(args.ctx * clients), "--parallel", str(clients),
-                "-t", str(args.threads), "--cont-batching"]
-        name = "llama-server"
-    else:
-        argv = [sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--port", str(port),
-                "--model_alias", "bench", "--n_ctx", str(args.ctx),
-                "--n_threads", str(args.threads), "--n_threads_batch", str(args.threads),
-                "--interrupt_requests", "False"]  # queue concurrent requests, don't cut them
-        name = "llama_cpp.server"
-    return Process(name, argv, f"http://127.0.0.1:{port}", log)
+def start_llama(gguf: str, port: int, args, log: Path) -> Process:
+    """llama.cpp's server: continuous batching over --llama-parallel slots sharing one KV pool
+    of --llama-ctx tokens (-kvu)."""
+    import peer
+
+    try:
+        server = str(peer.binary("llama-server"))
+    except peer.PeerError as e:
+        sys.exit(f"error: no llama-server: {e} (build it with `python scripts/peer.py`)")
+    argv = [server, "-m", gguf, "--port", str(port), "--alias", "bench",
+            "-np", str(args.llama_parallel), "-kvu", "-c", str(args.llama_ctx),
+            "-t", str(args.threads)]
+    return Process("llama-server", argv, f"http://127.0.0.1:{port}", log)
 
 
-async def one_request(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int,
-                      tokenizer) -> Result:
-    body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "ignore_eos": True}
+async def one_request(client: httpx.AsyncClient, url: str, req: Request, tokenizer) -> Result:
+    chat = req.path.endswith("/chat/completions")
+    body = {"model": "bench", "stream": True, **req.body}
     start = time.perf_counter()
     first = last = None
     pieces = []
-    async with client.stream("POST", url + "/v1/completions", json=body) as r:
-        r.raise_for_status()
+    async with client.stream("POST", url + req.path, json=body) as r:
+        if r.status_code != 200:
+            sys.exit(f"error: {url}{req.path} answered {r.status_code}: "
+                     f"{(await r.aread())[:300]!r}")
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
-            text = "".join(c.get("text") or "" for c in chunk.get("choices", []))
+            text = "".join(((c.get("delta") or {}).get("content") if chat else c.get("text"))
+                           or "" for c in chunk.get("choices", []))
             if text:
                 last = time.perf_counter()
                 first = first or last
                 pieces.append(text)
     end = time.perf_counter()
-    n = len(tokenizer.encode("".join(pieces), add_special_tokens=False))
+    text = "".join(pieces)
+    n = len(tokenizer.encode(text, add_special_tokens=False))
     first = first or end
     tpot = (last - first) / (n - 1) if n > 1 and last is not None else None
-    return Result(first - start, tpot, n, end - start)
+    return Result(first - start, tpot, n, end - start, text)
 
 
-async def run_load(url: str, work: list[tuple[str, int]], clients: int, tokenizer):
-    queue = list(reversed(work))
-    results: list[Result] = []
+async def run_load(url: str, work: list[Request], clients: int, tokenizer
+                   ) -> tuple[list[Result], float]:
+    """Results in the order of `work`, and the wall time."""
+    queue = list(reversed(list(enumerate(work))))
+    results: list[Result | None] = [None] * len(work)
 
     async def client_loop(client):
         while queue:
-            prompt, max_tokens = queue.pop()
-            results.append(await one_request(client, url, prompt, max_tokens, tokenizer))
+            i, req = queue.pop()
+            results[i] = await one_request(client, url, req, tokenizer)
 
     async with httpx.AsyncClient(timeout=None) as client:
         start = time.perf_counter()
         await asyncio.gather(*(client_loop(client) for _ in range(clients)))
         wall = time.perf_counter() - start
-    return results, wall
+    return results, wall  # type: ignore[return-value]
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -170,23 +236,42 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
-def row(name: str, clients: int, results: list[Result], wall: float) -> dict:
+def valid_pct(results: list[Result]) -> float:
+    import jsonschema
+
+    ok = 0
+    for r in results:
+        try:
+            jsonschema.validate(json.loads(r.text), SCHEMA)
+            ok += 1
+        except (ValueError, jsonschema.ValidationError):
+            pass
+    return 100 * ok / max(len(results), 1)
+
+
+def row(name: str, workload: str, clients: int, results: list[Result], wall: float) -> dict:
     ttft = [r.ttft for r in results]
     tpot = [r.tpot for r in results if r.tpot is not None]
     tokens = sum(r.tokens for r in results)
-    return {"server": name, "clients": clients, "requests": len(results),
-            "req_per_s": len(results) / wall, "out_tok_per_s": tokens / wall,
+    return {"server": name, "workload": workload, "clients": clients,
+            "requests": len(results), "req_per_s": len(results) / wall,
+            "out_tok_per_s": tokens / wall,
             "ttft_p50_ms": 1000 * percentile(ttft, 50), "ttft_p99_ms": 1000 * percentile(ttft, 99),
-            "tpot_p50_ms": 1000 * percentile(tpot, 50), "tpot_p99_ms": 1000 * percentile(tpot, 99)}
+            "tpot_p50_ms": 1000 * percentile(tpot, 50), "tpot_p99_ms": 1000 * percentile(tpot, 99),
+            "valid_pct": valid_pct(results) if workload == "json" else "",
+            "mask_overhead_pct": ""}
+
+
+COLS = ["server", "workload", "clients", "requests", "req_per_s", "out_tok_per_s",
+        "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "valid_pct",
+        "mask_overhead_pct"]
 
 
 def format_table(rows: list[dict]) -> str:
-    cols = ["server", "clients", "requests", "req_per_s", "out_tok_per_s", "ttft_p50_ms",
-            "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms"]
-    cells = [[f"{r[c]:.2f}" if isinstance(r[c], float) else str(r[c]) for c in cols]
+    cells = [[f"{r[c]:.2f}" if isinstance(r[c], float) else str(r[c]) for c in COLS]
              for r in rows]
-    widths = [max(len(c), *(len(line[i]) for line in cells)) for i, c in enumerate(cols)]
-    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(cols, widths)) + " |",
+    widths = [max(len(c), *(len(line[i]) for line in cells)) for i, c in enumerate(COLS)]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(COLS, widths)) + " |",
              "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
     lines += ["| " + " | ".join(v.ljust(w) for v, w in zip(line, widths)) + " |"
               for line in cells]
@@ -198,15 +283,57 @@ def span(text: str) -> tuple[int, int]:
     return int(lo), int(hi or lo)
 
 
+def counts(text: str) -> list[int]:
+    return [int(c) for c in text.split(",") if c.strip()]
+
+
+def bench_server(proc: Process, args, tokenizer) -> list[dict]:
+    """Every client count of the text workload, then of the json workload and its twin."""
+    rows = []
+
+    def record(r: dict) -> None:
+        rows.append(r)
+        print(format_table([r]).splitlines()[-1], file=sys.stderr)
+
+    warm = text_workload(tokenizer, 1, args.input_len, args.output_len, args.seed)
+    asyncio.run(run_load(proc.url, warm, 1, tokenizer))
+    for clients in counts(args.clients):
+        work = text_workload(tokenizer, clients * args.requests_per_client, args.input_len,
+                             args.output_len, args.seed)
+        results, wall = asyncio.run(run_load(proc.url, work, clients, tokenizer))
+        record(row(proc.name, "text", clients, results, wall))
+    for clients in counts(args.structured_clients):
+        work = json_workload(clients * args.requests_per_client, args.json_max_tokens,
+                             args.seed)
+        results, wall = asyncio.run(run_load(proc.url, work, clients, tokenizer))
+        structured = row(proc.name, "json", clients, results, wall)
+        twins, wall = asyncio.run(run_load(proc.url, twin_workload(work, results), clients,
+                                           tokenizer))
+        twin = row(proc.name, "twin", clients, twins, wall)
+        if structured["tpot_p50_ms"] == structured["tpot_p50_ms"] and twin["tpot_p50_ms"]:
+            structured["mask_overhead_pct"] = 100 * (
+                structured["tpot_p50_ms"] / twin["tpot_p50_ms"] - 1)
+        record(structured)
+        record(twin)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="GGUF path [default: the default model's]")
-    ap.add_argument("--clients", default="16", help="comma-separated client counts")
-    ap.add_argument("--requests-per-client", type=int, default=2)
+    ap.add_argument("--clients", default="1,4,16,64", help="comma-separated client counts")
+    ap.add_argument("--structured-clients", default="1,16",
+                    help="client counts for the json workload ('' to skip it)")
+    ap.add_argument("--requests-per-client", type=int, default=4)
     ap.add_argument("--input-len", type=span, default=(32, 256), help="LO,HI tokens")
     ap.add_argument("--output-len", type=span, default=(16, 96), help="LO,HI tokens")
-    ap.add_argument("--ctx", type=int, default=1024, help="context per request")
-    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="llama.cpp threads")
+    ap.add_argument("--json-max-tokens", type=int, default=200,
+                    help="max_tokens of a json request (the schema ends well before)")
+    ap.add_argument("--ctx", type=int, default=1024, help="qserve's --max-model-len")
+    ap.add_argument("--llama-parallel", type=int, default=16, help="llama-server -np")
+    ap.add_argument("--llama-ctx", type=int, default=16384,
+                    help="llama-server -c: one KV pool for all slots (-kvu)")
+    ap.add_argument("--threads", type=int, default=2, help="llama-server -t")
     ap.add_argument("--qserve-flags", default="--kv-cache-memory 1GiB",
                     help="extra `qserve serve` flags")
     ap.add_argument("--servers", default="qserve,llama.cpp")
@@ -223,18 +350,15 @@ def main() -> None:
     logs = REPO / ".cache" / "bench_serving"
     logs.mkdir(parents=True, exist_ok=True)
     rows = []
-    for clients in (int(c) for c in args.clients.split(",")):
-        work = make_workload(tokenizer, clients * args.requests_per_client, args.input_len,
-                             args.output_len, args.seed)
-        for key in args.servers.split(","):
-            proc = starters[key](gguf, free_port(), clients, args, logs / f"{key}.log")
-            try:
-                asyncio.run(run_load(proc.url, work[:1], 1, tokenizer))  # warm-up
-                results, wall = asyncio.run(run_load(proc.url, work, clients, tokenizer))
-            finally:
-                proc.stop()
-            rows.append(row(proc.name, clients, results, wall))
-            print(format_table(rows[-1:]).splitlines()[-1], file=sys.stderr)
+    for key in args.servers.split(","):
+        if key not in starters:
+            sys.exit(f"error: --servers: {key!r} is not one of {', '.join(starters)}")
+        proc = starters[key](gguf, free_port(), args, logs / f"{key}.log")
+        try:
+            rows += bench_server(proc, args, tokenizer)
+        finally:
+            proc.stop()
+    rows.sort(key=lambda r: (r["workload"] != "text", r["workload"], r["clients"]))
     print(format_table(rows))
     if args.json:
         for r in rows:
