@@ -129,7 +129,7 @@ def speculative_flags(f):
 def engine_flags(f=None, *, only: tuple[str, ...] | None = None):
     """Add the engine flags to a command; it receives them as one dict, `engine`, keyed by
     `engine_config()` field names (with the speculative flags, when the command has them).
-    `only`: the flags (by their --long-name) a command that does not run a model uses."""
+    `only`: the flags (by their --long-name) of a command that uses only some (info, eval)."""
     if f is None:
         return functools.partial(engine_flags, only=only)
 
