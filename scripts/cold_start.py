@@ -1,12 +1,14 @@
-"""Cold start of `qserve chat` to its first reply token, and where the time goes.
+"""Cold start of `qserve chat` to its first reply token and of `qserve serve` to its first
+healthy answer, and where the time goes.
 
     python scripts/cold_start.py [--model MODEL] [--runs 3]
 
 First the real thing: `echo Hi | qserve chat --max-tokens 1` in a fresh process, `--runs`
-times (wall seconds and peak RSS; the target is <= 5 s on the default model). Then one
-in-process run split into phases (imports, model resolution, reading and repacking weights,
-the KV pool, the first prefill), with wall and CPU seconds each. Run it on a quiet machine:
-on a busy one the numbers mean little.
+times (wall seconds and peak RSS), and `qserve serve` until GET /health answers 200 (the
+targets are <= 5 s each on the default model). Then one in-process run split into phases
+(imports, model resolution, reading and repacking weights, the KV pool, the first prefill),
+with wall and CPU seconds each. Run it on a quiet machine: on a busy one the numbers mean
+little.
 """
 from __future__ import annotations
 
@@ -32,6 +34,32 @@ def end_to_end(model: str | None, runs: int) -> list[tuple[float, float]]:
         rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # the largest child so far
         out.append((wall, max(rss, before) / 1024))
     return out
+
+
+def serve_ready(model: str | None) -> float:
+    """Seconds from starting `qserve serve` on a free port to GET /health answering 200."""
+    import socket
+    import urllib.request
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "qserve", "serve", "--port", str(port)]
+    cmd += [model] if model else []
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while proc.poll() is None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+                    if r.status == 200:
+                        return time.perf_counter() - t0
+            except OSError:
+                time.sleep(0.05)
+        sys.exit(f"qserve serve exited with status {proc.returncode}")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
 
 
 def phases(model: str | None) -> list[tuple[str, float, float]]:
@@ -93,6 +121,7 @@ def main() -> None:
     print("|---|---|---|")
     for i, (wall, rss) in enumerate(end_to_end(args.model, args.runs), 1):
         print(f"| {i} | {wall:.2f} | {rss:,.0f} |")
+    print(f"\nqserve serve until /health is 200: {serve_ready(args.model):.2f} s")
     rows = phases(args.model)
     print("\n| phase (one run, in process) | wall s | CPU s |")
     print("|---|---|---|")
