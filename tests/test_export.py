@@ -52,13 +52,17 @@ def recipe_file(root: Path, name: str) -> Path:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
+    return make_tiny(tmp_path_factory.mktemp("tiny"), "llama")
+
+
+def make_tiny(path: Path, family: str) -> Path:
     """A random-init transformers Llama with a byte-level BPE tokenizer trained here, on
     ASCII only: every token is whole UTF-8 text (llama-server reports no probabilities for a
     token that ends inside a character)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-    path = tmp_path_factory.mktemp("tiny")
+    path.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -72,11 +76,19 @@ def tiny(tmp_path_factory) -> Path:
     (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>",
                                                             "eos_token": "</s>"}))
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=128,
-                         intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=128, bos_token_id=0,
-                         eos_token_id=1, tie_word_embeddings=False, initializer_range=0.1)
-    LlamaForCausalLM(config).save_pretrained(path)
+    common = dict(vocab_size=tok.get_vocab_size(), hidden_size=128, intermediate_size=256,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=128, bos_token_id=0, eos_token_id=1,
+                  tie_word_embeddings=False, initializer_range=0.1)
+    config = {"llama": lambda: LlamaConfig(**common),
+              "qwen2": lambda: Qwen2Config(**common, use_sliding_window=False),  # q/k/v biases
+              "qwen3": lambda: Qwen3Config(**common, head_dim=64)}[family]()  # q/k norms
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # biases and norms away from their 0 / 1 init
+        for name, param in model.named_parameters():
+            if param.ndim == 1:
+                param.add_(torch.randn_like(param) * 0.3)
+    model.save_pretrained(path)
     return path
 
 
@@ -234,6 +246,17 @@ def test_llama_cpp_completes_the_default_model_export_as_qserve(tmp_path, defaul
     for prompt in ("The capital of France is", "def fibonacci(n):"):
         ids = tok.encode(prompt)
         assert_same_greedy(llama_cpp_greedy(out, ids, 16), qserve_greedy(out, ids, 16), 8)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_gguf_export_of_other_families(family, tmp_path):
+    """Qwen2 (q/k/v biases, HF's q/k row order) and Qwen3 (q/k norms, head_dim 64 with
+    hidden 128 / 4 heads): read back bit for bit, and llama.cpp agrees."""
+    src, ckpt, out = make_tiny(tmp_path / "src", family), tmp_path / "ckpt", tmp_path / "m.gguf"
+    quantize(str(src), ckpt, "w4g32")
+    quantize(str(ckpt), out, "w4g32", fmt="gguf")
+    same_weights(load_model(ckpt).weights, load_model(out).weights)
+    assert_same_greedy(llama_cpp_greedy(out, PROMPT, 16), qserve_greedy(out, PROMPT, 16), 2)
 
 
 @pytest.mark.parametrize("name", ["w4g32", "w4g32-sym", "w8g32"])
