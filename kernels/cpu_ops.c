@@ -441,94 +441,50 @@ static inline void f32_rows(const float *w, int64_t K, const float *x, const int
 }
 #endif
 
-/* y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) for int4 weights: x (M, K) fp32 with row
- * stride ldx, K <= Kp, y (M, N) with row stride ldy. Parallel over weight rows; each row is
- * read once per MT activation rows. */
-static void q4_matmul(const float *x, int64_t M, int64_t K, int64_t ldx,
-                      const uint8_t *qw, const half *scales, const half *offsets,
-                      int64_t N, int64_t Kp, int64_t group_size,
-                      const float *bias, float *y, int64_t ldy, int i8, int nthreads)
+/* y[m, n] = sum_k x[m, k] * w[n, k] (+ bias) for qserve's packed int4 or int8 W: x (M, K) fp32
+ * with row stride ldx, K <= Kp, y (M, N) with row stride ldy. Parallel over weight rows; each
+ * row is read once per MT (fp32) or MTI (int8) activation rows. int8 activations need whole
+ * 32-input chunks inside each group (always so for int4); else the fp32 kernels run. */
+static void packed_matmul(const wdesc *W, const float *x, int64_t M, int64_t ldx, float *y,
+                          int64_t ldy, int i8, int nthreads)
 {
-    const int64_t nchunk = Kp / CHUNK, G = Kp / group_size, per_group = group_size / CHUNK;
+    const int four = W->kind == KIND_INT4;
+    const int64_t Kp = W->Kp, gs = W->group_size, G = Kp / gs, nchunk = Kp / CHUNK;
+    const int64_t row_bytes = four ? Kp / 2 : Kp;
 #ifdef HAVE_I8_PATH
     qacts a = {0};
-    if (i8)
-        a = quantize_activations(x, M, K, ldx, Kp, 1, 0, nthreads);
+    i8 = i8 && Kp % CHUNK == 0 && gs % CHUNK == 0;
+    if (i8) /* int4 activations are chunk-permuted like its nibbles (pack_activations) */
+        a = quantize_activations(x, M, W->K, ldx, Kp, four, 0, nthreads);
 #else
     i8 = 0;
 #endif
-    float *xp = i8 ? NULL : pack_activations(x, M, K, ldx, Kp, 1);
+    float *xp = i8 ? NULL : pack_activations(x, M, W->K, ldx, Kp, four);
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, ROW_ITEM)
-    for (int64_t n = 0; n < N; n++) {
-        const uint8_t *row = qw + n * (Kp / 2);
-        const half *sc = scales + n * G, *of = offsets ? offsets + n * G : NULL;
+    for (int64_t n = 0; n < W->N; n++) {
+        const uint8_t *row = (const uint8_t *)W->w + n * row_bytes;
+        const half *sc = W->scales + n * G, *of = W->offsets ? W->offsets + n * G : NULL;
         const int64_t tile = i8 ? MTI : MT;
         for (int64_t m0 = 0; m0 < M; m0 += tile) {
             float res[MTI];
             const int mt = M - m0 < tile ? (int)(M - m0) : (int)tile;
 #ifdef HAVE_I8_PATH
             if (i8) {
-                #define CALL(k) q4_row_i8(row, sc, of, nchunk, per_group, &a, m0, Kp, k, res)
+#define CALL(k) (four ? q4_row_i8(row, sc, of, nchunk, gs / CHUNK, &a, m0, Kp, k, res) \
+                      : q8_row_i8((const int8_t *)row, sc, nchunk, gs, &a, m0, Kp, k, res))
                 FOR_EACH_MTI(mt, CALL);
-                #undef CALL
+#undef CALL
             } else
 #endif
             {
                 const float *xm = xp + m0 * Kp;
-                #define CALL(k) q4_row(row, sc, of, nchunk, per_group, xm, Kp, k, res)
+#define CALL(k) (four ? q4_row(row, sc, of, nchunk, gs / CHUNK, xm, Kp, k, res) \
+                      : q8_row((const int8_t *)row, sc, Kp, gs, xm, Kp, k, res))
                 FOR_EACH_MT(mt, CALL);
-                #undef CALL
+#undef CALL
             }
             for (int i = 0; i < mt; i++)
-                y[(m0 + i) * ldy + n] = res[i] + (bias ? bias[n] : 0.f);
-        }
-    }
-#ifdef HAVE_I8_PATH
-    if (i8)
-        free_activations(a);
-#endif
-    free(xp);
-}
-
-/* The same for int8 weights (symmetric, w = q * scale, groups of group_size along K). */
-static void q8_matmul(const float *x, int64_t M, int64_t K, int64_t ldx,
-                      const int8_t *qw, const half *scales,
-                      int64_t N, int64_t Kp, int64_t group_size,
-                      const float *bias, float *y, int64_t ldy, int i8, int nthreads)
-{
-    const int64_t G = Kp / group_size, nchunk = Kp / CHUNK;
-#ifdef HAVE_I8_PATH
-    qacts a = {0};
-    i8 = i8 && Kp % CHUNK == 0 && group_size % CHUNK == 0;
-    if (i8)
-        a = quantize_activations(x, M, K, ldx, Kp, 0, 0, nthreads);
-#else
-    i8 = 0;
-#endif
-    float *xp = i8 ? NULL : pack_activations(x, M, K, ldx, Kp, 0);
-#pragma omp parallel for num_threads(nthreads) schedule(dynamic, ROW_ITEM)
-    for (int64_t n = 0; n < N; n++) {
-        const int8_t *row = qw + n * Kp;
-        const half *sc = scales + n * G;
-        const int64_t tile = i8 ? MTI : MT;
-        for (int64_t m0 = 0; m0 < M; m0 += tile) {
-            float res[MTI];
-            const int mt = M - m0 < tile ? (int)(M - m0) : (int)tile;
-#ifdef HAVE_I8_PATH
-            if (i8) {
-                #define CALL(k) q8_row_i8(row, sc, nchunk, group_size, &a, m0, Kp, k, res)
-                FOR_EACH_MTI(mt, CALL);
-                #undef CALL
-            } else
-#endif
-            {
-                const float *xm = xp + m0 * Kp;
-                #define CALL(k) q8_row(row, sc, Kp, group_size, xm, Kp, k, res)
-                FOR_EACH_MT(mt, CALL);
-                #undef CALL
-            }
-            for (int i = 0; i < mt; i++)
-                y[(m0 + i) * ldy + n] = res[i] + (bias ? bias[n] : 0.f);
+                y[(m0 + i) * ldy + n] = res[i] + (W->bias ? W->bias[n] : 0.f);
         }
     }
 #ifdef HAVE_I8_PATH
@@ -1259,12 +1215,8 @@ int wmatmul(const wdesc *W, const float *x, int64_t M, int64_t ldx, float *y, in
         f32_matmul(x, M, W->K, ldx, W->w, W->N, W->bias, y, ldy, nthreads);
         return 0;
     case KIND_INT4:
-        q4_matmul(x, M, W->K, ldx, W->w, W->scales, W->offsets, W->N, W->Kp, W->group_size,
-                  W->bias, y, ldy, i8, nthreads);
-        return 0;
     case KIND_INT8:
-        q8_matmul(x, M, W->K, ldx, W->w, W->scales, W->N, W->Kp, W->group_size, W->bias, y, ldy,
-                  i8, nthreads);
+        packed_matmul(W, x, M, ldx, y, ldy, i8, nthreads);
         return 0;
     case KIND_F16:
     case KIND_BF16:
