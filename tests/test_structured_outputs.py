@@ -331,3 +331,39 @@ def test_bad_structures_are_openai_400s(served, body, param):
 def test_tools_on_completions_is_a_400(served):
     r = _post(served, "/v1/completions", {"model": MODEL, "prompt": "hi", "tools": [WEATHER]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+
+
+def test_prefetched_masks_equal_masks_filled_on_demand():
+    """prefetch (the output thread, during the forward pass) fills the same masks `mask` would;
+    a prefetched mask is never used for a different output of the same length (a sibling
+    sample that diverged, or a rollback)."""
+    from qserve.loader import load_tokenizer
+    from qserve.server.structured import Grammars, Structure
+
+    tok = load_tokenizer(None)
+    grammars = Grammars(tok, 49152)
+    structure = Structure(grammar=("json_schema", json.dumps(PERSON)))
+    ids = tok.encode('{"name": "Ann", "role": "admin", "address": {"city": "Lyon", '
+                     '"country": "FR"}, "active": true}', add_special_tokens=False)
+    other = tok.encode('{"name": "Bob", "role": "viewer"', add_special_tokens=False)
+    logits = torch.randn(2, 49152)
+
+    def masked(constraint, outs):
+        x = logits[:len(outs)].clone()
+        constraint.mask(x, outs)
+        return x
+
+    ahead, fresh = grammars.constraint(structure), grammars.constraint(structure)
+    for k in range(1, len(ids) + 1):
+        ahead.prefetch([ids[:k]])
+        assert torch.equal(masked(ahead, [ids[:k]]), masked(fresh, [ids[:k]])), k
+    assert torch.isinf(masked(fresh, [ids])[0]).sum() > 49000  # only EOS is left
+    # a prefetch for one output, then a different output of the same length
+    n = min(len(ids), len(other)) - 1
+    a, b = ids[:n], other[:n]
+    assert a != b
+    ahead.prefetch([a])
+    assert torch.equal(masked(ahead, [b]), masked(grammars.constraint(structure), [b]))
+    # two samples at once, prefetched then asked in the other order
+    ahead.prefetch([a, b])
+    assert torch.equal(masked(ahead, [b, a]), masked(grammars.constraint(structure), [b, a]))

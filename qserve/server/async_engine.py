@@ -184,7 +184,23 @@ class AsyncEngine:
                         self.abort(out.request_id)
                         self._deliver_error(out.request_id, EngineStopped("internal error"))
 
+    def _prefetch_masks(self, raw: list[RequestOutput]) -> None:
+        """Fill the grammar masks of the constrained samples' next tokens now, while the engine
+        thread runs the forward pass that precedes them (GrammarConstraint.prefetch)."""
+        groups: dict[int, tuple] = {}
+        for out in raw:
+            req = self.processor.requests.get(out.request_id)
+            constraint = req.params.constraint if req is not None else None
+            if constraint is None or not hasattr(constraint, "prefetch"):
+                continue
+            live = [c.token_ids for c in out.outputs if c.finish_reason is None]
+            groups.setdefault(id(constraint), (constraint, []))[1].extend(live)
+        for constraint, outputs in groups.values():
+            if outputs:
+                constraint.prefetch(outputs)
+
     def _deliver(self, raw: list[RequestOutput]) -> None:
+        self._prefetch_masks(raw)
         outputs = []
         for out in raw:
             text_out, stopped = self.processor.process(out)

@@ -19,6 +19,11 @@ is advanced over the tokens it has not seen, or rolled back where the output dif
 needs no hook in the engine beyond the mask: the n samples of a request diverge on their own,
 and a sequence preempted (recomputed or swapped) keeps its tokens and so its grammar state.
 Speculative decoding is off for constrained requests (the speculator skips them).
+
+Masks do not stall the batch: the server's output thread, which receives each step's tokens
+while the engine thread starts the next forward pass, calls `prefetch` to fill the next masks
+then; `mask` copies them (and fills itself only what was not prefetched, e.g. a first token).
+xgrammar caches the token sets per grammar position, so a fill is mostly a lookup.
 """
 from __future__ import annotations
 
@@ -382,30 +387,56 @@ class _Track:
     matcher: object
     tokens: list[int] = field(default_factory=list)
     left: bool = False  # a token the grammar refused (ignore_eos past its end): no mask since
+    next_mask: torch.Tensor | None = None  # (ceil(V/32),) prefetched for exactly `tokens`
 
 
 class GrammarConstraint:
     """A compiled grammar as a TokenConstraint: the sampler calls `mask` on the engine thread
-    with every row of this request in a step."""
+    with every row of this request in a step. The server's output thread calls `prefetch`
+    with the samples' outputs as soon as a step has produced them, so the next masks are
+    filled while the engine runs its next forward pass; `mask` then only copies them."""
 
     def __init__(self, compiled, vocab_size: int):
         self.compiled, self.vocab_size = compiled, vocab_size
         self._tracks: list[_Track] = []  # at most one per sample that ran in the same step
+        self._lock = threading.Lock()  # the engine thread (mask) and output thread (prefetch)
 
     def mask(self, logits: torch.Tensor, outputs: list[list[int]]) -> None:
         """logits (R, V) in place: -inf where row r's grammar state after outputs[r] forbids."""
         import xgrammar as xgr
 
         bitmask = xgr.allocate_token_bitmask(len(outputs), self.vocab_size)  # (R, ceil(V/32))
-        claimed: set[int] = set()
-        for r, out in enumerate(outputs):
-            track = self._claim(out, claimed)
-            if track.left or track.matcher.is_terminated():
-                bitmask[r] = -1  # all bits set: everything allowed
-            else:
-                track.matcher.fill_next_token_bitmask(bitmask, r)
+        with self._lock:
+            claimed: set[int] = set()
+            for r, out in enumerate(outputs):
+                track = self._claim(out, claimed)
+                if track.next_mask is not None:
+                    bitmask[r] = track.next_mask
+                else:
+                    self._fill(track, bitmask, r)
         xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
                                         vocab_size=min(self.vocab_size, logits.shape[1]))
+
+    def prefetch(self, outputs: list[list[int]]) -> None:
+        """Fill the masks that follow `outputs` (the unfinished samples' output token ids after
+        a step) ahead of the `mask` call that will ask for them."""
+        import xgrammar as xgr
+
+        bitmask = xgr.allocate_token_bitmask(len(outputs), self.vocab_size)
+        with self._lock:
+            claimed: set[int] = set()
+            for r, out in enumerate(outputs):
+                track = self._claim(out, claimed)
+                if track.next_mask is None:
+                    self._fill(track, bitmask, r)
+                    track.next_mask = bitmask[r]
+
+    @staticmethod
+    def _fill(track: _Track, bitmask: torch.Tensor, r: int) -> None:
+        if track.left or track.matcher.is_terminated():
+            bitmask[r] = -1  # all bits set: everything allowed
+        else:
+            track.matcher.fill_next_token_bitmask(bitmask, r)
 
     def _claim(self, out: list[int], claimed: set[int]) -> _Track:
         """The unclaimed track closest to `out` (a prefix of it, when the sample ran before),
@@ -426,6 +457,8 @@ class GrammarConstraint:
         claimed.add(best)
         track = self._tracks[best]
         back = len(track.tokens) - best_common
+        if back or best_common < len(out):
+            track.next_mask = None  # for another state
         if back:
             if track.left:  # refused tokens were never fed: start again
                 track.matcher, track.left, best_common = self._new_matcher(), False, 0
