@@ -20,8 +20,9 @@ so the inner loop dots x with the raw codes (small integers, exact in fp16/bf16)
 scale costs BLOCK_N multiplies per tile. An int4 tile is two dots, x's even columns with
 the low nibbles and its odd columns with the high ones, so packed bytes load as contiguous
 runs and are never interleaved; the load is masked on the packed byte index (not on the
-input column), so it vectorises, and a nibble becomes a float by one bitcast (_codes). A group the tile cannot lie in (only the "divisor" plan
-makes one, e.g. g24) falls back to dequantizing each weight before the dot.
+input column), so it vectorises, and a nibble becomes a float by one bitcast (_codes). A
+group the tile cannot lie in (only the "divisor" plan makes one, e.g. g24) falls back to
+dequantizing each weight before the dot.
 """
 from __future__ import annotations
 
@@ -166,6 +167,7 @@ def _sum_splits_kernel(part_ptr, out_ptr, S, MN, BLOCK: tl.constexpr):
 
 BLOCK_M = 16  # for every M: see the module docstring
 ROWS_PER_LAUNCH = 1024  # split launches take rows this many at a time (bounded partials)
+_SUM_BLOCK = 1024
 
 
 def _num_sms(device: torch.device) -> int:
@@ -186,23 +188,22 @@ def split_plan(device: torch.device, N: int, k_units: int, BLOCK_N: int,
 
 
 def run_split(x: torch.Tensor, N: int, split_k: int, launch) -> torch.Tensor:
-    """y (M, N) in x's dtype from launch(x_rows, out, grid): one launch writing y when
-    unsplit, else launches over ROWS_PER_LAUNCH rows at a time into fp32 partials
-    (split_k, rows, N), each summed by _sum_splits_kernel."""
+    """y (M, N) in x's dtype from launch(x_rows, out), which runs the GEMM of x_rows into
+    out (splits, rows, N): one launch writing y itself when unsplit, else launches over
+    ROWS_PER_LAUNCH rows at a time into fp32 partials, each summed by _sum_splits_kernel."""
     M = x.shape[0]
     y = torch.empty(M, N, device=x.device, dtype=x.dtype)
     if split_k == 1:
-        launch(x, y.unsqueeze(0), (triton.cdiv(M, BLOCK_M), None, 1))
+        launch(x, y.unsqueeze(0))
         return y
     buf = torch.empty(split_k * min(M, ROWS_PER_LAUNCH) * N, device=x.device,
                       dtype=torch.float32)
     for m0 in range(0, M, ROWS_PER_LAUNCH):
         rows = min(ROWS_PER_LAUNCH, M - m0)
-        p = buf[: split_k * rows * N].view(split_k, rows, N)  # contiguous, as the sum reads it
-        launch(x[m0:m0 + rows], p, (triton.cdiv(rows, BLOCK_M), None, split_k))
-        BLOCK = 1024
-        _sum_splits_kernel[(triton.cdiv(rows * N, BLOCK),)](p, y[m0:m0 + rows], split_k,
-                                                           rows * N, BLOCK=BLOCK)
+        part = buf[: split_k * rows * N].view(split_k, rows, N)  # contiguous, as summed
+        launch(x[m0:m0 + rows], part)
+        _sum_splits_kernel[(triton.cdiv(rows * N, _SUM_BLOCK),)](
+            part, y[m0:m0 + rows], split_k, rows * N, BLOCK=_SUM_BLOCK)
     return y
 
 
@@ -239,9 +240,10 @@ def dequant_matmul(x: torch.Tensor, qt: QuantizedTensor, bias: torch.Tensor | No
     s = qt.scales
     o = qt.offsets if qt.offsets is not None else s  # unread when symmetric
 
-    def launch(xs: torch.Tensor, out: torch.Tensor, grid: tuple) -> None:
+    def launch(xs: torch.Tensor, out: torch.Tensor) -> None:
         # out: (split_k, rows, N) partials, or (1, rows, N) y itself
-        _dequant_matmul_kernel[(grid[0], triton.cdiv(N, BLOCK_N), grid[2])](
+        grid = (triton.cdiv(xs.shape[0], BLOCK_M), triton.cdiv(N, BLOCK_N), out.shape[0])
+        _dequant_matmul_kernel[grid](
             xs, qt.qweight, s, o, bias if bias is not None else s, out,
             xs.shape[0], N, K, qt.qweight.shape[1], group if G > 1 else qt.padded_in,
             per_split,

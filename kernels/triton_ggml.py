@@ -240,9 +240,10 @@ def ggml_matmul(x: torch.Tensor, qt: QuantizedTensor, bias: torch.Tensor | None 
     BLOCK_N = 64
     split_k, per_split = split_plan(x.device, N, n_blocks, BLOCK_N, split_k)
 
-    def launch(xs: torch.Tensor, out: torch.Tensor, grid: tuple) -> None:
+    def launch(xs: torch.Tensor, out: torch.Tensor) -> None:
         # out: (split_k, rows, N) partials, or (1, rows, N) y itself
-        _ggml_matmul_kernel[(grid[0], triton.cdiv(N, BLOCK_N), grid[2])](
+        grid = (triton.cdiv(xs.shape[0], BLOCK_M), triton.cdiv(N, BLOCK_N), out.shape[0])
+        _ggml_matmul_kernel[grid](
             xs, qt.qweight, bias if bias is not None else xs, out,
             xs.shape[0], N, n_blocks, per_split,
             xs.stride(0), xs.stride(1),

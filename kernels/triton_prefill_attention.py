@@ -3,17 +3,18 @@ whole cached context (prefix-cache hits, earlier chunks and this step's tokens a
 write_kv has already stored them), causal, read through the block table. The reference is
 `paged_attention` in kernels/paged_attention.py, whose docstring has the layouts.
 
-    grid (B, cdiv(max query_len, BLOCK_M), Hkv): program (b, i, h) holds query rows
-    i * BLOCK_M ... of sequence b for all G = H / Hkv query heads that share KV head h,
-    as the R = BLOCK_M * BLOCK_G rows of one tile (row r: query row r // BLOCK_G, head
-    h * G + r % BLOCK_G), so each K/V tile is loaded and dequantized once for the group
-    (GQA sharing). R stays 64 (the register budget of acc), so long chunks read as much K/V
-    as one head per program would; chunks shorter than 64 rows and decode rows in a mixed
-    batch, which used to fill a 64-row tile alone, read it G times less. Query rows are positions L - n + row (n = query_len, L = seq_len), so a
-    row sees keys [lo, L - n + row] with lo = 0, or the window's start. Keys stream in
-    BLOCK_N tiles with an online softmax (FlashAttention-2, online_softmax_step), stopping at
-    the tile's last row's position, so a chunk after a long prefix pays for the prefix once
-    per row tile and the causal triangle only up to the diagonal.
+    grid (B, cdiv(max query_len, BLOCK_M), Hkv): program (b, i, h) holds query rows i *
+    BLOCK_M ... of sequence b for all G = H / Hkv query heads that share KV head h, as the R
+    = BLOCK_M * BLOCK_G rows of one tile (row r: query row r // BLOCK_G, head h * G + r %
+    BLOCK_G), so each K/V tile is loaded and dequantized once for the group (GQA sharing). R
+    stays 64 (the register budget of acc), so long chunks read as much K/V as one head per
+    program would; chunks shorter than 64 rows and decode rows in a mixed batch, which used
+    to fill a 64-row tile alone, read it G times less. Query rows are positions L - n + row
+    (n = query_len, L = seq_len), so a row sees keys [lo, L - n + row] with lo = 0, or the
+    window's start. Keys stream in BLOCK_N tiles with an online softmax (FlashAttention-2,
+    online_softmax_step), stopping at the tile's last row's position, so a chunk after a
+    long prefix pays for the prefix once per row tile and the causal triangle only up to the
+    diagonal.
 
 Quantized K/V as in triton_paged_attention: the kernel rotates q by H for int8 keys (int4
 keys are not rotated; they are read through their codebook), and the output for both int8

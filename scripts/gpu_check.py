@@ -20,10 +20,11 @@ device-to-device copy of 1 GiB measured in the same run (read + write bytes). Ta
 W4 GEMV >= 75% of copy and >= 3x torch fp16 at batch 1; int8-KV decode attention >= 70% at 8k.
 
 The end-to-end model is a layer loop written here over the kernels alone (the engine's own
-decode, model code and CUDA graphs included, is scripts/gpu_e2e.py bench): RMSNorm, fused QKV, KV write, decode
-attention, output projection, fused gate/up, SiLU, down projection, fp16 embedding and LM
-head; no RoPE (elementwise, a few microseconds). Timed eagerly and as a replayed CUDA graph.
-In --tiny mode the times are the interpreter's and mean nothing; the mode checks the code.
+decode, model code and CUDA graphs included, is scripts/gpu_e2e.py bench): RMSNorm, fused
+QKV, KV write, decode attention, output projection, fused gate/up, SiLU, down projection,
+fp16 embedding and LM head; no RoPE (elementwise, a few microseconds). Timed eagerly and as
+a replayed CUDA graph. In --tiny mode the times are the interpreter's and mean nothing; the
+mode checks the code.
 """
 from __future__ import annotations
 

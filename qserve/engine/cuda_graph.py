@@ -110,7 +110,8 @@ class DecodeBuffers:
                  sliding_window: int | None) -> PagedAttentionMetadata:
         """The first `batch` rows as one-token queries over contexts of up to max_seq_len."""
         return PagedAttentionMetadata(
-            slot_mapping=self.slot_mapping[:batch], query_start_loc=self.query_start_loc[:batch + 1],
+            slot_mapping=self.slot_mapping[:batch],
+            query_start_loc=self.query_start_loc[:batch + 1],
             seq_lens=self.seq_lens[:batch], block_tables=self.block_tables[:batch],
             query_lens_list=[1] * batch, seq_lens_list=[max_seq_len] * batch,
             max_seq_len=max_seq_len, decode_only=True, sliding_window=sliding_window)
