@@ -40,12 +40,14 @@ def _triton(x: torch.Tensor) -> bool:
 
 
 def packed_linear(x: torch.Tensor, segments: list[QuantizedTensor],
-                  bias: torch.Tensor | None) -> torch.Tensor:
+                  bias: torch.Tensor | None, cpu_ready: bool | None = None) -> torch.Tensor:
     """x (..., in) @ W^T (+ bias) for W stored as row segments (each (out_i, in), any weight
-    format), stacked along out: (..., sum out_i) in x's dtype."""
+    format), stacked along out: (..., sum out_i) in x's dtype. `cpu_ready`: whether
+    cpu_ops.supports every segment, when the caller knows (None: checked here)."""
     K = segments[0].in_features
     x2 = x.reshape(-1, K)
-    if _cpu_fast(x) and all(cpu_ops.supports(s) for s in segments):
+    if _cpu_fast(x) and (cpu_ready if cpu_ready is not None
+                         else all(cpu_ops.supports(s) for s in segments)):
         xf = x2.float().contiguous()
         y = torch.empty(xf.shape[0], sum(s.shape[0] for s in segments), dtype=torch.float32)
         i8, n0 = cpu_ops.int8_activations(), 0

@@ -30,16 +30,29 @@ class QuantLinear(nn.Module):
             for part in _PARTS:
                 self.register_buffer(f"s{i}_{part}", getattr(seg, part))
         self.register_buffer("bias", bias)  # (out,) or None
+        self._cached = (None, None, None)  # (buffers' key, segments, all cpu_ops.supports)
+
+    def _views(self) -> tuple[list[QuantizedTensor], bool]:
+        """The segments and whether the C kernels run all of them, made once per set of buffers
+        (a per-layer decode step calls this every linear, every token: rebuilding and
+        validating the segments each time cost about half of a small matmul)."""
+        bufs = [getattr(self, f"s{i}_{p}") for i in range(len(self.formats)) for p in _PARTS]
+        key = tuple(None if t is None else (t.data_ptr(), t.device, t.shape) for t in bufs)
+        if self._cached[0] != key:
+            segs = [QuantizedTensor(f, *bufs[len(_PARTS) * i:len(_PARTS) * (i + 1)],
+                                    self.in_features) for i, f in enumerate(self.formats)]
+            self._cached = (key, segs, all(cpu_ops.supports(s) for s in segs))
+        return self._cached[1], self._cached[2]
 
     @property
     def segments(self) -> list[QuantizedTensor]:
         """Row blocks in output order, (out_i, in) each."""
-        return [QuantizedTensor(f, *(getattr(self, f"s{i}_{p}") for p in _PARTS),
-                                self.in_features) for i, f in enumerate(self.formats)]
+        return list(self._views()[0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (..., in) -> (..., out)."""
-        return packed_linear(x, self.segments, self.bias)
+        segments, cpu_ready = self._views()
+        return packed_linear(x, segments, self.bias, cpu_ready=cpu_ready)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
