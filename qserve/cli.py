@@ -6,6 +6,7 @@ by the commands that need them, so `--help` and argument errors stay instant.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -367,16 +368,20 @@ def info(model, as_json, engine):
 @click.option("--n", "-n", "n", type=int, default=1, show_default=True,
               help="Completions per prompt.")
 @click.option("--ignore-eos", is_flag=True, help="Keep generating past end-of-sequence.")
+@click.option("--json-schema", "schema_file", type=click.Path(dir_okay=False), metavar="FILE",
+              help="Constrain each completion to JSON valid against this JSON schema.")
 @click.option("--json", "as_json", is_flag=True,
               help="One JSON object per completion per line, with timings.")
 @speculative_flags
 @engine_flags
-def generate(prompts, model, prompts_file, chat, system, as_json, engine, **sampling):
+def generate(prompts, model, prompts_file, chat, system, schema_file, as_json, engine,
+             **sampling):
     """Complete PROMPTs (or --prompts-file, or stdin lines). One prompt streams as it goes;
     several run concurrently and print in order."""
     from qserve.sampling_params import SamplingParams
 
     params = SamplingParams(**sampling)
+    schema = _read_schema(schema_file) if schema_file is not None else None
     texts = _read_prompts(prompts, prompts_file)
     for i, text in enumerate(texts):  # the engine checks too, but only after loading the model
         if not text:
@@ -384,6 +389,9 @@ def generate(prompts, model, prompts_file, chat, system, as_json, engine, **samp
     if engine.get("max_num_seqs") is None:  # a KV pool for what was asked, not 256 sequences
         engine["max_num_seqs"] = min(256, len(texts) * params.n)
     eng = _build_engine(model, engine)
+    if schema is not None:
+        params = dataclasses.replace(params, constraint=_schema_constraint(eng, schema,
+                                                                           schema_file))
     chat = chat or system is not None
     ids = [_chat_ids(eng.tokenizer, t, system) if chat else None for t in texts]
     stream = len(texts) == 1 and params.n == 1 and not as_json
@@ -400,6 +408,33 @@ def generate(prompts, model, prompts_file, chat, system, as_json, engine, **samp
             else:
                 tag = f"{i + 1}" + (f".{c.index + 1}" if params.n > 1 else "")
                 click.echo(f"--- [{tag}] {c.text}")
+
+
+def _read_schema(path: str) -> str:
+    """--json-schema FILE's text, checked to be a JSON object before the model loads."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+        if not isinstance(json.loads(text), dict):
+            raise ValueError("not a JSON object")
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        why = e.strerror if isinstance(e, OSError) else str(e).splitlines()[0][:80] or type(
+            e).__name__
+        raise QServeError(f"--json-schema {path!r} is not a JSON schema object: {why}") from None
+    return text
+
+
+def _schema_constraint(eng, schema: str, path: str):
+    """The grammar constraint for a JSON schema (the server's structured outputs)."""
+    try:
+        from qserve.server.structured import Grammars, Structure, StructureError
+    except ImportError as e:  # the server extra is missing
+        raise QServeError(f"--json-schema needs the server extra: pip install "
+                          f"'qserve[server]' ({e})") from None
+    try:
+        return Grammars(eng.tokenizer, eng.arch.vocab_size).constraint(
+            Structure(grammar=("json_schema", schema)))
+    except StructureError as e:
+        raise QServeError(f"--json-schema {path!r}: {e}") from None
 
 
 def _read_prompts(prompts: tuple[str, ...], prompts_file: str | None) -> list[str]:

@@ -367,3 +367,26 @@ def test_prefetched_masks_equal_masks_filled_on_demand():
     # two samples at once, prefetched then asked in the other order
     ahead.prefetch([a, b])
     assert torch.equal(masked(ahead, [b, a]), masked(grammars.constraint(structure), [b, a]))
+
+
+def test_generate_json_schema_cli(tmp_path):
+    """`qserve generate --json-schema FILE`: the answer validates; a bad file is one line."""
+    import subprocess
+    import sys
+
+    schema = {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 12}, "country": {"enum": ["FR", "DE"]}},
+        "required": ["city", "country"], "additionalProperties": False}
+    good, bad = tmp_path / "schema.json", tmp_path / "bad.json"
+    good.write_text(json.dumps(schema))
+    bad.write_text('{"type": "nonsense"}')
+    run = lambda f: subprocess.run(  # noqa: E731
+        [sys.executable, "-m", "qserve", "generate", "--json-schema", str(f), "--chat",
+         "--temperature", "0", "--max-tokens", "60", "Where is Paris? Answer in JSON."],
+        capture_output=True, text=True, timeout=300)
+    ok = run(good)
+    assert ok.returncode == 0, ok.stderr
+    jsonschema.validate(json.loads(ok.stdout), schema)
+    err = run(bad)
+    assert err.returncode != 0 and "Traceback" not in err.stderr
+    assert err.stderr.strip().splitlines()[-1].startswith("error: --json-schema")
