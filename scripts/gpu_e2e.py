@@ -235,18 +235,32 @@ def check(args) -> None:
     need = [-(-(len(tok.encode(p)) + n) // 16) for p in prompts]  # blocks of 16 tokens
     small = dict(kv_cache_memory=_blocks(model, max(need) + 1), swap_space="64MiB",
                  watermark=0.0, max_model_len=16 * (max(need) + 1))
-    for name, extra in (
-            ("swap preemption", dict(preemption_mode="swap", **small)),
-            ("chunked prefill", dict(max_num_batched_tokens=8)),
-            ("layer-wise offload", dict(kv_offload="layerwise", max_num_batched_tokens=8,
-                                        **small))):
-        def constrained(name=name, extra=extra):
+    # layer-wise admission: three long prompts (the fixture's, joined in turn), admitted in
+    # one step, over a pool that holds one of them and the staging blocks of one more (one
+    # layer in flight: with 4 layers, 4 in flight would stage the whole prompt at once)
+    long = [" ".join(prompts[i:] + prompts[:i]) * 2 for i in range(3)]
+    need = -(-(max(len(tok.encode(t)) for t in long) + n) // 16)
+    pool = need + 2 + -(-need // 4)
+    offload = dict(kv_offload="layerwise", kv_offload_lookahead=1, swap_space="64MiB",
+                   watermark=0.0, kv_cache_memory=_blocks(model, pool),
+                   max_model_len=16 * pool)
+    for name, extra, texts in (
+            ("swap preemption", dict(preemption_mode="swap", **small), prompts),
+            ("chunked prefill", dict(max_num_batched_tokens=8), prompts),
+            ("layer-wise offload", offload, long)):
+        def constrained(name=name, extra=extra, texts=texts):
             stats: dict = {}
-            got = tokens(_generate(model, prompts, _params(n), stats, **{**fp32, **extra}))
-            # at the fixture's full length the sequences outgrow the pool: the case must occur
+            if texts is not prompts:  # its own unconstrained run
+                want = tokens(_generate(model, texts, _params(n), **fp32))
+            else:
+                want = plain()
+            got = tokens(_generate(model, texts, _params(n), stats, **{**fp32, **extra}))
+            # swap: at the fixture's full length the sequences outgrow the pool; layer-wise:
+            # the long prompt never fits. Either must then occur.
             key = {"swap preemption": "swap_outs", "layer-wise offload": "layerwise"}.get(name)
-            occurred = key is None or n < 16 or stats[key] > 0
-            Report.case(name, got == plain() and occurred, f"{_same(got, plain())}/{len(got)} "
+            occurred = (key is None or stats[key] > 0
+                        or key == "swap_outs" and n < 16)
+            Report.case(name, got == want and occurred, f"{_same(got, want)}/{len(got)} "
                         f"prompts equal; {stats}", "all" + (f", {key} > 0" if key else ""))
         run(name, constrained)
     print(f"\n(check: {time.monotonic() - T0:.0f} s, device {dev}, torch {torch.__version__})")
