@@ -296,6 +296,8 @@ def bench_server(proc: Process, args, tokenizer) -> list[dict]:
         print(format_table([r]).splitlines()[-1], file=sys.stderr)
 
     warm = text_workload(tokenizer, 1, args.input_len, args.output_len, args.seed)
+    if counts(args.structured_clients):  # the schema compiled once, as a server re-using it
+        warm += json_workload(1, args.json_max_tokens, args.seed + 1)
     asyncio.run(run_load(proc.url, warm, 1, tokenizer))
     for clients in counts(args.clients):
         work = text_workload(tokenizer, clients * args.requests_per_client, args.input_len,
