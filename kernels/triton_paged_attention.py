@@ -10,6 +10,10 @@ context, read through the block table and dequantized in registers. The referenc
 
         out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s,     M = max_s m_s
 
+A quantized tile is dotted as its codes (small integers, exact in fp16/bf16), and the
+per-token scales (and int4 values' offsets) are applied after the dots: a key's scale to its
+score column, a value's to its probability (load_kv_tile, online_softmax_step).
+
 Quantized values hold H y (H the orthonormal symmetric Hadamard matrix, kv_quant.py), and
 sum_n p_n H y_n = H sum_n p_n y_n: the reduction rotates the output once, so no value is ever
 rotated back. int8 keys hold H y too, and q . (H y) = (H q) . y: the kernel rotates q once.
@@ -97,16 +101,23 @@ def load_kv_tile(v_ptr, s_ptr, o_ptr, blk, off, kv_head, mask_n, D,
                  stride_vb, stride_vs, stride_vh, stride_vd, stride_sb, stride_ss, stride_sh,
                  cb_sigma, cb_width, cb_start,
                  QUANT: tl.constexpr, KEYS: tl.constexpr, BLOCK_D: tl.constexpr):
-    """(BLOCK_N,) block ids and offsets -> (BLOCK_N, BLOCK_D) fp32 values of one K or V head.
-    QUANT 0: stored as floats; 1: int8 * scale; 2, values (KEYS false): 4-bit codes
-    (kv_quant.pack: element e in byte e // 2 at bit 4 (e % 2)) * scale + offset; 2, keys: the
-    bit stream of the codebook cb_* (load_key_codebook) with t in the scale.
-    Rows outside mask_n read 0 and touch no memory."""
+    """(BLOCK_N,) block ids and offsets -> (x, scale, offset) of one K or V head: x
+    (BLOCK_N, BLOCK_D) fp32, and per token scale and offset (BLOCK_N,) fp32 for the caller
+    to apply after its dot (x . w scaled per token is (x * scale) . w, and a per-token offset
+    adds offset * sum(w)), so a tile is never scaled element by element:
+    QUANT 0: x the stored floats, scale 1, offset 0; 1: x the int8 codes; 2, values (KEYS
+    false): x the 4-bit codes (kv_quant.pack: element e in byte e // 2 at bit 4 (e % 2)),
+    with scale and offset; 2, keys: x dequantized through the codebook cb_*
+    (load_key_codebook, per channel: it cannot move past the dot), scale 1, offset 0.
+    Codes are small integers, exact in fp16 and bf16. Rows outside mask_n read 0 (scale 0)
+    and touch no memory."""
     row = blk * stride_vb + off * stride_vs + kv_head * stride_vh  # (BLOCK_N,)
     srow = blk * stride_sb + off * stride_ss + kv_head * stride_sh
     offs_d = tl.arange(0, BLOCK_D)
     mask = mask_n[:, None] & (offs_d < D)[None, :]
     base = v_ptr + row[:, None]
+    scale = tl.where(mask_n, 1.0, 0.0)  # (BN,)
+    offset = tl.zeros_like(scale)
     if QUANT == 2 and KEYS:
         first, shift, bits, step_units = key_fields(cb_width, cb_start, D)
         ptrs = base + first[None, :] * stride_vd
@@ -122,20 +133,23 @@ def load_kv_tile(v_ptr, s_ptr, o_ptr, blk, off, kv_head, mask_n, D,
         else:
             x = tl.load(base + offs_d[None, :] * stride_vd, mask=mask, other=0.0).to(tl.float32)
         if QUANT > 0:
-            x *= tl.load(s_ptr + srow, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+            scale = tl.load(s_ptr + srow, mask=mask_n, other=0.0).to(tl.float32)
             if QUANT == 2:
-                x += tl.load(o_ptr + srow, mask=mask_n, other=0.0).to(tl.float32)[:, None]
-    return x
+                offset = tl.load(o_ptr + srow, mask=mask_n, other=0.0).to(tl.float32)
+    return x, scale, offset
 
 
 @triton.jit
-def online_softmax_step(m_i, l_i, acc, s, v, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+def online_softmax_step(m_i, l_i, acc, s, v, v_scale, v_offset, HAS_OFFSET: tl.constexpr,
+                        DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
     """One key tile of FlashAttention-2's online softmax, shared by the decode and prefill
-    kernels. s (R, BN): scores in log2 units, -inf where hidden; v (BN, BD) the tile's values;
-    running max m_i, sum l_i (R,) and unnormalised output acc (R, BD), fp32:
+    kernels. s (R, BN): scores in log2 units, -inf where hidden; the tile's values are
+    v (BN, BD) times v_scale plus v_offset (BN,) per token (load_kv_tile); running max m_i,
+    sum l_i (R,) and unnormalised output acc (R, BD), fp32:
 
         m' = max(m, max_n s_n)    l' = 2^(m - m') l + sum_n 2^(s_n - m')
-        acc' = 2^(m - m') acc + sum_n 2^(s_n - m') v_n
+        acc' = 2^(m - m') acc + sum_n p_n (v_n scale_n + offset_n),   p_n = 2^(s_n - m')
+             = 2^(m - m') acc + (p * scale) . v + (p . offset)
 
     A row with every key hidden keeps m (never -inf: it starts at _NEG_BIG), and adds exactly
     0 to l and acc, so tiles past a row's last key change nothing, bit for bit."""
@@ -143,9 +157,10 @@ def online_softmax_step(m_i, l_i, acc, s, v, DOT_DTYPE: tl.constexpr, PRECISION:
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE),
-                                        input_precision=PRECISION)
-    return m_new, l_i, acc
+    pv = tl.dot((p * v_scale[None, :]).to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PRECISION)
+    if HAS_OFFSET:
+        pv += tl.sum(p * v_offset[None, :], axis=1)[:, None]
+    return m_new, l_i, acc * alpha[:, None] + pv
 
 
 @triton.jit
@@ -197,15 +212,19 @@ def _decode_kernel(
         blk = tl.load(bt_ptr + pid_b * stride_btb + (offs_n // PAGE) * stride_btn,
                       mask=mask_n, other=0)  # (BN,)
         off = offs_n % PAGE
-        k = load_kv_tile(k_ptr, ks_ptr, ks_ptr, blk, off, kv_head, mask_n, D,  # no offset
-                         stride_kb, stride_ks, stride_kh, stride_kd, stride_ksb, stride_kss,
-                         stride_ksh, k_sigma, k_width, k_start, QUANT, True, BLOCK_D)  # (BN, BD)
-        s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=PRECISION) * qk_scale
+        k, k_scale, _ = load_kv_tile(k_ptr, ks_ptr, ks_ptr, blk, off, kv_head, mask_n, D,
+                                     stride_kb, stride_ks, stride_kh, stride_kd, stride_ksb,
+                                     stride_kss, stride_ksh, k_sigma, k_width, k_start, QUANT,
+                                     True, BLOCK_D)  # (BN, BD): no offset for keys
+        s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=PRECISION) \
+            * (k_scale * qk_scale)[None, :]
         s = tl.where(mask_n[None, :], s, float("-inf"))  # (BG, BN), log2 units
-        v = load_kv_tile(v_ptr, vs_ptr, vo_ptr, blk, off, kv_head, mask_n, D,
-                         stride_vb, stride_vs, stride_vh, stride_vd, stride_vsb, stride_vss,
-                         stride_vsh, k_sigma, k_width, k_start, QUANT, False, BLOCK_D)
-        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, DOT_DTYPE, PRECISION)
+        v, v_scale, v_offset = load_kv_tile(
+            v_ptr, vs_ptr, vo_ptr, blk, off, kv_head, mask_n, D, stride_vb, stride_vs,
+            stride_vh, stride_vd, stride_vsb, stride_vss, stride_vsh, k_sigma, k_width, k_start,
+            QUANT, False, BLOCK_D)
+        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, v_scale, v_offset, QUANT == 2,
+                                            DOT_DTYPE, PRECISION)
 
     row = (pid_b * G * tl.num_programs(1) + heads) * S + pid_s  # (BG,) index into (B, H, S)
     tl.store(m_ptr + row, m_i, mask=mask_g)

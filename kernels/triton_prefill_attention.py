@@ -90,18 +90,22 @@ def _prefill_kernel(
         blk = tl.load(bt_ptr + pid_b * stride_btb + (offs_n // PAGE) * stride_btn,
                       mask=mask_n, other=0)
         off = offs_n % PAGE
-        k = load_kv_tile(k_ptr, ks_ptr, ks_ptr, blk, off, kv_head, mask_n, D,  # no offset
-                         stride_kb, stride_ks, stride_kh, stride_kd, stride_ksb, stride_kss,
-                         stride_ksh, k_sigma, k_width, k_start, QUANT, True, BLOCK_D)  # (BN, BD)
-        s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=PRECISION) * qk_scale
+        k, k_scale, _ = load_kv_tile(k_ptr, ks_ptr, ks_ptr, blk, off, kv_head, mask_n, D,
+                                     stride_kb, stride_ks, stride_kh, stride_kd, stride_ksb,
+                                     stride_kss, stride_ksh, k_sigma, k_width, k_start, QUANT,
+                                     True, BLOCK_D)  # (BN, BD): no offset for keys
+        s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=PRECISION) \
+            * (k_scale * qk_scale)[None, :]
         visible = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])  # (R, BN) causal
         if HAS_WINDOW:
             visible &= offs_n[None, :] > q_pos[:, None] - window
         s = tl.where(visible, s, float("-inf"))
-        v = load_kv_tile(v_ptr, vs_ptr, vo_ptr, blk, off, kv_head, mask_n, D,
-                         stride_vb, stride_vs, stride_vh, stride_vd, stride_vsb, stride_vss,
-                         stride_vsh, k_sigma, k_width, k_start, QUANT, False, BLOCK_D)
-        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, DOT_DTYPE, PRECISION)
+        v, v_scale, v_offset = load_kv_tile(
+            v_ptr, vs_ptr, vo_ptr, blk, off, kv_head, mask_n, D, stride_vb, stride_vs,
+            stride_vh, stride_vd, stride_vsb, stride_vss, stride_vsh, k_sigma, k_width, k_start,
+            QUANT, False, BLOCK_D)
+        m_i, l_i, acc = online_softmax_step(m_i, l_i, acc, s, v, v_scale, v_offset, QUANT == 2,
+                                            DOT_DTYPE, PRECISION)
 
     out = acc / tl.where(mask_r, l_i, 1.0)[:, None]  # a real row sees its own key: l_i > 0
     if QUANT > 0:  # values hold H y: sum_n p_n H y_n = H sum_n p_n y_n

@@ -15,7 +15,9 @@ check, each case a table row, PASS / FAIL against the bound printed beside it:
                   prompts against the reference's (fp32 activations, CPU, reference kernels).
                   fp32 with fp32 KV: the same tokens, except after a near-tie (the reference's
                   top two within TIE nats), and logprobs within FP32_LOGPROB; otherwise the
-                  first QUALITY_PREFIX tokens of every prompt and logprobs within QUALITY_LOGPROB
+                  first QUALITY_PREFIX tokens of every prompt, or a divergence onto a token
+                  the reference had within QUALITY_LOGPROB of its top, and logprobs within
+                  QUALITY_LOGPROB
     reference     QSERVE_KERNELS=reference on the device: fp32 greedy, as exact as above
     graphs off    QSERVE_CUDA_GRAPHS=0: the same tokens as with CUDA graphs, bit for bit
     seeded        a seeded sample alone, twice, and inside a batch: the same tokens each time
@@ -126,10 +128,13 @@ def compare(got: list, ref: list[dict], exact: bool, max_tokens: int) -> tuple[b
         for i in range(n):  # the chosen token's logprob, where both chose it
             worst_lp = max(worst_lp, abs(lps[i][toks[i]] - r["logprobs"][i][str(want[i])]))
         if n < len(toks):
-            top = sorted(r["logprobs"][n].values(), reverse=True)
+            lp = r["logprobs"][n]
+            top = sorted(lp.values(), reverse=True)
             tie = len(top) > 1 and top[0] - top[1] < TIE
-            note += f" diverged at {n}{' (a tie)' if tie else ''};"
-            ok &= tie if exact else n >= min(QUALITY_PREFIX, len(toks))
+            # not exact: a divergence is fine late, or onto a token the reference nearly chose
+            near = str(toks[n]) in lp and top[0] - lp[str(toks[n])] <= QUALITY_LOGPROB
+            note += f" diverged at {n}{' (a tie)' if tie else ' (near)' if near else ''};"
+            ok &= tie if exact else (near or n >= min(QUALITY_PREFIX, len(toks)))
     ok &= worst_lp <= (FP32_LOGPROB if exact else QUALITY_LOGPROB)
     return ok, f"{matched}/{total} tokens, max dlogprob {worst_lp:.2e};{note}"
 
@@ -175,7 +180,8 @@ def check(args) -> None:
                 ok, measured = compare(got, ref["kv"][kv], exact, n)
                 Report.case(f"greedy {dtype} KV {kv}", ok, measured,
                             "tokens exact but ties, dlogprob <= %g" % FP32_LOGPROB if exact
-                            else f"first {QUALITY_PREFIX} tokens, dlogprob <= {QUALITY_LOGPROB}")
+                            else f"first {QUALITY_PREFIX} tokens or a near choice, dlogprob "
+                            f"<= {QUALITY_LOGPROB}")
             run(f"greedy {dtype} KV {kv}", greedy)
 
     def reference_kernels():
