@@ -194,31 +194,39 @@ def test_constraint_survives_preemption(native_model):
         jsonschema.validate(json.loads(c.text), schema)
 
 
-def test_speculative_decoding_skips_constrained_requests(native_model):
-    """With an n-gram draft, a constrained request is never speculated (no draft escapes the
-    grammar), and its output still validates; an unconstrained one speculates."""
+def test_speculative_drafts_are_checked_against_the_grammar(native_model):
+    """With an n-gram draft, a constrained request speculates: its drafts are verified against
+    the target masked by the grammar at each draft position, so a forbidden draft is rejected.
+    Greedy, the output is token for token the one without speculation, and it validates."""
     from qserve.sampling_params import SamplingParams
     from qserve.server.structured import Grammars, Structure
 
-    engine = make_served_engine(native_model, kv_cache_memory="64MiB", draft="ngram",
-                                spec_max_batch_size=2)
-    grammars = Grammars(engine.tokenizer, engine.arch.vocab_size)
-    constraint = grammars.constraint(Structure(grammar=("json_schema", json.dumps(PERSON))))
-    prompt = engine.tokenizer.encode('{"name": "ann", "role": "admin"} {"name": "ann", '
-                                     '"role": "admin"} again:')
-    engine.add_request("c", None, SamplingParams(max_tokens=100, temperature=0,
-                                                 constraint=constraint),
-                       prompt_token_ids=prompt)
-    engine.add_request("u", None, SamplingParams(max_tokens=40, temperature=0),
-                       prompt_token_ids=prompt)
-    finals = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out.outputs[0]
-    assert finals["c"].spec_draft_tokens == 0
-    assert finals["u"].spec_draft_tokens > 0
-    jsonschema.validate(json.loads(finals["c"].text), PERSON)
+    prompt_text = ('{"name": "ann", "role": "admin", "address": {"city": "Lyon", "country": '
+                   '"FR"}, "active": true}\n{"name": "ann", "role": "admin", "address": {')
+    outputs = {}
+    for draft in (None, "ngram"):
+        extra = {"draft": draft, "spec_max_batch_size": 2} if draft else {}
+        engine = make_served_engine(native_model, kv_cache_memory="64MiB", **extra)
+        grammars = Grammars(engine.tokenizer, engine.arch.vocab_size)
+        constraint = grammars.constraint(Structure(grammar=("json_schema", json.dumps(PERSON))))
+        prompt = engine.tokenizer.encode(prompt_text)
+        engine.add_request("c", None, SamplingParams(max_tokens=100, temperature=0,
+                                                     constraint=constraint),
+                           prompt_token_ids=prompt)
+        engine.add_request("s", None, SamplingParams(max_tokens=100, temperature=0.8, seed=1,
+                                                     constraint=constraint),
+                           prompt_token_ids=prompt)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    outputs[draft, out.request_id] = out.outputs[0]
+    assert outputs["ngram", "c"].spec_draft_tokens > 0
+    assert outputs["ngram", "c"].spec_accepted_tokens < outputs["ngram", "c"].spec_draft_tokens \
+        or outputs["ngram", "s"].spec_accepted_tokens < outputs["ngram", "s"].spec_draft_tokens
+    assert outputs["ngram", "c"].token_ids == outputs[None, "c"].token_ids
+    for c in outputs.values():
+        assert c.finish_reason == "stop", c.text
+        jsonschema.validate(json.loads(c.text), PERSON)
 
 
 # ---- tools ------------------------------------------------------------------------------
@@ -250,7 +258,7 @@ def test_tool_calls_stream_as_deltas_and_a_tool_round_trip(client):
     msgs = [{"role": "user", "content": "What is the weather in Oslo?"}]
     stream = client.chat.completions.create(
         model=MODEL, messages=msgs, tools=[WEATHER], tool_choice="required", max_tokens=120,
-        temperature=0, stream=True)
+        temperature=0, stream=True, parallel_tool_calls=False)
     calls, reasons = {}, []
     for ch in stream:
         for c in ch.choices:

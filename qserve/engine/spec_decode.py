@@ -53,6 +53,24 @@ def rejection_sample(draft_ids: list[int], q: torch.Tensor, p: torch.Tensor,
     return draft_ids[:r] + [_draw((p[r] - q[r]).clamp_(min=0), generator)]
 
 
+def _constrain(logits: torch.Tensor, drafts: list) -> torch.Tensor:
+    """logits (sum of K_i + 1, V) -> the same, masked by each sequence's grammar (its
+    params.constraint) at each of its positions: after output O the rows see O, O + x_1, ...,
+    O + x_1..x_K. A draft the grammar forbids has p = 0 there, so it is rejected and the token
+    drawn in its place is one the grammar allows; the drafts themselves need not know it."""
+    if all(seq.params.constraint is None for seq, _, _ in drafts):
+        return logits
+    logits, start = logits.clone(), 0
+    for seq, ids, _ in drafts:
+        end = start + len(ids) + 1
+        if seq.params.constraint is not None:
+            out, rows = seq.output_token_ids, logits[start:end].clone()
+            seq.params.constraint.mask(rows, [out + ids[:j] for j in range(len(ids) + 1)])
+            logits[start:end] = rows
+        start = end
+    return logits
+
+
 def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
     """One id drawn with probability proportional to weights (V,), never a zero-weight one
     (so a one-hot row, a greedy target's, always gives its argmax)."""
@@ -73,8 +91,8 @@ class Speculator:
 
     A sequence speculates when one token is all it has left to compute (it is decoding, or its
     prompt came from the prefix cache), with plain sampling settings
-    (no penalties, logprobs, pending min_tokens or a grammar constraint, which would make the
-    target's distribution depend on the drafts themselves), while at most
+    (no penalties, logprobs or pending min_tokens, which would make the target's distribution
+    depend on the drafts themselves), while at most
     `spec_max_batch_size` sequences run. One whose acceptance average drops below
     `spec_min_acceptance` sits out 2, 4, ... 32 steps.
     """
@@ -109,7 +127,7 @@ class Speculator:
     def _num_to_propose(self, seq: Sequence) -> int:
         p = seq.params
         if (seq.num_computed_tokens != seq.num_tokens - 1 or seq.num_spec_tokens
-                or seq.num_forks or p.has_penalties or p.constraint is not None
+                or seq.num_forks or p.has_penalties
                 or p.logprobs is not None or seq.num_output_tokens < p.min_tokens):
             return 0
         b = self.backoff.setdefault(seq.seq_id, _Backoff())
@@ -131,7 +149,7 @@ class Speculator:
             per sequence, its accepted drafts and the target's next token.
         """
         params = [seq.params for seq, ids, _ in drafts for _ in range(len(ids) + 1)]
-        p = sampling_probs(logits, params)  # (R, V)
+        p = sampling_probs(_constrain(logits, drafts), params)  # (R, V)
         out, start = [], 0
         for seq, ids, q in drafts:
             k = len(ids)

@@ -18,7 +18,8 @@ GrammarConstraint keeps one matcher per sample, found by the sample's output so 
 is advanced over the tokens it has not seen, or rolled back where the output differs. So it
 needs no hook in the engine beyond the mask: the n samples of a request diverge on their own,
 and a sequence preempted (recomputed or swapped) keeps its tokens and so its grammar state.
-Speculative decoding is off for constrained requests (the speculator skips them).
+With speculative decoding the verifier masks the target at each draft position (the rows see
+O, O + x_1, ...), so a draft the grammar forbids is rejected like any other unlikely one.
 
 Masks do not stall the batch: the server's output thread, which receives each step's tokens
 while the engine thread starts the next forward pass, calls `prefetch` to fill the next masks
