@@ -398,3 +398,12 @@ def test_generate_json_schema_cli(tmp_path):
     err = run(bad)
     assert err.returncode != 0 and "Traceback" not in err.stderr
     assert err.stderr.strip().splitlines()[-1].startswith("error: --json-schema")
+
+
+def test_tool_history_with_arguments_nested_too_deep_stays_text():
+    from qserve.server.structured import check_tool_history
+
+    deep = "[" * 100_000 + "]" * 100_000  # json.loads: RecursionError
+    m = {"role": "assistant", "tool_calls": [{"type": "function",
+                                              "function": {"name": "f", "arguments": deep}}]}
+    assert check_tool_history(m, 0) == {"tool_calls": [{"name": "f", "arguments": deep}]}

@@ -214,9 +214,8 @@ def tool_messages(messages: list[dict], s: Structure) -> list[dict]:
 
 
 def check_tool_history(m: dict, i: int) -> dict:
-    """The tool fields of one incoming chat message, checked: `tool_calls` on an assistant
-    message, `tool_call_id` on a tool message. Returns {"tool_calls": [{name, arguments}]}
-    or {}."""
+    """The `tool_calls` of one incoming chat message (an assistant's earlier calls), checked.
+    Returns {"tool_calls": [{name, arguments}]} or {}."""
     calls = m.get("tool_calls")
     if calls is None:
         return {}
@@ -233,7 +232,7 @@ def check_tool_history(m: dict, i: int) -> dict:
                                  "messages")
         try:
             args = json.loads(fn.get("arguments", "{}"))
-        except ValueError:
+        except (ValueError, RecursionError):  # kept as the text it was
             args = fn.get("arguments")
         out.append({"name": fn["name"], "arguments": args})
     return {"tool_calls": out}
@@ -248,13 +247,13 @@ def parse_tool_calls(text: str, s: Structure) -> tuple[str | None, list[dict]]:
     if s.tool_mode == "named":
         try:
             calls, content = [(s.named, json.loads(text))], None
-        except ValueError:
+        except (ValueError, RecursionError):
             pass
     elif s.tool_mode == "required":
         try:
             items = json.loads(text)
             calls, content = [(c["name"], c["arguments"]) for c in items], None
-        except (ValueError, TypeError, KeyError):
+        except (ValueError, TypeError, KeyError, RecursionError):
             calls = []
     elif s.tool_mode == "auto":
         rest, pos = [], 0
@@ -263,7 +262,7 @@ def parse_tool_calls(text: str, s: Structure) -> tuple[str | None, list[dict]]:
             try:
                 c = json.loads(m.group(1))
                 calls.append((c["name"], c["arguments"]))
-            except (ValueError, TypeError, KeyError):
+            except (ValueError, TypeError, KeyError, RecursionError):
                 continue
             rest.append(text[pos:m.start()])
             pos = m.end()
