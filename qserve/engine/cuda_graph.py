@@ -10,7 +10,7 @@ and vLLM do), the step is one copy and one replay:
     buffers     input_ids, positions, slot_mapping, seq_lens (max_batch,) and block_tables
                 (max_batch, max_blocks) are views of one persistent device tensor, so the
                 captured kernels' pointers stay valid; a step packs them into one pinned host
-                tensor and copies it over in one transfer
+                tensor and copies over what the bucket reads (two transfers)
 
         flat:  [ ids | positions | slots | seq_lens | block_tables (max_batch x max_blocks) ]
 
@@ -85,26 +85,31 @@ class DecodeBuffers:
                 flat[4 * B:].view(B, self.max_blocks))
 
     def update(self, input_ids: list[int], positions: list[int], slots: list[int],
-               seq_lens: list[int], tables: list[list[int]]) -> None:
-        """Write one decode step's rows, padding the rest up to max_batch (token 0 at
-        position 0, slot PAD_SLOT, a context of 1 in block 0), then copy them to the device.
+               seq_lens: list[int], tables: list[list[int]], bucket: int) -> None:
+        """Write one decode step's rows and pad them to `bucket` rows (token 0 at position 0,
+        slot PAD_SLOT, a context of 1 in block 0), then copy what the bucket's graph reads to
+        the device: the four (max_batch,) vectors and the first `bucket` table rows.
 
-        The host tensor is reused: the caller must not update again before the previous copy
-        has run (the engine reads each step's logits, a sync, before the next step)."""
+        A row's table entries past its own length are left as they were: attention reads a
+        row's blocks only below its seq_len. The host tensor is reused: the caller must not
+        update again before the previous copy has run (the engine reads each step's logits,
+        a sync, before the next step)."""
         n = len(input_ids)
-        assert 1 <= n <= self.max_batch, (n, self.max_batch)
+        assert 1 <= n <= bucket <= self.max_batch, (n, bucket, self.max_batch)
         assert len(positions) == len(slots) == len(seq_lens) == len(tables) == n
-        assert all(len(t) <= self.max_blocks for t in tables), "block table too long"
+        width = max(len(t) for t in tables)
+        assert width <= self.max_blocks, "block table too long"
         ids, pos, slot, lens, bt = self._host
         pad = self.max_batch - n
         ids.copy_(torch.tensor(input_ids + [0] * pad))
         pos.copy_(torch.tensor(positions + [0] * pad))
         slot.copy_(torch.tensor(slots + [PAD_SLOT] * pad))
         lens.copy_(torch.tensor(seq_lens + [1] * pad))
-        bt.zero_()
-        for i, t in enumerate(tables):
-            bt[i, :len(t)] = torch.tensor(t)
-        self.device_flat.copy_(self.host_flat, non_blocking=True)
+        bt[:n, :width] = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+        bt[n:bucket, 0] = 0
+        B = self.max_batch
+        self.device_flat[:4 * B].copy_(self.host_flat[:4 * B], non_blocking=True)
+        self.block_tables[:bucket].copy_(bt[:bucket], non_blocking=True)
 
     def metadata(self, batch: int, max_seq_len: int,
                  sliding_window: int | None) -> PagedAttentionMetadata:
@@ -144,7 +149,7 @@ class DecodeGraphs:
         cannot be captured (the caller runs the step eagerly)."""
         key = (bucket_for(len(input_ids), self.buckets),
                context_bucket(max(seq_lens), self.max_model_len))
-        self.buffers.update(input_ids, positions, slots, seq_lens, tables)
+        self.buffers.update(input_ids, positions, slots, seq_lens, tables, key[0])
         if key not in self.graphs and not self._capture(key):
             return None
         self.graphs[key].replay()
