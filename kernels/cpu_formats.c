@@ -123,7 +123,7 @@ static void deq_q3_k(const uint8_t *b, float *y)
             }
 }
 
-static void deq_k4(const uint8_t *b, float *y, const int five)
+static __attribute__((unused)) void deq_k4(const uint8_t *b, float *y, const int five)
 {
     const float d = ld_half(b), dmin = ld_half(b + 2);
     uint32_t w[4];
@@ -140,10 +140,53 @@ static void deq_k4(const uint8_t *b, float *y, const int five)
         }
     }
 }
+#ifdef HAVE_I8_PATH
+/* 32 codes (bytes) c -> y[0..32) = dl * c + off, c unsigned (or signed: sgn) */
+static inline void deq32(__m256i c, const int sgn, float dl, float off, float *y)
+{
+    const __m256 vd = _mm256_set1_ps(dl), vo = _mm256_set1_ps(off);
+    const __m128i lo = _mm256_castsi256_si128(c), hi = _mm256_extracti128_si256(c, 1);
+    const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    for (int i = 0; i < 4; i++) {
+        const __m256i v = sgn ? _mm256_cvtepi8_epi32(parts[i]) : _mm256_cvtepu8_epi32(parts[i]);
+        _mm256_storeu_ps(y + 8 * i, _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), vd, vo));
+    }
+}
+
+/* deq_k4 with AVX2: the same products (d sc and dmin m exact in fp32, then one fma each, which
+ * is what the scalar loop compiles to), so the same floats bit for bit */
+static void deq_k4_simd(const uint8_t *b, float *y, const int five)
+{
+    const float d = ld_half(b), dmin = ld_half(b + 2);
+    uint32_t w[4];
+    uint8_t sm[16];
+    k4_words(b + 4, w);
+    memcpy(sm, w, 16);
+    const uint8_t *qs = b + (five ? 48 : 16);
+    const __m256i m4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
+    __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
+    for (int p = 0; p < 4; p++) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * p));
+        __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+        if (five) {
+            lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(qh, one), 4));
+            hi = _mm256_or_si256(hi, _mm256_slli_epi16(
+                                         _mm256_and_si256(_mm256_srli_epi16(qh, 1), one), 4));
+            qh = _mm256_srli_epi16(qh, 2);
+        }
+        const int j = 2 * p;
+        deq32(lo, 0, d * (float)sm[j], -(dmin * (float)sm[8 + j]), y + 32 * j);
+        deq32(hi, 0, d * (float)sm[j + 1], -(dmin * (float)sm[9 + j]), y + 32 * j + 32);
+    }
+}
+static void deq_q4_k(const uint8_t *b, float *y) { deq_k4_simd(b, y, 0); }
+static void deq_q5_k(const uint8_t *b, float *y) { deq_k4_simd(b, y, 1); }
+#else
 static void deq_q4_k(const uint8_t *b, float *y) { deq_k4(b, y, 0); }
 static void deq_q5_k(const uint8_t *b, float *y) { deq_k4(b, y, 1); }
+#endif
 
-static void deq_q6_k(const uint8_t *b, float *y)
+static __attribute__((unused)) void deq_q6_k_scalar(const uint8_t *b, float *y)
 {
     const uint8_t *ql = b, *qh = b + 128;
     const int8_t *sc = (const int8_t *)(b + 192);
@@ -159,6 +202,39 @@ static void deq_q6_k(const uint8_t *b, float *y)
                 }
             }
 }
+
+#ifdef HAVE_I8_PATH
+/* deq_q6_k_scalar with AVX2 (d sc exact in fp32 times q - 32: the same floats) */
+static void deq_q6_k(const uint8_t *b, float *y)
+{
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *sc = (const int8_t *)(b + 192);
+    const float d = ld_half(b + 208);
+    const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30), z = _mm256_set1_epi8(32);
+    for (int h = 0; h < 2; h++) {
+        const __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
+        const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32));
+        const __m256i hb = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
+#define Q6(lo, hi) \
+    _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(lo, m4), _mm256_and_si256(hi, m30)), z)
+        const __m256i q[4] = {Q6(l0, _mm256_slli_epi16(hb, 4)), Q6(l1, _mm256_slli_epi16(hb, 2)),
+                              Q6(_mm256_srli_epi16(l0, 4), hb),
+                              Q6(_mm256_srli_epi16(l1, 4), _mm256_srli_epi16(hb, 2))};
+#undef Q6
+        for (int t = 0; t < 4; t++) { /* two 16-input sub-blocks, each its own scale */
+            float *yt = y + 128 * h + 32 * t;
+            const float d0 = d * (float)sc[8 * h + 2 * t], d1 = d * (float)sc[8 * h + 2 * t + 1];
+            const __m128i lo = _mm256_castsi256_si128(q[t]), hi = _mm256_extracti128_si256(q[t], 1);
+            const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+            for (int i = 0; i < 4; i++)
+                _mm256_storeu_ps(yt + 8 * i, _mm256_mul_ps(_mm256_cvtepi32_ps(
+                    _mm256_cvtepi8_epi32(parts[i])), _mm256_set1_ps(i < 2 ? d0 : d1)));
+        }
+    }
+}
+#else
+static void deq_q6_k(const uint8_t *b, float *y) { deq_q6_k_scalar(b, y); }
+#endif
 
 /* ---- int8-activation row kernels -------------------------------------------------------------
  * As q4_row_i8, against the same activations (quantize_activations: int8 codes with one step d_x
@@ -582,14 +658,11 @@ static void ggml_matmul(const ggml_type *t, const wdesc *W, const float *x, int6
 #endif
 }
 
-static void ggml_dequant(const ggml_type *t, const wdesc *W, float *out, int nthreads)
+static void ggml_dequant_row(const ggml_type *t, const wdesc *W, int64_t n, float *out)
 {
-    const int64_t nb = W->K / t->block;
-#pragma omp parallel for num_threads(nthreads) schedule(dynamic, ROW_ITEM)
-    for (int64_t n = 0; n < W->N; n++)
-        for (int64_t b = 0; b < nb; b++)
-            t->dequant((const uint8_t *)W->w + n * W->row_bytes + b * t->block_bytes,
-                       out + n * W->K + b * t->block);
+    const uint8_t *row = (const uint8_t *)W->w + n * W->row_bytes;
+    for (int64_t b = 0; b < W->K / t->block; b++)
+        t->dequant(row + b * t->block_bytes, out + b * t->block);
 }
 
 /* ---- dense fp16 / bf16 -------------------------------------------------------------------- */
@@ -667,26 +740,21 @@ static void half_matmul(const wdesc *W, const float *x, int64_t M, int64_t ldx, 
     }
 }
 
-static void half_dequant(const wdesc *W, float *out, int nthreads)
+static void half_dequant_row(const wdesc *W, int64_t n, float *out)
 {
     const int64_t K = W->K;
-    const int bf16 = W->kind == KIND_BF16;
-#pragma omp parallel for num_threads(nthreads) schedule(dynamic, ROW_ITEM)
-    for (int64_t n = 0; n < W->N; n++) {
-        float *o = out + n * K;
-        if (bf16) { /* one loop per kind, each vectorizable */
-            const uint16_t *w = (const uint16_t *)W->w + n * K;
-            for (int64_t k = 0; k < K; k++)
-                o[k] = bf16_to_f32(w[k]);
-        } else {
-            const half *w = (const half *)W->w + n * K;
-            int64_t k = 0;
-#ifdef HAVE_ATT_SIMD /* gcc does not vectorize the _Float16 conversion */
-            for (; k + 8 <= K; k += 8)
-                _mm256_storeu_ps(o + k, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + k))));
-#endif
-            for (; k < K; k++)
-                o[k] = (float)w[k];
-        }
+    if (W->kind == KIND_BF16) { /* one loop per kind, each vectorizable */
+        const uint16_t *w = (const uint16_t *)W->w + n * K;
+        for (int64_t k = 0; k < K; k++)
+            out[k] = bf16_to_f32(w[k]);
+        return;
     }
+    const half *w = (const half *)W->w + n * K;
+    int64_t k = 0;
+#ifdef HAVE_ATT_SIMD /* gcc does not vectorize the _Float16 conversion */
+    for (; k + 8 <= K; k += 8)
+        _mm256_storeu_ps(out + k, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + k))));
+#endif
+    for (; k < K; k++)
+        out[k] = (float)w[k];
 }

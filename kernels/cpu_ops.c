@@ -494,43 +494,36 @@ static void packed_matmul(const wdesc *W, const float *x, int64_t M, int64_t ldx
     free(xp);
 }
 
-/* Dequantize rows [0, N) of a packed matrix into w (N, K) fp32: the prefill path then runs one
- * dense GEMM, which at many rows beats re-dequantizing per row tile. */
-static void q4_dequant(const uint8_t *qw, const half *scales, const half *offsets,
-                       int64_t N, int64_t K, int64_t Kp, int64_t group_size, float *w, int nthreads)
+/* Row n of a packed matrix, dequantized into out (K,) fp32: what the prefill path's GEMM reads
+ * (wdequant, wdequant_bf16). */
+static void q4_dequant_row(const wdesc *W, int64_t n, float *out)
 {
-    const int64_t G = Kp / group_size;
-#pragma omp parallel for num_threads(nthreads) schedule(dynamic, ROW_ITEM)
-    for (int64_t n = 0; n < N; n++) {
-        const uint8_t *row = qw + n * (Kp / 2);
-        float *out = w + n * K;
-        for (int64_t g = 0; g < G; g++) { /* a group at a time: a loop gcc vectorizes */
-            const float s = (float)scales[n * G + g];
-            const float o = offsets ? (float)offsets[n * G + g] : -8.f * s;
-            const int64_t j0 = g * group_size / 2, j1 = (g + 1) * group_size / 2;
-            const int64_t full = j1 <= K / 2 ? j1 : K / 2; /* byte pairs inside K */
-            for (int64_t j = j0; j < full; j++) {
-                out[2 * j] = (float)(row[j] & 15) * s + o;
-                out[2 * j + 1] = (float)(row[j] >> 4) * s + o;
-            }
-            if (full < j1 && 2 * full < K) /* K odd: the last input's low nibble */
-                out[2 * full] = (float)(row[full] & 15) * s + o;
+    const int64_t K = W->K, gs = W->group_size, G = W->Kp / gs;
+    const uint8_t *row = (const uint8_t *)W->w + n * (W->Kp / 2);
+    const half *sc = W->scales + n * G, *of = W->offsets ? W->offsets + n * G : NULL;
+    for (int64_t g = 0; g < G; g++) { /* a group at a time: a loop gcc vectorizes */
+        const float s = (float)sc[g], o = of ? (float)of[g] : -8.f * s;
+        const int64_t j0 = g * gs / 2, j1 = (g + 1) * gs / 2;
+        const int64_t full = j1 <= K / 2 ? j1 : K / 2; /* byte pairs inside K */
+        for (int64_t j = j0; j < full; j++) {
+            out[2 * j] = (float)(row[j] & 15) * s + o;
+            out[2 * j + 1] = (float)(row[j] >> 4) * s + o;
         }
+        if (full < j1 && 2 * full < K) /* K odd: the last input's low nibble */
+            out[2 * full] = (float)(row[full] & 15) * s + o;
     }
 }
 
-static void q8_dequant(const int8_t *qw, const half *scales, int64_t N, int64_t K, int64_t Kp,
-                       int64_t group_size, float *w, int nthreads)
+static void q8_dequant_row(const wdesc *W, int64_t n, float *out)
 {
-    const int64_t G = Kp / group_size;
-#pragma omp parallel for num_threads(nthreads) schedule(dynamic, ROW_ITEM)
-    for (int64_t n = 0; n < N; n++)
-        for (int64_t g = 0; g < G; g++) {
-            const float s = (float)scales[n * G + g];
-            const int64_t k1 = (g + 1) * group_size < K ? (g + 1) * group_size : K;
-            for (int64_t k = g * group_size; k < k1; k++)
-                w[n * K + k] = (float)qw[n * Kp + k] * s;
-        }
+    const int64_t K = W->K, gs = W->group_size, G = W->Kp / gs;
+    const int8_t *row = (const int8_t *)W->w + n * W->Kp;
+    for (int64_t g = 0; g < G; g++) {
+        const float s = (float)W->scales[n * G + g];
+        const int64_t k1 = (g + 1) * gs < K ? (g + 1) * gs : K;
+        for (int64_t k = g * gs; k < k1; k++)
+            out[k] = (float)row[k] * s;
+    }
 }
 
 /* ---- KV cache ----------------------------------------------------------------------------- */
@@ -1232,32 +1225,73 @@ int wmatmul(const wdesc *W, const float *x, int64_t M, int64_t ldx, float *y, in
     }
 }
 
-/* out (N, K) fp32 = W, for the prefill path (many rows: dequantize once, then one dense GEMM).
- * Returns 0, or -1 for an unknown kind. */
-int wdequant(const wdesc *W, float *out, int nthreads)
+int wkind_known(int64_t kind);
+
+/* Row n of W into out (K,) fp32; 0, or -1 for a kind this build does not know. */
+static int dequant_row(const wdesc *W, int64_t n, float *out)
 {
     switch (W->kind) {
     case KIND_F32:
-        memcpy(out, W->w, sizeof(float) * (size_t)(W->N * W->K));
+        memcpy(out, (const float *)W->w + n * W->K, sizeof(float) * (size_t)W->K);
         return 0;
     case KIND_INT4:
-        q4_dequant(W->w, W->scales, W->offsets, W->N, W->K, W->Kp, W->group_size, out, nthreads);
+        q4_dequant_row(W, n, out);
         return 0;
     case KIND_INT8:
-        q8_dequant(W->w, W->scales, W->N, W->K, W->Kp, W->group_size, out, nthreads);
+        q8_dequant_row(W, n, out);
         return 0;
     case KIND_F16:
     case KIND_BF16:
-        half_dequant(W, out, nthreads);
+        half_dequant_row(W, n, out);
         return 0;
     default: {
         const ggml_type *t = ggml_type_of(W->kind);
         if (!t)
             return -1;
-        ggml_dequant(t, W, out, nthreads);
+        ggml_dequant_row(t, W, n, out);
         return 0;
     }
     }
+}
+
+/* out (N, K) fp32 = W, for the prefill path (many rows: dequantize once, then one dense GEMM).
+ * Returns 0, or -1 for an unknown kind. */
+int wdequant(const wdesc *W, float *out, int nthreads)
+{
+    if (!wkind_known(W->kind))
+        return -1;
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, ROW_ITEM)
+    for (int64_t n = 0; n < W->N; n++)
+        dequant_row(W, n, out + n * W->K);
+    return 0;
+}
+
+/* out (N, K) bf16 = W, rounded to nearest even as torch rounds: the prefill path's GEMM in bf16
+ * where the CPU multiplies bf16 fast (AMX / AVX512-BF16 through torch's oneDNN). Each row is
+ * dequantized in fp32 into a thread's buffer in L1/L2, so memory sees only the bf16 copy. */
+int wdequant_bf16(const wdesc *W, uint16_t *out, int nthreads)
+{
+    if (!wkind_known(W->kind))
+        return -1;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *row = malloc(sizeof(float) * (size_t)(W->K + 16));
+#pragma omp for schedule(dynamic, ROW_ITEM)
+        for (int64_t n = 0; n < W->N; n++) {
+            dequant_row(W, n, row);
+            uint16_t *o = out + n * W->K;
+            int64_t k = 0;
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+            for (; k + 16 <= W->K; k += 16)
+                _mm256_storeu_si256((__m256i *)(o + k),
+                                    (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(row + k)));
+#endif
+            for (; k < W->K; k++)
+                o[k] = f32_to_bf16(row[k]);
+        }
+        free(row);
+    }
+    return 0;
 }
 
 /* Whether this build has the int8-activation kernels (AVX2); without them i8 is ignored. */

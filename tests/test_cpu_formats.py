@@ -117,8 +117,17 @@ def test_weight_matmul_int8_activations_match_reference(fmt, N, K, M):
     is the rounding's, at most (d / 2) sum |w| per chunk (d the chunk's step)."""
     qt, w, x, _ = _case(fmt, N, K, M)
     out = cpu_ops.weight_matmul(x, qt, int8_activations=True).double()
-    if M > cpu_ops.FUSED_MAX_ROWS:  # dequantize + GEMM: fp32 activations
-        assert torch.equal(out, cpu_ops.weight_matmul(x, qt).double())
+    if M > cpu_ops.FUSED_MAX_ROWS:  # prefill: dequantize + GEMM
+        if not cpu_ops.fast_bf16():  # fp32 activations
+            assert torch.equal(out, cpu_ops.weight_matmul(x, qt).double())
+            return
+        # x and W rounded to bf16 (8-bit mantissas), products summed in fp32 ((K + 2) u of the
+        # largest sum |w| |x|, as above), the sum rounded to bf16 (half an ulp: <= 2^-8 of it)
+        xb, wb = x.bfloat16().double(), w.bfloat16().double()
+        ref = xb @ wb.T
+        slack = (K + 2) * U * (xb.abs() @ wb.abs().T).max()
+        assert ((out - ref).abs() <= 2.0 ** -8 * (ref.abs() + slack) + slack).all()
+        assert not torch.equal(out, cpu_ops.weight_matmul(x, qt).double())  # it is bf16
         return
     xr = int8_rounded(x)
     slack = (K + 2) * U * (xr.abs() @ w.abs().T).max()
@@ -144,6 +153,25 @@ def test_weights_decode_bit_for_bit(fmt, M):
     eye = torch.eye(K)
     cols = torch.cat([cpu_ops.weight_matmul(eye[i:i + M], qt) for i in range(0, K, M)])  # (K, N)
     assert torch.equal(cols.T, qt.dequantize())
+
+
+@pytest.mark.skipif(not cpu_ops.fast_bf16(), reason="no bf16 GEMM in hardware (AMX/AVX512-BF16)")
+@pytest.mark.parametrize("fmt", GGML + DENSE + ["int4", "int8"])
+def test_prefill_weights_are_the_reference_in_bf16(fmt):
+    """The bf16 prefill path (int8_activations, more than FUSED_MAX_ROWS rows) multiplies the
+    reference's weights rounded to nearest-even bf16, as torch rounds: identity rows read them
+    back exactly (one product by 1.0 each)."""
+    N, M = 13, 40
+    if fmt in ("int4", "int8"):
+        K, qt = 77, _mixed_formats_weight(fmt, N, 77)
+    else:
+        K = _in_sizes(fmt)[-1]
+        qt = random_weight(fmt, N, K, seed=M)
+    eye = torch.eye(K)
+    cols = torch.cat([cpu_ops.weight_matmul(eye[i:i + M], qt, int8_activations=True)
+                      for i in range(0, K - M + 1, M)])
+    want = qt.dequantize().bfloat16().float().T[:cols.shape[0]]
+    assert torch.equal(cols, want)
 
 
 @pytest.mark.parametrize("fmt", GGML + DENSE + ["int4", "int8", "f32"])
