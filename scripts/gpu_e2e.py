@@ -418,58 +418,66 @@ def _hf_rate(shape: str, batch: int, steps: int, device: str, compiled: bool) ->
 
 
 def bench(args) -> None:
+    """One table per run, per shape in order of what matters most when time runs short:
+    for each batch, transformers eager, then qserve over weights x KV; torch.compile last."""
     import torch
 
-    from qserve.engine.llm_engine import LLMEngine
+    dev = args.device
+    Report("bench: decode, random weights", ["shape", "runner", "weights", "KV", "batch",
+                                             "tok/s", "step ms", "launches/step",
+                                             "host ms/step"])
+    batches = [int(b) for b in args.batches.split(",")]
+    for shape in args.shapes.split(","):
+        for batch in batches:
+            _hf_row(shape, batch, dev, args, compiled=False)
+            for weights in args.weights.split(","):
+                for kv in args.kv_bench.split(","):
+                    _engine_row(shape, weights, kv, batch, dev, args)
+        for batch in batches:
+            if dev == "cuda":
+                _hf_row(shape, batch, dev, args, compiled=True)
+    print(f"\n(bench: {time.monotonic() - T0:.0f} s, torch {torch.__version__})")
+
+
+def _engine_row(shape: str, weights: str, kv: str, batch: int, dev: str, args) -> None:
     from qserve.config import engine_config
+    from qserve.engine.llm_engine import LLMEngine
     from qserve.loader import load_tokenizer
 
-    tok = load_tokenizer(str(Path(args.fixture) / "model"))
-    dev = args.device
-    Report("bench: decode, random weights", ["shape", "weights", "KV", "batch", "tok/s",
-                                             "step ms", "launches/step", "host ms/step"])
-    for shape in args.shapes.split(","):
-        for weights in args.weights.split(","):
-            for kv in args.kv_bench.split(","):
-                for batch in [int(b) for b in args.batches.split(",")]:
-                    if left(args.deadline) < 30:
-                        Report.row(shape, weights, kv, batch, "skipped (deadline)", "", "", "")
-                        continue
-                    try:
-                        loaded = random_loaded(shape, weights, dev, tok)
-                        cfg = engine_config(None, device=dev,
-                                            dtype="fp16" if dev == "cuda" else "fp32",
-                                            kv_dtype=kv, max_model_len=args.steps + 64,
-                                            max_num_seqs=max(batch, 1),
-                                            enable_prefix_caching=False)
-                        engine = LLMEngine(cfg, loaded=loaded)
-                        engine.detokenize = False
-                        rate, step_ms, launches, host_ms = _decode_rate(
-                            engine, batch, args.steps, loaded.arch.vocab_size)
-                        Report.row(shape, weights, kv, batch, f"{rate:.0f}", f"{step_ms:.2f}",
-                                   launches, f"{host_ms:.2f}")
-                    except Exception as e:  # noqa: BLE001
-                        Report.row(shape, weights, kv, batch, f"error: {type(e).__name__}: "
-                                   f"{str(e)[:80]}", "", "", "")
-                        traceback.print_exc(file=sys.stderr)
-                    finally:
-                        loaded = engine = None
-                        _empty_cache()
-    Report("bench: Hugging Face transformers, fp16, the same shapes", [
-        "shape", "batch", "eager tok/s", "torch.compile tok/s"])
-    for shape in args.shapes.split(","):
-        for batch in [int(b) for b in args.batches.split(",")]:
-            cells = []
-            for compiled in (False, True):
-                if left(args.deadline) < (150 if compiled else 40) or (compiled and dev != "cuda"):
-                    cells.append("skipped" + (" (deadline)" if dev == "cuda" else ""))
-                    continue
-                try:
-                    cells.append(_hf_rate(shape, batch, args.steps, dev, compiled))
-                except Exception as e:  # noqa: BLE001
-                    cells.append(f"error: {type(e).__name__}: {str(e)[:60]}")
-            Report.row(shape, batch, *cells)
-    print(f"\n(bench: {time.monotonic() - T0:.0f} s, torch {torch.__version__})")
+    cells = [shape, "qserve", weights, kv, batch]
+    if left(args.deadline) < 30:
+        Report.row(*cells, "skipped (deadline)", "", "", "")
+        return
+    loaded = engine = None
+    try:
+        loaded = random_loaded(shape, weights, dev,
+                               load_tokenizer(str(Path(args.fixture) / "model")))
+        cfg = engine_config(None, device=dev, dtype="fp16" if dev == "cuda" else "fp32",
+                            kv_dtype=kv, max_model_len=args.steps + 64, max_num_seqs=batch,
+                            enable_prefix_caching=False)
+        engine = LLMEngine(cfg, loaded=loaded)
+        engine.detokenize = False
+        rate, step_ms, launches, host_ms = _decode_rate(engine, batch, args.steps,
+                                                        loaded.arch.vocab_size)
+        Report.row(*cells, f"{rate:.0f}", f"{step_ms:.2f}", launches, f"{host_ms:.2f}")
+    except Exception as e:  # noqa: BLE001
+        Report.row(*cells, f"error: {type(e).__name__}: {str(e)[:80]}", "", "", "")
+        traceback.print_exc(file=sys.stderr)
+    finally:
+        loaded = engine = None
+        _empty_cache()
+
+
+def _hf_row(shape: str, batch: int, dev: str, args, compiled: bool) -> None:
+    cells = [shape, "transformers " + ("torch.compile" if compiled else "eager"), "fp16",
+             "fp16", batch]
+    if left(args.deadline) < (150 if compiled else 40):
+        Report.row(*cells, "skipped (deadline)", "", "", "")
+        return
+    try:
+        Report.row(*cells, _hf_rate(shape, batch, args.steps, dev, compiled), "", "", "")
+    except Exception as e:  # noqa: BLE001
+        Report.row(*cells, f"error: {type(e).__name__}: {str(e)[:60]}", "", "", "")
 
 
 # ---- all -----------------------------------------------------------------------------------

@@ -92,7 +92,8 @@ def test_seeded_race_draws_from_a_generator_on_another_device():
 
 
 def test_dtype_defaults_to_bf16_on_cuda(monkeypatch):
-    assert EngineConfig().resolved_dtype() == "fp32"  # this machine: the CPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert EngineConfig().resolved_dtype() == "fp32"
     assert EngineConfig(device="cpu", dtype="bf16").resolved_dtype() == "bf16"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert EngineConfig().resolved_dtype() == "bf16"
