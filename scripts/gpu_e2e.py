@@ -381,8 +381,8 @@ def _profile_step(engine) -> tuple[int, float]:
         if e.name in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
                       "cudaLaunchKernelExC", "cudaGraphLaunch"):
             launches += 1
-        elif e.device_type == torch.autograd.DeviceType.CUDA:
-            gpu_us += e.device_time if hasattr(e, "device_time") else e.cuda_time
+        elif e.device_type == torch.autograd.DeviceType.CUDA:  # a kernel or copy on the GPU
+            gpu_us += e.time_range.elapsed_us()
     return launches, gpu_us / 1e3
 
 
