@@ -431,7 +431,7 @@ def _schema_constraint(eng, schema: str, path: str):
         raise QServeError(f"--json-schema needs the server extra: pip install "
                           f"'qserve[server]' ({e})") from None
     try:
-        return Grammars(eng.tokenizer, eng.arch.vocab_size).constraint(
+        return Grammars(eng.tokenizer).constraint(
             Structure(grammar=("json_schema", schema)))
     except StructureError as e:
         raise QServeError(f"--json-schema {path!r}: {e}") from None

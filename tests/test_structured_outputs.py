@@ -173,7 +173,7 @@ def test_constraint_survives_preemption(native_model):
     # room for about 700 tokens: four answers of ~300 tokens cannot all stay resident
     engine = make_served_engine(native_model, max_model_len=512, kv_cache_memory="30MiB",
                                 swap_space=0, enable_prefix_caching=False)
-    grammars = Grammars(engine.tokenizer, engine.arch.vocab_size)
+    grammars = Grammars(engine.tokenizer)
     schema = {"type": "object", "properties": {
         "items": {"type": "array", "minItems": 5, "maxItems": 5, "items": PERSON}},
         "required": ["items"], "additionalProperties": False}
@@ -207,7 +207,7 @@ def test_speculative_drafts_are_checked_against_the_grammar(native_model):
     for draft in (None, "ngram"):
         extra = {"draft": draft, "spec_max_batch_size": 2} if draft else {}
         engine = make_served_engine(native_model, kv_cache_memory="64MiB", **extra)
-        grammars = Grammars(engine.tokenizer, engine.arch.vocab_size)
+        grammars = Grammars(engine.tokenizer)
         constraint = grammars.constraint(Structure(grammar=("json_schema", json.dumps(PERSON))))
         prompt = engine.tokenizer.encode(prompt_text)
         engine.add_request("c", None, SamplingParams(max_tokens=100, temperature=0,
@@ -349,7 +349,7 @@ def test_prefetched_masks_equal_masks_filled_on_demand():
     from qserve.server.structured import Grammars, Structure
 
     tok = load_tokenizer(None)
-    grammars = Grammars(tok, 49152)
+    grammars = Grammars(tok)
     structure = Structure(grammar=("json_schema", json.dumps(PERSON)))
     ids = tok.encode('{"name": "Ann", "role": "admin", "address": {"city": "Lyon", '
                      '"country": "FR"}, "active": true}', add_special_tokens=False)
@@ -407,3 +407,18 @@ def test_tool_history_with_arguments_nested_too_deep_stays_text():
     m = {"role": "assistant", "tool_calls": [{"type": "function",
                                               "function": {"name": "f", "arguments": deep}}]}
     assert check_tool_history(m, 0) == {"tool_calls": [{"name": "f", "arguments": deep}]}
+
+
+def test_logit_columns_past_the_tokenizer_are_never_allowed():
+    """Models pad their embedding rows past the tokenizer's vocabulary; those ids have no text
+    and the grammar must never allow them."""
+    from qserve.loader import load_tokenizer
+    from qserve.server.structured import Grammars, Structure
+
+    tok = load_tokenizer(None)
+    constraint = Grammars(tok).constraint(Structure(grammar=("json_schema", "{}")))
+    V = tok.backend.get_vocab_size(with_added_tokens=True)
+    logits = torch.zeros(1, V + 64)
+    logits[0, V:] = 100.0  # the padded columns would win the argmax
+    constraint.mask(logits, [[]])
+    assert torch.isinf(logits[0, V:]).all() and torch.isfinite(logits[0, :V]).any()

@@ -104,7 +104,7 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: Metrics,
     app = FastAPI(title="qserve", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
     created = P.now()
-    grammars = Grammars(engine.tokenizer, engine.vocab_size)
+    grammars = Grammars(engine.tokenizer)
 
     # ---- errors and auth ---------------------------------------------------------------
     @app.exception_handler(P.APIError)

@@ -57,7 +57,6 @@ class AsyncEngine:
         self._output_thread: threading.Thread | None = None
         self.tokenizer = engine.tokenizer  # handlers' tokenizing happens off the engine thread
         self.max_model_len: int = engine.max_model_len
-        self.vocab_size: int = engine.arch.vocab_size  # the logits' width (grammar masks)
         self.stats: dict = engine.stats()  # a snapshot, replaced after every step
         self._on_finished = on_finished
         self._on_aborted = on_aborted

@@ -320,10 +320,12 @@ def _partial_suffix(text: str, tag: str) -> int:
 # ---- grammars ---------------------------------------------------------------------------
 class Grammars:
     """Compiles structures against one model's vocabulary (thread-safe; call it off the event
-    loop: the first compile builds the vocabulary table, a schema takes milliseconds)."""
+    loop: the first compile builds the vocabulary table, a schema takes milliseconds). Logit
+    columns past the tokenizer's vocabulary (padded embeddings) are never allowed."""
 
-    def __init__(self, tokenizer, vocab_size: int):
-        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.vocab_size = tokenizer.backend.get_vocab_size(with_added_tokens=True)
         self._compiler = None
         self._lock = threading.Lock()
 
@@ -339,11 +341,10 @@ class Grammars:
                 backend = self.tokenizer.backend
                 # the vocabulary's encoding (byte-level, byte fallback, raw) from its decoder
                 meta = xgr.TokenizerInfo._detect_metadata_from_hf(backend.to_str())
-                n = backend.get_vocab_size(with_added_tokens=True)
-                vocab = [backend.id_to_token(i) or "" for i in range(n)]
+                vocab = [backend.id_to_token(i) or "" for i in range(self.vocab_size)]
                 info = xgr.TokenizerInfo(
                     vocab, vocab_type=xgr.VocabType(meta["vocab_type"]),
-                    vocab_size=max(self.vocab_size, n),
+                    vocab_size=self.vocab_size,
                     stop_token_ids=sorted(self.tokenizer.eos_token_ids),
                     add_prefix_space=meta["add_prefix_space"])
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1)
@@ -414,8 +415,10 @@ class GrammarConstraint:
                     bitmask[r] = track.next_mask
                 else:
                     self._fill(track, bitmask, r)
+        V = min(self.vocab_size, logits.shape[1])
         xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
-                                        vocab_size=min(self.vocab_size, logits.shape[1]))
+                                        vocab_size=V)
+        logits[:, V:] = float("-inf")  # ids the tokenizer does not have
 
     def prefetch(self, outputs: list[list[int]]) -> None:
         """Fill the masks that follow `outputs` (the unfinished samples' output token ids after
