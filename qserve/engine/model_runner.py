@@ -146,16 +146,21 @@ class ModelRunner:
                 for j in range(s.num_spec_tokens + 1)]
         return self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
 
+    def _graphable(self, out: SchedulerOutput) -> bool:
+        """Whether this step can replay a CUDA graph: one new token per sequence, every block
+        on the device, no block copies, and a batch within the captured buckets."""
+        return (self.graphs is not None and not out.staging
+                and not (out.swap_out or out.swap_in or out.copies)
+                and all(s.num_new_tokens == 1 and not s.layerwise for s in out.scheduled)
+                and self.graphs.fits(len(out.scheduled)))
+
     def _forward(self, out: SchedulerOutput, one_query_per_row: bool = False
                  ) -> tuple[torch.Tensor, list[int]]:
         """Block copies, then the forward pass: (T, hidden) final hidden states and the rows
         of the sampling sequences' last tokens. `one_query_per_row` runs every token as its
         own one-token query (see run_speculative)."""
         ce = self.cache_engine
-        if (self.graphs is not None and not one_query_per_row and not out.staging
-                and not (out.swap_out or out.swap_in or out.copies)
-                and all(s.num_new_tokens == 1 for s in out.scheduled)
-                and self.graphs.fits(len(out.scheduled))):
+        if not one_query_per_row and self._graphable(out):
             ids, pos, slots, _, seq_lens, _, tables, rows = self._pack(out)
             hidden = self.graphs.run(ids, pos, slots, seq_lens, tables)
             if hidden is not None:
