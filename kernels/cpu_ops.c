@@ -74,6 +74,22 @@ _Static_assert(sizeof(wdesc) == 10 * sizeof(int64_t), "wdesc is WDesc's 10 8-byt
     default: CALL(MTI);        \
     }
 
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
+/* out[0..n) = the fp16 values h[0..n), 8 at a time where F16C is; returns out */
+static inline float *halves_to_floats(const half *h, float *out, int64_t n)
+{
+    int64_t i = 0;
+#ifdef __F16C__
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+#endif
+    for (; i < n; i++)
+        out[i] = (float)h[i];
+    return out;
+}
+
 /* Rows of a matmul (or a dequantization) that one thread takes at a time: OpenMP hands out
  * these items as threads come for them (schedule(dynamic)), so when the OS deschedules one of
  * our threads to run another process, the others take its share instead of waiting for it at
@@ -137,7 +153,7 @@ static inline __m256 i8_to_ps(__m128i b) { return _mm256_cvtepi32_ps(_mm256_cvte
  * dequantized into four 8-float registers once, then multiplied into every activation row;
  * always_inline with a constant mt, so the two accumulators per row stay in registers. */
 static inline __attribute__((always_inline)) void
-q4_row(const uint8_t *row, const half *sc, const half *of, int64_t nchunk, int64_t per_group,
+q4_row(const uint8_t *row, const float *sc, const float *of, int64_t nchunk, int64_t per_group,
        const float *xp, int64_t Kc, const int mt, float *res)
 {
     __m256 a0[MT], a1[MT];
@@ -147,7 +163,7 @@ q4_row(const uint8_t *row, const half *sc, const half *of, int64_t nchunk, int64
     /* g = c / per_group, counted rather than divided (an idiv per chunk is slow) */
     for (int64_t c = 0, g = 0, gc = 0; c < nchunk;
          c++, gc = gc + 1 == per_group ? 0 : gc + 1, g += gc == 0) {
-        const float s = (float)sc[g], o = of ? (float)of[g] : -8.f * s;
+        const float s = sc[g], o = of ? of[g] : -8.f * s;
         const __m256 vs = _mm256_set1_ps(s), vo = _mm256_set1_ps(o);
         if ((c & 3) == 0)
             prefetch_ahead(row + c * (CHUNK / 2), 1);
@@ -172,7 +188,7 @@ q4_row(const uint8_t *row, const half *sc, const half *of, int64_t nchunk, int64
 /* int8: chunks of 32 inputs inside one group (group sizes are multiples of 32, or one group
  * per row, whose length may leave a scalar tail). */
 static inline __attribute__((always_inline)) void
-q8_row(const int8_t *row, const half *sc, int64_t Kp, int64_t group_size,
+q8_row(const int8_t *row, const float *sc, int64_t Kp, int64_t group_size,
        const float *xp, int64_t Kc, const int mt, float *res)
 {
     __m256 a0[MT], a1[MT];
@@ -181,7 +197,7 @@ q8_row(const int8_t *row, const half *sc, int64_t Kp, int64_t group_size,
     const int64_t full = group_size % CHUNK == 0 ? Kp
                          : group_size == Kp ? Kp / CHUNK * CHUNK : 0;
     for (int64_t k0 = 0; k0 < full; k0 += CHUNK) {
-        const __m256 vs = _mm256_set1_ps((float)sc[k0 / group_size]);
+        const __m256 vs = _mm256_set1_ps(sc[k0 / group_size]);
         if ((k0 & 63) == 0)
             prefetch_ahead((const uint8_t *)row + k0, 1);
         const __m128i b0 = _mm_loadu_si128((const __m128i *)(row + k0));
@@ -201,7 +217,7 @@ q8_row(const int8_t *row, const half *sc, int64_t Kp, int64_t group_size,
     for (int i = 0; i < mt; i++) {
         float t = hsum(_mm256_add_ps(a0[i], a1[i]));
         for (int64_t k = full; k < Kp; k++)
-            t += (float)row[k] * (float)sc[k / group_size] * xp[i * Kc + k];
+            t += (float)row[k] * sc[k / group_size] * xp[i * Kc + k];
         res[i] = t;
     }
 }
@@ -322,7 +338,7 @@ static inline __m256 lane(__m256 v, int i)
  * fma with its s * d (computed for the MTI rows at once, as is the offset term, and kept in
  * a register: a store and reloads would stall on store-to-load forwarding every chunk). */
 static inline __attribute__((always_inline)) void
-q4_row_i8(const uint8_t *row, const half *sc, const half *of, int64_t nchunk, int64_t per_group,
+q4_row_i8(const uint8_t *row, const float *sc, const float *of, int64_t nchunk, int64_t per_group,
           const qacts *a, int64_t m0, int64_t Kp, const int mt, float *res)
 {
     __m256 acc[MTI];
@@ -333,7 +349,7 @@ q4_row_i8(const uint8_t *row, const half *sc, const half *of, int64_t nchunk, in
     /* g = c / per_group, counted rather than divided (an idiv per chunk is slow) */
     for (int64_t c = 0, g = 0, gc = 0; c < nchunk;
          c++, gc = gc + 1 == per_group ? 0 : gc + 1, g += gc == 0) {
-        const float s = (float)sc[g], o = of ? (float)of[g] : -8.f * s;
+        const float s = sc[g], o = of ? of[g] : -8.f * s;
         if ((c & 3) == 0)
             prefetch_ahead(row + c * (CHUNK / 2), 1);
         const __m128i b = _mm_loadu_si128((const __m128i *)(row + c * (CHUNK / 2)));
@@ -354,7 +370,7 @@ q4_row_i8(const uint8_t *row, const half *sc, const half *of, int64_t nchunk, in
 }
 
 static inline __attribute__((always_inline)) void
-q8_row_i8(const int8_t *row, const half *sc, int64_t nchunk, int64_t group_size,
+q8_row_i8(const int8_t *row, const float *sc, int64_t nchunk, int64_t group_size,
           const qacts *a, int64_t m0, int64_t Kp, const int mt, float *res)
 {
     __m256 acc[MTI];
@@ -366,7 +382,7 @@ q8_row_i8(const int8_t *row, const half *sc, int64_t nchunk, int64_t group_size,
     const int64_t per_group = group_size % CHUNK == 0 ? group_size / CHUNK : nchunk;
     for (int64_t c = 0, g = 0, gc = 0; c < nchunk;
          c++, gc = gc + 1 == per_group ? 0 : gc + 1, g += gc == 0) {
-        const float s = (float)sc[g];
+        const float s = sc[g];
         if ((c & 1) == 0)
             prefetch_ahead((const uint8_t *)row + c * CHUNK, 1);
         const __m256i w = _mm256_loadu_si256((const __m256i *)(row + c * CHUNK));
@@ -385,14 +401,14 @@ q8_row_i8(const int8_t *row, const half *sc, int64_t nchunk, int64_t group_size,
 #define HAVE_I8_PATH 1
 #else
 /* Portable versions of the same loops, for compilers/CPUs without AVX2. */
-static inline void q4_row(const uint8_t *row, const half *sc, const half *of, int64_t nchunk,
+static inline void q4_row(const uint8_t *row, const float *sc, const float *of, int64_t nchunk,
                           int64_t per_group, const float *xp, int64_t Kc, const int mt,
                           float *res)
 {
     float acc[MT][CHUNK] = {{0}};
     for (int64_t c = 0; c < nchunk; c++) {
         const int64_t g = c / per_group;
-        const float s = (float)sc[g], o = of ? (float)of[g] : -8.f * s;
+        const float s = sc[g], o = of ? of[g] : -8.f * s;
         const uint8_t *b = row + c * (CHUNK / 2);
         float w[CHUNK];
         for (int j = 0; j < CHUNK / 2; j++) {
@@ -411,13 +427,13 @@ static inline void q4_row(const uint8_t *row, const half *sc, const half *of, in
     }
 }
 
-static inline void q8_row(const int8_t *row, const half *sc, int64_t Kp, int64_t group_size,
+static inline void q8_row(const int8_t *row, const float *sc, int64_t Kp, int64_t group_size,
                           const float *xp, int64_t Kc, const int mt, float *res)
 {
     for (int i = 0; i < mt; i++) {
         float t = 0.f;
         for (int64_t k = 0; k < Kp; k++)
-            t += (float)row[k] * (float)sc[k / group_size] * xp[i * Kc + k];
+            t += (float)row[k] * sc[k / group_size] * xp[i * Kc + k];
         res[i] = t;
     }
 }
@@ -463,7 +479,11 @@ static void packed_matmul(const wdesc *W, const float *x, int64_t M, int64_t ldx
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, ROW_ITEM)
     for (int64_t n = 0; n < W->N; n++) {
         const uint8_t *row = (const uint8_t *)W->w + n * row_bytes;
-        const half *sc = W->scales + n * G, *of = W->offsets ? W->offsets + n * G : NULL;
+        /* the row's fp16 scales and offsets as floats, converted 8 at a time: a scalar fp16
+         * load per chunk in the row kernels cost more than the chunk's dot product */
+        float sc[G], ofs[W->offsets ? G : 1];
+        halves_to_floats(W->scales + n * G, sc, G);
+        const float *of = W->offsets ? halves_to_floats(W->offsets + n * G, ofs, G) : NULL;
         const int64_t tile = i8 ? MTI : MT;
         for (int64_t m0 = 0; m0 < M; m0 += tile) {
             float res[MTI];
@@ -502,7 +522,7 @@ static void q4_dequant_row(const wdesc *W, int64_t n, float *out)
     const uint8_t *row = (const uint8_t *)W->w + n * (W->Kp / 2);
     const half *sc = W->scales + n * G, *of = W->offsets ? W->offsets + n * G : NULL;
     for (int64_t g = 0; g < G; g++) { /* a group at a time: a loop gcc vectorizes */
-        const float s = (float)sc[g], o = of ? (float)of[g] : -8.f * s;
+        const float s = sc[g], o = of ? of[g] : -8.f * s;
         const int64_t j0 = g * gs / 2, j1 = (g + 1) * gs / 2;
         const int64_t full = j1 <= K / 2 ? j1 : K / 2; /* byte pairs inside K */
         for (int64_t j = j0; j < full; j++) {
