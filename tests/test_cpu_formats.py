@@ -144,15 +144,27 @@ def test_weights_decode_bit_for_bit(fmt, M):
     in any summation order. M = 32 decodes through the fused kernel's block decoder, M = 40
     through wdequant (the prefill path): both give the reference's fp32 weights exactly (int4 /
     int8 with 77 inputs: a padded last group, an odd count)."""
-    N = 13
+    qt = _decode_case(fmt, M)
+    assert torch.equal(_read_back(qt, M), qt.dequantize())
+
+
+def _decode_case(fmt: str, seed: int) -> QuantizedTensor:
+    """13 rows of fmt: int4 / int8 with 77 inputs, the others their largest test width."""
     if fmt in ("int4", "int8"):
-        K, qt = 77, _mixed_formats_weight(fmt, N, 77)
-    else:
-        K = _in_sizes(fmt)[-1]
-        qt = random_weight(fmt, N, K, seed=M)
+        return _mixed_formats_weight(fmt, 13, 77)
+    return random_weight(fmt, 13, _in_sizes(fmt)[-1], seed=seed)
+
+
+def _read_back(qt: QuantizedTensor, M: int, **kw) -> torch.Tensor:
+    """(N, K): qt's matmul with the identity, M rows a call (the last call's M rows end at K,
+    so every call runs the same path)."""
+    K = qt.in_features
     eye = torch.eye(K)
-    cols = torch.cat([cpu_ops.weight_matmul(eye[i:i + M], qt) for i in range(0, K, M)])  # (K, N)
-    assert torch.equal(cols.T, qt.dequantize())
+    starts = sorted({*range(0, K - M + 1, M), K - M})
+    cols = torch.empty(K, qt.shape[0])
+    for i in starts:
+        cols[i:i + M] = cpu_ops.weight_matmul(eye[i:i + M], qt, **kw)
+    return cols.T
 
 
 @pytest.mark.skipif(not cpu_ops.fast_bf16(), reason="no bf16 GEMM in hardware (AMX/AVX512-BF16)")
@@ -161,17 +173,9 @@ def test_prefill_weights_are_the_reference_in_bf16(fmt):
     """The bf16 prefill path (int8_activations, more than FUSED_MAX_ROWS rows) multiplies the
     reference's weights rounded to nearest-even bf16, as torch rounds: identity rows read them
     back exactly (one product by 1.0 each)."""
-    N, M = 13, 40
-    if fmt in ("int4", "int8"):
-        K, qt = 77, _mixed_formats_weight(fmt, N, 77)
-    else:
-        K = _in_sizes(fmt)[-1]
-        qt = random_weight(fmt, N, K, seed=M)
-    eye = torch.eye(K)
-    cols = torch.cat([cpu_ops.weight_matmul(eye[i:i + M], qt, int8_activations=True)
-                      for i in range(0, K - M + 1, M)])
-    want = qt.dequantize().bfloat16().float().T[:cols.shape[0]]
-    assert torch.equal(cols, want)
+    qt = _decode_case(fmt, 40)
+    want = qt.dequantize().bfloat16().float()
+    assert torch.equal(_read_back(qt, 40, int8_activations=True), want)
 
 
 @pytest.mark.parametrize("fmt", GGML + DENSE + ["int4", "int8", "f32"])
