@@ -92,6 +92,11 @@ EXAMPLES: dict[str, Run | Parse] = {
     "qserve quantize my-hf-dir -o my-w4 --recipe w4g64-awq --calib-text notes.txt":
         Parse("my-hf-dir and notes.txt stand for the reader's files; AWQ calibration takes "
               "minutes (tests/test_quant_checkpoint.py runs it)"),
+    "qserve quantize smollm2-135m-instruct -o smol-q41.gguf --format gguf --recipe w4g32":
+        Run(),
+    "qserve quantize my-hf-dir -o my-w8-ct --format compressed-tensors --recipe w8":
+        Parse("my-hf-dir stands for the reader's Hugging Face directory (tests/test_export.py "
+              "exports one and reads it back)"),
     'qserve generate -m smol-w8 "Hello"': Run(SMALL_GEN, setup=SMOL_W8),
     "qserve chat smol-w8": Run(SMALL_CHAT, stdin="Hi\n", setup=SMOL_W8),
     "qserve eval --kv-dtype int4 --ref smollm2-135m-instruct --score-tokens 16384":
