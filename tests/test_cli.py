@@ -23,11 +23,15 @@ def invoke(*args: str, input: str | None = None):
 
 
 def assert_user_error(result, *needles: str) -> str:
-    """Exit 2 with exactly one line, `error: ...`, naming what was wrong; no traceback."""
+    """Exit 2 with exactly one line, `error: ...`, naming what was wrong; no traceback. An
+    error found once the model is loaded (a prompt too long for it) follows the start's status
+    line, `qserve: MODEL ...`, which is all else that may be printed."""
     assert result.exit_code == 2, result.output
     assert result.exception is None or isinstance(result.exception, SystemExit)
     assert "Traceback" not in result.output
     lines = result.output.strip().splitlines()
+    if len(lines) == 2 and lines[0].startswith("qserve: "):
+        lines = lines[1:]
     assert len(lines) == 1 and lines[0].startswith("error: "), result.output
     for needle in needles:
         assert needle in lines[0]

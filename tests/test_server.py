@@ -332,8 +332,10 @@ def test_api_key_is_enforced(server):
 def test_full_queue_is_503_and_sigterm_exits_0(small_server):
     srv = small_server
     body = {"model": MODEL, "prompt": PROMPT, "ignore_eos": True}
+    # long enough to still run while the next two arrive (12 tokens took ~0.1 s once decode
+    # got fast, and the "full" request was then simply served)
     with httpx.stream("POST", srv.url + "/v1/completions", timeout=120,
-                      json={**body, "max_tokens": 12, "stream": True}) as r:
+                      json={**body, "max_tokens": 400, "stream": True}) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")  # running: it holds the only sequence slot
         statuses = []
