@@ -28,6 +28,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -210,8 +211,76 @@ def has_int8_path() -> bool:
     return L is not None and bool(L.has_int8_path())
 
 
+class ThreadBudget:
+    """How many threads the C kernels use: torch.get_num_threads(), less the cores other
+    processes are keeping busy.
+
+    Two threads that meet at ~200 barriers per decode step run at the speed of the slower
+    one, and one that the OS has descheduled for a time slice stalls the other (default
+    model, 2 cores, one busy process beside: 39 tok/s on two threads, ~0.35x of quiet, where
+    one thread alone keeps ~0.7x). So every INTERVAL seconds it reads how much CPU time the
+    machine's cores spent busy (/proc/stat, the cores this process may run on) beyond this
+    process's own (os.times()), and runs on the cores that leaves: round(cores - others),
+    at least 1. QSERVE_ADAPTIVE_THREADS=0 keeps torch's count.
+    """
+
+    INTERVAL = 0.5
+
+    def __init__(self):
+        self.enabled = os.environ.get("QSERVE_ADAPTIVE_THREADS", "1") != "0"
+        self.cores = _allowed_cpus()
+        self.last: tuple[float, float, float] | None = None  # wall, busy ticks, own CPU s
+        self.free: float | None = None  # cores the others left us at the last reading
+
+    def threads(self) -> int:
+        n = torch.get_num_threads()
+        if not self.enabled or not self.cores:
+            return n
+        now = time.monotonic()
+        if self.last is None or now - self.last[0] >= self.INTERVAL:
+            self._read(now)
+        return n if self.free is None else max(1, min(n, round(self.free)))
+
+    def _read(self, now: float) -> None:
+        busy, own = _busy_ticks(self.cores), sum(os.times()[:2])
+        if busy is not None and self.last is not None:
+            wall = now - self.last[0]
+            others = ((busy - self.last[1]) / _TICKS - (own - self.last[2])) / wall
+            self.free = len(self.cores) - max(0.0, others)
+        self.last = (now, busy if busy is not None else 0.0, own)
+
+
+_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _allowed_cpus() -> list[int]:
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return []
+
+
+def _busy_ticks(cpus: list[int]) -> float | None:
+    """Clock ticks the given CPUs have spent not idle (user, nice, system, irq, softirq,
+    steal), from /proc/stat; None where it cannot be read."""
+    try:
+        lines = Path("/proc/stat").read_text().splitlines()
+    except OSError:
+        return None
+    want, total = {f"cpu{i}" for i in cpus}, 0.0
+    for line in lines:
+        parts = line.split()
+        if parts and parts[0] in want:
+            v = [float(x) for x in parts[1:9]]
+            total += v[0] + v[1] + v[2] + v[5] + v[6] + v[7]  # minus idle (3), iowait (4)
+    return total
+
+
+_budget = ThreadBudget()
+
+
 def _threads() -> int:
-    return torch.get_num_threads()
+    return _budget.threads()
 
 
 # ---- weight matmul ---------------------------------------------------------------------------
