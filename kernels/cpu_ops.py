@@ -212,8 +212,8 @@ def has_int8_path() -> bool:
 
 
 class ThreadBudget:
-    """How many threads the C kernels use: torch.get_num_threads(), less the cores other
-    processes are keeping busy.
+    """How many threads the C kernels and torch use: the user's torch.get_num_threads(), less
+    the cores other processes are keeping busy (torch's count follows it).
 
     Two threads that meet at ~200 barriers per decode step run at the speed of the slower
     one, and one that the OS has descheduled for a time slice stalls the other (default
@@ -231,15 +231,22 @@ class ThreadBudget:
         self.cores = _allowed_cpus()
         self.last: tuple[float, float, float] | None = None  # wall, busy ticks, own CPU s
         self.free: float | None = None  # cores the others left us at the last reading
+        self.most = self.applied = 0  # the user's thread count; the count we last set
 
     def threads(self) -> int:
         n = torch.get_num_threads()
         if not self.enabled or not self.cores:
             return n
+        if n != self.applied:  # set by the user (or torch's default), not by us
+            self.most = n
         now = time.monotonic()
         if self.last is None or now - self.last[0] >= self.INTERVAL:
             self._read(now)
-        return n if self.free is None else max(1, min(n, round(self.free)))
+        k = self.most if self.free is None else max(1, min(self.most, round(self.free)))
+        if k != n:  # torch's own parallel ops (the prefill GEMM) follow the same budget
+            torch.set_num_threads(k)
+        self.applied = k
+        return k
 
     def _read(self, now: float) -> None:
         busy, own = _busy_ticks(self.cores), sum(os.times()[:2])

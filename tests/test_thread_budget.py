@@ -28,10 +28,13 @@ def budget(monkeypatch):
     monkeypatch.setattr(cpu_ops.time, "monotonic", lambda: clock.wall)
     monkeypatch.setattr(cpu_ops, "_busy_ticks", lambda cpus: clock.busy)
     monkeypatch.setattr(cpu_ops.os, "times", lambda: os.times_result((clock.own, 0, 0, 0, 0)))
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    threads = {"n": 2}
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads["n"])
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: threads.update(n=n))
     monkeypatch.delenv("QSERVE_ADAPTIVE_THREADS", raising=False)
     b = cpu_ops.ThreadBudget()
     b.cores = [0, 1]
+    b.torch_threads = threads
     return b, clock
 
 
@@ -52,6 +55,21 @@ def test_threads_come_back_when_the_others_stop(budget):
     assert b.threads() == 1  # read at most every INTERVAL seconds
     clock.advance(0.3, own_cores=1.0, other_cores=0.0)
     assert b.threads() == 2
+    assert torch.get_num_threads() == 2
+
+
+def test_torch_follows_and_a_users_count_is_kept(budget):
+    b, clock = budget
+    b.threads()
+    clock.advance(0.6, own_cores=1.0, other_cores=1.0)
+    assert b.threads() == 1 and torch.get_num_threads() == 1  # torch's ops follow
+    torch.set_num_threads(4)  # the user's own setting: the new most
+    clock.advance(0.6, own_cores=1.0, other_cores=0.0)
+    assert b.threads() == 2  # 2 cores here
+    clock.advance(0.6, own_cores=1.0, other_cores=0.0)
+    b.cores = [0, 1, 2, 3]
+    clock.advance(0.6, own_cores=1.0, other_cores=0.0)
+    assert b.threads() == 4
 
 
 def test_own_cpu_time_is_not_counted_as_others(budget):
