@@ -185,28 +185,37 @@ async def one_request(client: httpx.AsyncClient, url: str, req: Request, tokeniz
     chat = req.path.endswith("/chat/completions")
     body = {"model": "bench", "stream": True, **req.body}
     start = time.perf_counter()
-    first = last = None
-    pieces = []
-    async with client.stream("POST", url + req.path, json=body) as r:
-        if r.status_code != 200:
-            sys.exit(f"error: {url}{req.path} answered {r.status_code}: "
-                     f"{(await r.aread())[:300]!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            text = "".join(((c.get("delta") or {}).get("content") if chat else c.get("text"))
-                           or "" for c in chunk.get("choices", []))
-            if text:
-                last = time.perf_counter()
-                first = first or last
-                pieces.append(text)
+    pieces: list[str] = []
+    times: list[float] = []
+    try:
+        async with client.stream("POST", url + req.path, json=body) as r:
+            if r.status_code != 200:
+                sys.exit(f"error: {url}{req.path} answered {r.status_code}: "
+                         f"{(await r.aread())[:300]!r}")
+            await _read_stream(r, chat, pieces, times)
+    except httpx.TransportError as e:  # the server died or dropped us: say so, no traceback
+        sys.exit(f"error: {url}{req.path} stopped answering ({type(e).__name__}: {e}); "
+                 f"see the server's log")
+    first, last = (times[0], times[-1]) if times else (None, None)
     end = time.perf_counter()
     text = "".join(pieces)
     n = len(tokenizer.encode(text, add_special_tokens=False))
     first = first or end
     tpot = (last - first) / (n - 1) if n > 1 and last is not None else None
     return Result(first - start, tpot, n, end - start, text)
+
+
+async def _read_stream(r, chat: bool, pieces: list[str], times: list[float]) -> None:
+    """Append each streamed text piece to `pieces` and its arrival time to `times`."""
+    async for line in r.aiter_lines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        text = "".join(((c.get("delta") or {}).get("content") if chat else c.get("text"))
+                       or "" for c in chunk.get("choices", []))
+        if text:
+            times.append(time.perf_counter())
+            pieces.append(text)
 
 
 async def run_load(url: str, work: list[Request], clients: int, tokenizer
