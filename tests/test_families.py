@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from qserve.models.registry import num_params
+from hf_reference import assert_layout_comes_from_the_model
 from qserve import LLM, SamplingParams
 
 REPO = Path(__file__).resolve().parent.parent
@@ -184,22 +184,7 @@ def test_gguf_greedy_equals_transformers(name, checkpoints, ggufs):
 def test_checkpoint_layout_comes_from_the_model(checkpoints, tmp_path):
     """The tensors transformers saved are exactly the ones the meta-built model asks for, the
     parameter count is theirs, and a qserve checkpoint's config.json reads back the same."""
-    import json
-
-    from safetensors import safe_open
-
-    from qserve.loader import load_arch
-    from qserve.loader.checkpoint import hf_config
-    from qserve.loader.hf_loader import expected_shapes
-
-    for name, path in checkpoints.items():
-        arch = load_arch(path)
-        with safe_open(str(path / "model.safetensors"), framework="pt") as f:
-            saved = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-        assert expected_shapes(arch) == saved, name
-        assert num_params(arch) == sum(torch.Size(s).numel() for s in saved.values()), name
-        (tmp_path / "config.json").write_text(json.dumps(hf_config(arch)))
-        assert load_arch(tmp_path) == arch, name
+    assert_layout_comes_from_the_model(checkpoints, tmp_path)
 
 
 def test_unsupported_architecture_is_one_line(tmp_path):

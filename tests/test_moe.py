@@ -19,6 +19,7 @@ import pytest
 import torch
 from torch import nn
 
+from hf_reference import assert_layout_comes_from_the_model
 from qserve import LLM, SamplingParams
 from qserve.errors import ModelLoadError
 from qserve.formats import QuantizedTensor
@@ -316,21 +317,7 @@ def test_w4_recipe_quantizes_every_expert(name, checkpoints, tmp_path, monkeypat
 def test_checkpoint_layout_comes_from_the_model(checkpoints, tmp_path):
     """transformers saves exactly the per-expert tensors the meta-built model asks for, and a
     qserve checkpoint's config.json reads back the same arch."""
-    from safetensors import safe_open
-
-    from qserve.loader import load_arch
-    from qserve.loader.checkpoint import hf_config
-    from qserve.loader.hf_loader import expected_shapes
-    from qserve.models.registry import num_params
-
-    for name, path in checkpoints.items():
-        arch = load_arch(path)
-        with safe_open(str(path / "model.safetensors"), framework="pt") as f:
-            saved = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-        assert expected_shapes(arch) == saved, name
-        assert num_params(arch) == sum(torch.Size(s).numel() for s in saved.values()), name
-        (tmp_path / "config.json").write_text(json.dumps(hf_config(arch)))
-        assert load_arch(tmp_path) == arch, name
+    assert_layout_comes_from_the_model(checkpoints, tmp_path)
 
 
 def test_gguf_reads_the_same_arch(checkpoints, ggufs):

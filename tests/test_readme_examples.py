@@ -54,7 +54,7 @@ EXAMPLES: dict[str, Run | Parse] = {
     # Quick start and the test commands
     "pip install torch==2.13.0 && pip install -e '.[server]' && qserve chat":
         Parse("installs packages into the environment (the suite runs in one installed so)"),
-    "pip install torch==2.13.0 && pip install -e '.[test,server]' && python -m pytest -q":
+    "pip install torch==2.13.0 && pip install -e '.[test,server,cluster,export]' && python -m pytest -q":
         Parse("installs packages, then is the whole suite, this test included"),
     'python -m pytest -q -m "not slow"': Parse("the fast part of the suite running this test"),
     # Using it
