@@ -124,6 +124,31 @@ def test_prefix_hit_skips_computed_tokens():
     assert b.num_cached_tokens == 8
 
 
+
+def test_prefix_hits_count_once_per_request_across_preemption():
+    # a's prompt leaves 2 full blocks in the prefix cache; b has the same prompt and hits
+    # them, is preempted by recompute (c grows), waits (its admission is tried and undone
+    # for lack of blocks) and is re-admitted, hitting them again each time it is tried
+    sched, bm = make(num_blocks=5, preemption_mode="recompute")
+    a = seq(9, "a")
+    sched.add(a)
+    step(sched)
+    sched.finish(a, "stop")
+    c = seq(6, "c")
+    b = Sequence("b", 0, list(a.prompt_token_ids), 9, SamplingParams(max_tokens=100))
+    sched.add(c)
+    sched.add(b)
+    for _ in range(5):
+        step(sched)
+    assert sched.num_recomputes == 1 and b.status is SequenceStatus.WAITING
+    sched.finish(c, "stop")
+    step(sched)
+    assert b.status is SequenceStatus.RUNNING
+    # counted at b's first admission only: 8 of its 9 prompt tokens, never more than its
+    # prompt (the block manager attached the 2 blocks 3 times, the old count of 24 tokens)
+    assert b.num_cached_tokens == 8 and sched.num_prefix_hit_tokens == 8
+    assert bm.prefix_hits == 6
+
 def test_speculative_tokens_run_whole_or_are_dropped():
     sched, bm = make(max_num_batched_tokens=6)
     a, b = seq(3, "a"), seq(3, "b")

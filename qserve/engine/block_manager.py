@@ -75,7 +75,9 @@ class BlockManager:
         self.keys: dict[int, list[bytes]] = {}  # seq_id -> keys of its blocks offered to the cache
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) device copies, copy-on-write
         self.staging: list[int] = []  # device blocks lent to this step's layer-wise prefills
-        self.prefix_hits = 0  # blocks served from the prefix cache
+        # blocks match_prefix attached, every call (re-admissions too); the per-request count
+        # the engine reports is the scheduler's num_prefix_hit_tokens
+        self.prefix_hits = 0
 
     # ---- accounting ----------------------------------------------------------------------
     @property

@@ -111,6 +111,10 @@ class Scheduler:
         self.num_swap_outs = 0
         self.num_recomputes = 0
         self.num_layerwise_admits = 0  # requests that started their prompt layer by layer
+        # prompt tokens served by the prefix cache, counted once per sequence at its first
+        # admission: a recompute-preempted sequence re-admitted later, or an admission tried
+        # and undone for lack of blocks, would otherwise count its hits again
+        self.num_prefix_hit_tokens = 0
 
     # ---- queues --------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -273,6 +277,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
+                self.num_prefix_hit_tokens += seq.num_cached_tokens
             self.running.append(seq)
             out.scheduled.append(s)
             budget -= s.num_new_tokens

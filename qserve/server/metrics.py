@@ -35,7 +35,8 @@ _COUNTERS = {
                          "KV bytes layer-wise prefills read back from host blocks."),
     "prompt_tokens": ("qserve_prompt_tokens", "Prompt tokens of requests added."),
     "prefix_cache_hit_blocks": ("qserve_prefix_cache_hit_blocks",
-                                "Prompt KV blocks served from the prefix cache."),
+                                "Prompt KV blocks served from the prefix cache, counted "
+                                "once per request, at its first admission."),
     "generated_tokens": ("qserve_generation_tokens", "Tokens generated."),
 }
 # with speculative decoding only
