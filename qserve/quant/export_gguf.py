@@ -8,10 +8,20 @@ Only layouts GGML has exactly are written, so the file holds the very weights qs
     dense 2-D tensors (embedding, kept linears) -> F16 (F32 when stored so); norms, biases F32
 
 Any other scheme (groups of 64/128, per-channel int8, a padded last group) is refused before
-any work, naming the layer and the recipes that export losslessly. Metadata follow llama.cpp's
-convert_hf_to_gguf.py for the llama / qwen2 / qwen3 architectures (Mistral is written as
-llama, as the converter does); the tokenizer is copied from a GGUF source, or built from a
-Hugging Face directory's tokenizer files with the gguf package's vocab readers.
+any work, naming the layer and the recipes that export losslessly. Tensor names and metadata
+follow llama.cpp's convert_hf_to_gguf.py for each family:
+
+    llama, mistral, mixtral -> llama    q/k rows interleaved for its rope; Mixtral's experts
+    qwen2, qwen3            -> as named     stacked into 3-D ffn_{gate,up,down}_exps, expert
+    qwen3_moe               -> qwen3moe     e the e-th (out, in) matrix, in its own GGML type
+    phi3                    -> phi3     fused attn_qkv / ffn_up; longrope as rope_factors_*
+    gemma2, gemma3_text     -> gemma2, gemma3   norms stored as 1 + w; soft-caps, windows
+
+What llama.cpp would run differently is refused, in one line: a Gemma query_pre_attn_scalar
+other than the one it derives, Qwen3-MoE weights that are not renormalized over the chosen
+experts, Gemma 3 attention soft-capping, a rope scaling the format has no keys for. The
+tokenizer is copied from a GGUF source, or built from a Hugging Face directory's tokenizer
+files with the gguf package's vocab readers.
 
 The `gguf` package (GGUFWriter) is imported only here, when an export runs.
 """
@@ -26,7 +36,13 @@ import torch
 from qserve.errors import QServeError
 from qserve.formats import QuantizedTensor, unpack_int4
 
-GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+             "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3", "mixtral": "llama",
+             "qwen3_moe": "qwen3moe"}
+ROPE_SCALINGS = {"llama": ("default", "linear", "llama3"), "qwen2": ("default", "linear"),
+                 "qwen3": ("default", "linear"), "qwen3moe": ("default", "linear"),
+                 "phi3": ("default", "longrope"), "gemma2": ("default",),
+                 "gemma3": ("default", "linear")}
 LOSSLESS = {(4, False): "Q4_1", (4, True): "Q4_0", (8, True): "Q8_0"}  # (bits, sym), groups of 32
 LOSSLESS_RECIPES = ("w4g32 (int4 g32 asym -> Q4_1), int4 g32 symmetric (-> Q4_0), int8 with "
                     "group_size 32 (-> Q8_0), gguf-native from a Q4_0/Q4_1/Q8_0 GGUF")
@@ -38,16 +54,39 @@ def check_plans(arch, plans) -> None:
     if arch.architecture not in GGUF_ARCH:
         raise QServeError(f"GGUF export supports {', '.join(GGUF_ARCH)} models, not "
                           f"{arch.architecture!r}")
-    kind = (arch.rope_scaling or {}).get("rope_type", "default")
-    if kind not in ("default", "linear", "llama3"):
-        raise QServeError(f"GGUF export: rope scaling {kind!r} is not written (default, "
-                          f"linear, llama3)")
+    problem = _unexpressed(arch)
+    if problem:
+        raise QServeError(f"GGUF export: {problem}, which llama.cpp would run differently; "
+                          f"this model is not exported")
     for p in plans:
         if p.scheme is None:
             continue
         if (p.scheme.bits, p.scheme.sym) not in LOSSLESS or p.group_size != 32 or p.shape[1] % 32:
             raise QServeError(f"{p.name} would be {p.describe()}, which no GGUF type holds "
                               f"exactly; GGUF export takes {LOSSLESS_RECIPES}")
+
+
+def _unexpressed(arch) -> str | None:
+    """What of `arch` a GGUF of its llama.cpp architecture cannot say (None: nothing)."""
+    name = GGUF_ARCH[arch.architecture]
+    kind = (arch.rope_scaling or {}).get("rope_type", "default")
+    if kind not in ROPE_SCALINGS[name]:
+        return (f"rope scaling {kind!r} on {name} (written: "
+                f"{', '.join(ROPE_SCALINGS[name])})")
+    if name.startswith("gemma"):
+        from qserve.models.registry import model_class
+
+        # llama.cpp scales scores by hidden / heads at the 27B's depth, else by head_dim
+        big = arch.num_layers == model_class(arch.architecture).gguf_27b_layers
+        derived = arch.hidden_size // arch.num_heads if big else arch.head_dim
+        if arch.query_pre_attn_scalar not in (None, derived):
+            return (f"query_pre_attn_scalar {arch.query_pre_attn_scalar:g} (llama.cpp takes "
+                    f"{derived} for this shape)")
+        if name == "gemma3" and arch.attn_logit_softcapping:
+            return "Gemma 3 with attention soft-capping"
+    if name == "qwen3moe" and not arch.norm_topk_prob:
+        return "norm_topk_prob false (llama.cpp always renormalizes the chosen experts)"
+    return None
 
 
 def check_replaceable(out: Path, src: Path) -> None:
@@ -87,12 +126,38 @@ def permute_rows(n_rows: int, n_head: int) -> torch.Tensor:
     return idx.reshape(n_head, 2, n_rows // n_head // 2).transpose(1, 2).reshape(-1)
 
 
+def _stacks(names: dict[str, str]) -> dict[str, list[str]]:
+    """GGUF name -> the HF tensors it holds: one, or a mixture's experts in order (hf_names
+    lists expert e as `<stacked name>[e]`)."""
+    out: dict[str, list[str]] = {}
+    for g_name, hf in names.items():
+        out.setdefault(g_name.partition("[")[0], []).append(hf)
+    return out
+
+
+def _tensor(w, n_head: int | None) -> tuple[np.ndarray, str | None]:
+    """One HF-named tensor as GGUF stores it: (ggml blocks, their type name) for an int4/int8
+    g32 QuantizedTensor, else (values, None), F32 for 1-D and fp32 tensors, F16 otherwise;
+    rows permuted for llama's rope when n_head is given."""
+    if isinstance(w, QuantizedTensor):
+        if n_head is not None:
+            w = w.rows(permute_rows(w.shape[0], n_head))
+        if w.format in ("int4", "int8"):
+            return ggml_blocks(w)
+        w = w.dequantize()
+    elif n_head is not None:
+        w = w[permute_rows(w.shape[0], n_head)]
+    w = w.float() if w.dim() == 1 or w.dtype == torch.float32 else w.half()
+    return w.contiguous().numpy(), None
+
+
 def export(out: Path, loaded, tensors: dict, plans, atomic_dir=None) -> None:
     """Write the GGUF `out` (atomically: a sibling temporary file renamed into place; one
     file, so quantize's atomic_dir is not needed)."""
     import gguf
 
     from qserve.loader.gguf_loader import hf_names, llama3_rope_divisors, unpermute_rows
+    from qserve.models.registry import model_class
 
     arch = loaded.arch
     name = GGUF_ARCH[arch.architecture]
@@ -101,24 +166,29 @@ def export(out: Path, loaded, tensors: dict, plans, atomic_dir=None) -> None:
     try:
         _metadata(writer, arch, name, plans, loaded.path)
         _tokenizer(writer, loaded)
+        if name.startswith("gemma") and not Path(loaded.path).is_file():
+            writer.add_add_space_prefix(False)  # as the converter marks Gemma's vocabulary
         if (arch.rope_scaling or {}).get("rope_type") == "llama3":  # as the converter bakes it
             divisors = llama3_rope_divisors(arch.rope_scaling, arch.rope_theta, arch.head_dim)
             writer.add_tensor("rope_freqs.weight", divisors.float().numpy())
-        for g_name, hf in hf_names(arch).items():
-            w = tensors[hf]
-            n_head = unpermute_rows(g_name, arch)
-            if isinstance(w, QuantizedTensor):
-                if n_head is not None:
-                    w = w.rows(permute_rows(w.shape[0], n_head))
-                if w.format in ("int4", "int8"):
-                    rows, type_name = ggml_blocks(w)
-                    writer.add_tensor(g_name, rows, raw_dtype=gguf.GGMLQuantizationType[type_name])
-                    continue
-                w = w.dequantize()
-            w = w.float() if w.dim() == 1 or w.dtype == torch.float32 else w.half()
-            if n_head is not None:
-                w = w[permute_rows(w.shape[0], n_head)]
-            writer.add_tensor(g_name, w.contiguous().numpy())
+        if (arch.rope_scaling or {}).get("rope_type") == "longrope":  # Phi-3, per frequency
+            for which in ("long", "short"):
+                factors = torch.tensor(arch.rope_scaling[f"{which}_factor"], dtype=torch.float32)
+                writer.add_tensor(f"rope_factors_{which}.weight", factors.numpy())
+        offset = model_class(arch.architecture).gguf_norm_offset
+        for g_name, hfs in _stacks(hf_names(arch)).items():
+            parts = [_tensor(tensors[hf], unpermute_rows(g_name, arch)) for hf in hfs]
+            if g_name.endswith("norm.weight") and offset:  # llama.cpp multiplies by 1 + w
+                parts = [(w + offset, dtype) for w, dtype in parts]
+            data, dtype = parts[0]
+            if len(parts) > 1:  # experts: (E, out, row) bytes or (E, out, in) values
+                if any(d != dtype for _, d in parts):
+                    raise QServeError(f"GGUF export: {g_name} stacks experts of different "
+                                      f"types ({', '.join(sorted({str(d) for _, d in parts}))}"
+                                      f"); quantize every expert alike")
+                data = np.stack([w for w, _ in parts])
+            raw = None if dtype is None else gguf.GGMLQuantizationType[dtype]
+            writer.add_tensor(g_name, data, raw_dtype=raw)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
@@ -151,15 +221,50 @@ def _metadata(writer, arch, name: str, plans, source: Path) -> None:
     writer.add_layer_norm_rms_eps(arch.rms_norm_eps)
     writer.add_vocab_size(arch.vocab_size)
     rot = int(arch.head_dim * arch.partial_rotary_factor)
-    if name == "llama" or rot != arch.head_dim:
+    if name in ("llama", "phi3") or rot != arch.head_dim:
         writer.add_rope_dimension_count(rot)
-    if arch.head_dim != arch.hidden_size // arch.num_heads:
+    if arch.head_dim != arch.hidden_size // arch.num_heads or name.startswith("gemma"):
         writer.add_key_length(arch.head_dim)
         writer.add_value_length(arch.head_dim)
     scaling = arch.rope_scaling or {}
     if scaling.get("rope_type") == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(scaling["factor"])
+    if scaling.get("rope_type") == "longrope":  # the factors are tensors (export)
+        from qserve.models.rope import attention_factor
+
+        writer.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
+        writer.add_rope_scaling_attn_factors(attention_factor(scaling))
+    if name == "phi3":  # 0: none (the converter's way of marking Phi-4)
+        writer.add_sliding_window(arch.sliding_window or 0)
+    if name.startswith("gemma"):
+        _gemma_metadata(writer, arch, name)
+    if arch.num_experts:
+        writer.add_expert_count(arch.num_experts)
+        writer.add_expert_used_count(arch.num_experts_per_tok)
+        if name == "qwen3moe":
+            writer.add_expert_feed_forward_length(arch.moe_intermediate_size)
+
+
+def _gemma_metadata(writer, arch, name: str) -> None:
+    """Soft-caps, the window, which layers slide (only where they differ from llama.cpp's
+    fixed pattern for the architecture) and Gemma 3's local rope base."""
+    from qserve.models.registry import model_class
+
+    if arch.attn_logit_softcapping:
+        writer.add_attn_logit_softcapping(arch.attn_logit_softcapping)
+    if arch.final_logit_softcapping:
+        writer.add_final_logit_softcapping(arch.final_logit_softcapping)
+    if arch.sliding_window:
+        writer.add_sliding_window(arch.sliding_window)
+        n = model_class(arch.architecture).sliding_window_pattern
+        default = ["full_attention" if (i + 1) % n == 0 else "sliding_attention"
+                   for i in range(arch.num_layers)]
+        layers = arch.layer_types or ["sliding_attention"] * arch.num_layers
+        if layers != default:
+            writer.add_sliding_window_pattern([t == "sliding_attention" for t in layers])
+    if name == "gemma3" and arch.rope_local_theta is not None:
+        writer.add_rope_freq_base_swa(arch.rope_local_theta)
 
 
 def _tokenizer(writer, loaded) -> None:

@@ -1,0 +1,163 @@
+"""`qserve quantize --format gguf` for the families beyond Llama/Qwen: Phi-3 (fused qkv and
+gate_up), Gemma 2 and 3 (1 + w norms, soft-caps, sliding layers, a local rope base) and the
+mixtures Mixtral and Qwen3-MoE (experts stacked into 3-D tensors, each in its GGML type).
+
+Each tiny checkpoint is quantized with w4g32 (int4 g32 asym -> Q4_1) and exported; qserve
+reads the export back with the same architecture and, bit for bit, the same codes, scales
+and offsets; llama.cpp's llama-server, fed the same prompt ids, completes greedily as qserve
+does on the export (skipped with its reason when native llama.cpp is not built). The
+checkpoints use only what llama.cpp runs exactly as transformers does: no Phi-3 window or
+longrope (llama.cpp ignores the window and picks long or short factors by context size, not
+by position), Gemma's query_pre_attn_scalar equal to head_dim. What a GGUF cannot say is
+refused in one line.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+import pytest
+import torch
+
+from qserve.errors import QServeError
+from qserve.loader import load_arch, load_model
+from qserve.quant.quantize import quantize
+from test_export import (PROMPT, assert_same_greedy, llama_cpp_greedy, make_tiny, qserve_greedy,
+                         same_weights)
+from test_families import COMMON
+
+pytestmark = pytest.mark.slow  # transformers writes the checkpoints
+
+
+def configs() -> dict[str, object]:
+    from transformers import (Gemma2Config, Gemma3TextConfig, MixtralConfig, Phi3Config,
+                              Qwen3MoeConfig)
+
+    two = dict(COMMON, num_hidden_layers=2)
+    gemma = dict(COMMON, head_dim=32, sliding_window=8, query_pre_attn_scalar=32)
+    return {
+        "phi3": Phi3Config(**two, sliding_window=None, partial_rotary_factor=0.75),
+        "phi3-longrope": Phi3Config(
+            **two, sliding_window=None, original_max_position_embeddings=32,
+            rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5,
+                                                                     1.2, 1.4],
+                          "long_factor": [1.5, 2.0, 3.0, 5.0, 8.0, 13.0, 2.5, 4.0]}),
+        "gemma2": Gemma2Config(**gemma, num_hidden_layers=3, attn_logit_softcapping=1.5,
+                               final_logit_softcapping=5.0),
+        "gemma3": Gemma3TextConfig(**gemma, num_hidden_layers=6, rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+        "gemma3-layers": Gemma3TextConfig(  # not llama.cpp's five-to-one: written as a list
+            **gemma, num_hidden_layers=3, layer_types=[
+                "sliding_attention", "full_attention", "sliding_attention"]),
+        "mixtral": MixtralConfig(**two | {"intermediate_size": 96}, num_local_experts=4,
+                                 num_experts_per_tok=2),
+        "qwen3_moe": Qwen3MoeConfig(**two, head_dim=32, moe_intermediate_size=64, num_experts=4,
+                                    num_experts_per_tok=2, norm_topk_prob=True),
+        # refused: llama.cpp cannot say these
+        "gemma2-scalar": Gemma2Config(**gemma | {"query_pre_attn_scalar": 24},
+                                      num_hidden_layers=2),
+        "qwen3_moe-unnormed": Qwen3MoeConfig(**two, head_dim=32, moe_intermediate_size=64,
+                                             num_experts=4, num_experts_per_tok=2,
+                                             norm_topk_prob=False),
+    }
+
+
+RUN = ["phi3", "gemma2", "gemma3", "mixtral", "qwen3_moe"]  # llama.cpp runs these exactly
+READ_BACK = RUN + ["phi3-longrope", "gemma3-layers"]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """name -> HF directory of a random-init model with tests/test_export.py's byte-level BPE
+    vocabulary (llama.cpp loads no sentencepiece vocabulary without a newline byte token)."""
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("export-families")
+    vocab = make_tiny(root / "vocab", "llama")
+    dirs = {}
+    for name, config in configs().items():
+        config.vocab_size = Tokenizer.from_file(str(vocab / "tokenizer.json")).get_vocab_size()
+        config.bos_token_id, config.eos_token_id = 0, 1  # <s>, </s>
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with torch.no_grad():  # norms and biases away from their init
+            for p in model.parameters():
+                if p.ndim == 1:
+                    p.add_(torch.randn_like(p) * 0.3)
+        path = root / name
+        model.save_pretrained(path)
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            (path / f).write_bytes((vocab / f).read_bytes())
+        dirs[name] = path
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def exports(checkpoints, tmp_path_factory) -> dict[str, tuple[Path, Path]]:
+    """name -> (w4g32 qserve checkpoint, its GGUF export), made once."""
+    root, made = tmp_path_factory.mktemp("gguf"), {}
+    for name in READ_BACK:
+        # general.name is the directory's: llama.cpp gives a model named "phi3" Phi-3's own
+        # special tokens, which this vocabulary lacks
+        ckpt, out = root / f"tiny-{name.replace('phi3', 'phi')}", root / f"{name}.gguf"
+        quantize(str(checkpoints[name]), ckpt, "w4g32")
+        quantize(str(ckpt), out, "w4g32", fmt="gguf")
+        made[name] = ckpt, out
+    return made
+
+
+def fp32(value):
+    """Every float in a nested structure rounded to fp32, as GGUF metadata stores them."""
+    if isinstance(value, float):
+        return float(np.float32(value))
+    if isinstance(value, dict):
+        return {k: fp32(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [fp32(v) for v in value]
+    return value
+
+
+@pytest.mark.parametrize("name", READ_BACK)
+def test_export_reads_back_bit_for_bit(name, exports):
+    import gguf
+
+    ckpt, out = exports[name]
+    assert fp32(asdict(load_arch(out))) == fp32(asdict(load_arch(ckpt)))
+    ours, theirs = load_model(ckpt).weights, load_model(out).weights
+    if name.startswith("gemma"):  # stored as 1 + w: what the norm multiplies by is the same
+        ours, theirs = (
+            {k: (1 + w.float() if k.endswith("norm.weight") else w) for k, w in ws.items()}
+            for ws in (ours, theirs))
+    same_weights(ours, theirs)
+    reader = gguf.GGUFReader(out)
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert types["blk.1.ffn_down.weight" if "exps" not in str(types) else
+                 "blk.1.ffn_down_exps.weight"] == "Q4_1"
+    if load_arch(ckpt).num_experts:  # one 3-D tensor per layer and kind: (E, out, in)
+        [exps] = [t for t in reader.tensors if t.name == "blk.0.ffn_gate_exps.weight"]
+        E, inter = load_arch(ckpt).num_experts, load_arch(ckpt).moe_intermediate_size
+        assert [int(d) for d in exps.shape] == [64, inter, E]
+
+
+@pytest.mark.parametrize("name", RUN)
+def test_llama_cpp_completes_the_export_as_qserve(name, exports):
+    _, out = exports[name]
+    # a random model's logits are flat: near ties come early (min_agree 2)
+    assert_same_greedy(llama_cpp_greedy(out, PROMPT, 16), qserve_greedy(out, PROMPT, 16), 2)
+
+
+@pytest.mark.parametrize("name, message", [
+    ("gemma2-scalar", r"^GGUF export: query_pre_attn_scalar 24 \(llama\.cpp takes 32 for this "
+                      r"shape\), which llama\.cpp would run differently; this model is not "
+                      r"exported$"),
+    ("qwen3_moe-unnormed", r"^GGUF export: norm_topk_prob false \(llama\.cpp always "
+                           r"renormalizes the chosen experts\), which"),
+])
+def test_what_llama_cpp_cannot_say_is_refused(name, message, checkpoints, tmp_path):
+    with pytest.raises(QServeError, match=message):
+        quantize(str(checkpoints[name]), tmp_path / "m.gguf", "w4g32", fmt="gguf")
+    assert not list(tmp_path.iterdir())
