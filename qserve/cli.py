@@ -161,6 +161,15 @@ def model_argument(f):
     return click.argument("model", required=False)(wrapper)
 
 
+def _json_output(ctx, param, value: bool) -> bool:
+    """--json's callback: stdout is data, so the command draws no spinner or bar at all."""
+    if value:
+        from qserve.progress import off
+
+        ctx.with_resource(off())
+    return value
+
+
 def _build_engine(model: str | None, engine: dict):
     """The engine for MODEL, with a spinner on a terminal while it loads, then one status line
     on stderr: what runs, at which precision, where, and the KV budget."""
@@ -243,7 +252,8 @@ _INFO_FLAGS = ("--kv-cache-memory", "--swap-space", "--block-size", "--max-num-s
 
 @main.command()
 @model_argument
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--json", "as_json", is_flag=True, callback=_json_output,
+              help="Print one JSON object.")
 @engine_flags(only=_INFO_FLAGS)
 def info(model, as_json, engine):
     """Shape, size and KV cache footprint of MODEL, without loading its weights."""
@@ -370,7 +380,7 @@ def info(model, as_json, engine):
 @click.option("--ignore-eos", is_flag=True, help="Keep generating past end-of-sequence.")
 @click.option("--json-schema", "schema_file", type=click.Path(dir_okay=False), metavar="FILE",
               help="Constrain each completion to JSON valid against this JSON schema.")
-@click.option("--json", "as_json", is_flag=True,
+@click.option("--json", "as_json", is_flag=True, callback=_json_output,
               help="One JSON object per completion per line, with timings.")
 @speculative_flags
 @engine_flags
@@ -526,7 +536,8 @@ def _batch_sizes(ctx, param, value: str) -> list[int]:
 @click.option("--input-len", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--output-len", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True, help="Seeds the random prompts.")
-@click.option("--json", "as_json", is_flag=True, help="One JSON object per batch size per line.")
+@click.option("--json", "as_json", is_flag=True, callback=_json_output,
+              help="One JSON object per batch size per line.")
 @speculative_flags
 @engine_flags
 def bench(model, batch_sizes, input_len, output_len, seed, as_json, engine):
@@ -566,12 +577,14 @@ _EVAL_FLAGS = ("--kv-cache-memory", "--block-size", "--max-num-batched-tokens", 
 @click.option("--score-tokens", type=click.IntRange(min=2), metavar="N",
               help="Score only the text's first N tokens  [default: all]")
 @click.option("--max-tokens", "old_max_tokens", type=int, hidden=True)  # its old name
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--json", "as_json", is_flag=True, callback=_json_output,
+              help="Print one JSON object.")
 @engine_flags(only=_EVAL_FLAGS)
 def eval_(model, ref, text_file, context, score_tokens, old_max_tokens, as_json, engine):
     """Perplexity of MODEL over a text through the engine (quantized KV included); with
     --ref, KL divergence and top-1 agreement against a reference model."""
     from qserve.eval import default_text, eval_engine, evaluate, tokenize_for_eval
+    from qserve.loader.registry import resolve_model
     from qserve.progress import spinner
 
     if old_max_tokens is not None:  # --max-tokens counts output tokens in every other command
@@ -586,11 +599,13 @@ def eval_(model, ref, text_file, context, score_tokens, old_max_tokens, as_json,
         except (OSError, UnicodeDecodeError) as e:
             why = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
             raise QServeError(f"--text {text_file!r} cannot be read: {why}") from None
+    resolve_model(model)  # a first run's download draws its own progress, not under a spinner
     with spinner(f"loading {model or 'the default model'}"):
         eng = eval_engine(model, context, **engine)
     click.echo(f"qserve: {status_line(eng)}", err=True)
     ref_eng = None
     if ref:
+        resolve_model(ref)
         with spinner(f"loading the reference {ref}"):
             ref_eng = eval_engine(ref, context, **{**engine, "kv_dtype": "auto"})
         click.echo(f"qserve: reference {status_line(ref_eng)}", err=True)
@@ -791,7 +806,8 @@ def chat(model, system, engine, **sampling):
               help="qserve: a checkpoint directory; gguf: one .gguf file llama.cpp runs (w4g32 "
                    "-> Q4_1, int4 g32 sym -> Q4_0, int8 g32 -> Q8_0); compressed-tensors: a "
                    "directory vLLM reads (int8, int4 sym). Other recipes are refused.")
-@click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
+@click.option("--json", "as_json", is_flag=True, callback=_json_output,
+              help="Print the summary as one JSON object.")
 def quantize(src, out, recipe, calib_text, force, fmt, as_json):
     """Quantize SRC (alias, .gguf, HF directory or ORG/NAME) into the qserve checkpoint OUT,
     which every command then loads like any model, or export it (--format) for llama.cpp or

@@ -95,11 +95,12 @@ def codebook_from_energy(k2: torch.Tensor, q2: torch.Tensor) -> dict[str, torch.
 
 
 class _Recorder:
-    """Stands in for a layer's RotaryEmbedding during calibration: rotates with `rope`, and adds
-    the rotated keys' and queries' squared means (past position 0) to `sums`."""
+    """Stands in for a layer's RotaryEmbedding during calibration: rotates with `rope`, adds
+    the rotated keys' and queries' squared means (past position 0) to `sums`, and tells
+    `done()` (a progress bar's update) that this layer has run."""
 
-    def __init__(self, rope, sums: list, layer: int):
-        self.rope, self.sums, self.layer = rope, sums, layer
+    def __init__(self, rope, sums: list, layer: int, done):
+        self.rope, self.sums, self.layer, self.done = rope, sums, layer, done
 
     def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         q, k = self.rope(positions, q, k)  # (T, H, d), (T, hkv, d)
@@ -111,6 +112,7 @@ class _Recorder:
         s[0] += kk.pow(2).sum(0).cpu()
         s[1] += q2.cpu()
         s[2] += kk.shape[0]
+        self.done()
         return q, k
 
 
@@ -119,6 +121,7 @@ def calibrate(model, tokenizer) -> dict[str, torch.Tensor]:
     """Run `model` over the calibration text and allocate: codebook tensors (L, hkv, d)."""
     from qserve.models.build import prefill
     from qserve.models.rope import RotaryEmbedding
+    from qserve.progress import bar
 
     arch = model.arch
     # the windows depend on the model alone, not on the context length it was built for (its
@@ -139,12 +142,17 @@ def calibrate(model, tokenizer) -> dict[str, torch.Tensor]:
     zeros = torch.zeros(arch.num_kv_heads, arch.head_dim, dtype=torch.float64)
     sums = [[zeros.clone(), zeros.clone(), 0] for _ in model.layers]
     ropes = [layer.self_attn.rope for layer in model.layers]
+    # a few seconds for 135M parameters, minutes for billions on a CPU: a bar of layers run
+    shown = bar(len(windows) * len(model.layers), "calibrating the int4 KV codebook",
+                unit="layer")
     try:
         for i, layer in enumerate(model.layers):
-            layer.self_attn.rope = _Recorder(own[id(layer.self_attn.rope)], sums, i)
+            layer.self_attn.rope = _Recorder(own[id(layer.self_attn.rope)], sums, i,
+                                             shown.update)
         for w in windows:
             prefill(model, w)
     finally:
+        shown.close()
         for layer, rope in zip(model.layers, ropes):
             layer.self_attn.rope = rope
     k2 = torch.stack([s[0] / s[2] for s in sums])

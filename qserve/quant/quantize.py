@@ -122,8 +122,7 @@ def quantize_weights(loaded, recipe: Recipe, plans: list[LayerPlan], calib_ids=N
     block's calibration (AWQ), then each block's rounding; `total` counts them all."""
     weights, info = loaded.weights, {}
     by_name = {p.name: p for p in plans}
-    total = sum(1 for _ in itertools.groupby(plans, key=_block_of)) + (
-        loaded.arch.num_layers if recipe.method == "awq" else 0)
+    total = num_steps(loaded.arch, recipe, plans)
     if recipe.method == "awq":
         import qserve.quant.awq as awq
 
@@ -161,6 +160,13 @@ def quantize_weights(loaded, recipe: Recipe, plans: list[LayerPlan], calib_ids=N
         if progress:
             progress(block, total)
     return out, info
+
+
+def num_steps(arch, recipe: Recipe, plans: list[LayerPlan]) -> int:
+    """How many steps quantize_weights reports: each transformer block's AWQ calibration,
+    then each block's rounding (and the embedding's and lm_head's, by name)."""
+    blocks = sum(1 for _ in itertools.groupby(plans, key=_block_of))
+    return blocks + (arch.num_layers if recipe.method == "awq" else 0)
 
 
 def _block_of(plan: LayerPlan) -> str:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from qserve.errors import ConfigError
-from qserve.quant.quantize import CALIB_TOKENS, plan_layers, quantize_weights
+from qserve.progress import bar
+from qserve.quant.quantize import CALIB_TOKENS, num_steps, plan_layers, quantize_weights
 from qserve.quant.recipe import Recipe, load_recipe
 
 
@@ -34,5 +35,11 @@ def self_draft_weights(recipe_name: str, loaded) -> dict[str, torch.Tensor]:
 
         ids = loaded.tokenizer.encode(read_text(None)[:CALIB_TOKENS * 20],
                                       add_special_tokens=False)[:CALIB_TOKENS]
-    tensors, _ = quantize_weights(loaded, recipe, plan_layers(loaded.arch, recipe), ids)
+    plans = plan_layers(loaded.arch, recipe)
+    with bar(num_steps(loaded.arch, recipe, plans), f"quantizing the self-draft ({recipe_name})",
+             unit="step") as shown:
+        def step(label: str, total: int) -> None:
+            shown.set_postfix_str(label, refresh=False)
+            shown.update()
+        tensors, _ = quantize_weights(loaded, recipe, plans, ids, step)
     return tensors
