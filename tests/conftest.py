@@ -10,7 +10,13 @@ import torch
 
 from hf_reference import hf_reference_dir
 
+from qserve.chat import history_path
+from qserve.config import model_home
+
 REPO = Path(__file__).resolve().parent.parent
+# Where qserve keeps things for the person running the suite, read before the suite points
+# both elsewhere; tests/test_home_isolation.py fails if the suite's home is (or is in) theirs.
+USER_QSERVE_HOME, USER_CHAT_HISTORY = model_home(), history_path()
 # The suite's model cache, kernel builds and Hugging Face reference live in the repository's
 # .cache (or $QSERVE_TEST_HOME), never in the user's $QSERVE_HOME, and so does Triton's cache;
 # the chat REPL keeps no history file unless a test names one under its tmp_path.
