@@ -71,17 +71,21 @@ def intended(q, z, s, g_idx=None) -> torch.Tensor:
     return (torch.from_numpy(q.astype(np.int64)) - zz).double() * ss
 
 
-def write_checkpoint(path: Path, model, quant: dict, pack) -> dict[str, tuple]:
-    """Save `model`'s config and dense tensors, every decoder linear replaced by pack(name,
-    weight) -> (tensors, intended weight). Returns name -> (q, z, s) per linear."""
-    from safetensors.torch import save_file
+def write_checkpoint(path: Path, model, quant: dict, pack, packs=None) -> dict[str, tuple]:
+    """Save `model`'s config and dense tensors, every decoder linear (a 2-D `*_proj.weight`,
+    or what `packs(name)` accepts) replaced by pack(name, weight) -> (tensors, intended
+    weight). Returns name -> (q, z, s) per linear."""
+    from safetensors.torch import load_file, save_file
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     model.save_pretrained(path)
-    sd = {k: v for k, v in model.state_dict().items()}
+    sd = {}  # as saved: transformers writes a mixture's experts one by one
+    for f in path.glob("*.safetensors"):
+        sd |= load_file(f)
     chosen, tensors = {}, {}
     for name, w in sd.items():
-        if ".layers." in name and name.endswith("_proj.weight"):
+        if ".layers." in name and w.dim() == 2 and (
+                packs(name) if packs else name.endswith("_proj.weight")):
             base = name.removesuffix(".weight")
             packed, qzs = pack(base, w)
             tensors |= {f"{base}.{k}": v for k, v in packed.items()}

@@ -19,6 +19,10 @@ zero 8) is qserve's symmetric layout, w = (q - 8) * s, bit for bit. Otherwise th
 an fp16 offset -z * s: exact when z * s fits fp16's 11 significant bits, else rounded once,
 by at most 1/128 of the group's scale (half an fp16 ulp of z * s, z <= 16).
 
+A mixture of experts is read the same way, linear by linear: AutoAWQ and GPTQModel pack each
+expert's matrices under its own name (Mixtral block_sparse_moe.experts.{e}.w1/w2/w3, Qwen3-MoE
+mlp.experts.{e}.gate_proj/up_proj/down_proj) and leave the router (gate) dense.
+
 GPTQ act-order (desc_act with a g_idx that is not i // group_size) groups inputs out of order;
 qserve's groups are contiguous, so such a checkpoint is refused rather than re-rounded.
 """
