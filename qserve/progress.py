@@ -67,8 +67,8 @@ class _Line:
 
 
 class _SpinnerSteps:
-    """The part of tqdm's interface that callers use, drawn as `· desc n/total, ETA 4s label`
-    on the innermost spinner's line; the ETA is the time left at the rate so far."""
+    """The part of tqdm's interface that callers use, drawn as `· desc n/total (postfix), ETA
+    4s` on the innermost spinner's line; the ETA is the time left at the rate so far."""
 
     def __init__(self, line: _Line, total: int | None, desc: str, iterable=None):
         self.line, self.total, self.desc, self.iterable = line, total, desc, iterable
@@ -106,8 +106,8 @@ class _SpinnerSteps:
         if self.total and 0 < self.n < self.total:
             left = (time.monotonic() - self.start) * (self.total - self.n) / self.n
             eta = f", ETA {left:.0f}s"
-        label = f" {self.postfix}" if self.postfix else ""
-        self.line.detail = f" · {self.desc} {count}{eta}{label}"
+        label = f" ({self.postfix})" if self.postfix else ""
+        self.line.detail = f" · {self.desc} {count}{label}{eta}"
 
 
 @contextlib.contextmanager

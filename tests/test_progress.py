@@ -97,9 +97,9 @@ def test_a_bar_inside_a_spinner_joins_its_line(monkeypatch):
         with progress.bar(4, "calibrating", unit="layer") as b:
             b.update()
             b.set_postfix_str("layer 0")
-            text = _wait_for(tty, r"loading m · calibrating 1/4, ETA \d+s layer 0  \d")
-            assert re.search(r"\r. loading m · calibrating 1/4, ETA \d+s layer 0  \d+\.\ds\x1b\[K",
-                             text), text
+            text = _wait_for(tty, r"loading m · calibrating 1/4 \(layer 0\), ETA \d+s  \d")
+            assert re.search(r"\r. loading m · calibrating 1/4 \(layer 0\), ETA \d+s  \d+\.\ds"
+                             r"\x1b\[K", text), text
         mark = len(tty.getvalue())
         text = _wait_for(tty, r"\r. loading m  \d")
         assert "·" not in text[mark:]  # closed: the spinner's own text again
