@@ -50,11 +50,11 @@ def bar(total: int | None, desc: str, unit: str = "it", disable: bool = False,
     `iterable` when given; a no-op bar when progress is off or `disable`; inside a running
     spinner, a count on the spinner's line. Close it (or use it as a context manager, or
     iterate it to the end). `total` may be set later (`b.total = n`)."""
-    from tqdm import tqdm
-
     disable = disable or not enabled()
     if _spinners and not disable:
         return _SpinnerSteps(_spinners[-1], total, desc, iterable)
+    from tqdm import tqdm
+
     return tqdm(iterable, total=total, desc=desc, unit=unit, file=sys.stderr, leave=False,
                 dynamic_ncols=True, disable=disable, **tqdm_options)
 
