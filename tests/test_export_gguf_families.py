@@ -9,7 +9,8 @@ does on the export (skipped with its reason when native llama.cpp is not built).
 checkpoints use only what llama.cpp runs exactly as transformers does: no Phi-3 window or
 longrope (llama.cpp ignores the window and picks long or short factors by context size, not
 by position), Gemma's query_pre_attn_scalar equal to head_dim. What a GGUF cannot say is
-refused in one line.
+refused in one line. A qserve checkpoint of a sentencepiece model (which keeps only its
+tokenizer.json) exports a "llama" vocabulary that tokenizes as the checkpoint does.
 """
 from __future__ import annotations
 
@@ -161,3 +162,57 @@ def test_what_llama_cpp_cannot_say_is_refused(name, message, checkpoints, tmp_pa
     with pytest.raises(QServeError, match=message):
         quantize(str(checkpoints[name]), tmp_path / "m.gguf", "w4g32", fmt="gguf")
     assert not list(tmp_path.iterdir())
+
+
+# ---- a sentencepiece vocabulary kept as tokenizer.json -----------------------------------
+TEXTS = ["kalo mine tura\nsivo", "depa quzi  ka\n\nlo"]
+
+
+@pytest.fixture(scope="module")
+def spm_checkpoint(tmp_path_factory) -> Path:
+    """A Gemma 2 whose vocabulary is a sentencepiece BPE model with byte fallback (so llama.cpp
+    finds its newline token), quantized to a qserve checkpoint, which keeps the vocabulary only
+    as tokenizer.json."""
+    import random
+
+    import sentencepiece
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("spm")
+    rng = random.Random(0)
+    syllables = ["ka", "lo", "mi", "ne", "tu", "ra", "si", "vo", "de", "pa", "qu", "zi"]
+    (root / "corpus.txt").write_text("\n".join(
+        " ".join("".join(rng.choices(syllables, k=rng.randint(1, 4))) for _ in range(12))
+        for _ in range(2000)))
+    sentencepiece.SentencePieceTrainer.train(
+        input=str(root / "corpus.txt"), model_prefix=str(root / "tok"), vocab_size=400,
+        model_type="bpe", character_coverage=1.0, byte_fallback=True, bos_id=1, eos_id=2,
+        unk_id=0, minloglevel=2)
+    config = configs()["gemma2"]
+    config.vocab_size, config.bos_token_id, config.eos_token_id = 400, 1, 2
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(root / "hf")
+    (root / "hf" / "tokenizer.model").write_bytes((root / "tok.model").read_bytes())
+    quantize(str(root / "hf"), root / "tiny-spm", "w4g32")
+    assert not (root / "tiny-spm" / "tokenizer.model").exists()
+    return root / "tiny-spm"
+
+
+def test_sentencepiece_tokenizer_json_exports_as_llama_vocabulary(spm_checkpoint, tmp_path):
+    """The export's "llama" vocabulary (scores from the merge order) tokenizes as the
+    checkpoint does, in qserve and in llama.cpp (the same greedy completion of the text)."""
+    import gguf
+
+    out = tmp_path / "m.gguf"
+    quantize(str(spm_checkpoint), out, "w4g32", fmt="gguf")
+    fields = gguf.GGUFReader(out).fields
+    assert fields["tokenizer.ggml.model"].contents() == "llama"
+    ours, theirs = load_model(spm_checkpoint).tokenizer, load_model(out).tokenizer
+    for text in TEXTS:
+        ids = ours.encode(text)
+        assert len(ids) > 4 and theirs.encode(text) == ids
+        assert theirs.decode(ids) == ours.decode(ids)
+    for text in TEXTS:
+        assert_same_greedy(llama_cpp_greedy(out, text, 8),
+                           qserve_greedy(out, ours.encode(text), 8), 2)

@@ -165,9 +165,7 @@ def export(out: Path, loaded, tensors: dict, plans, atomic_dir=None) -> None:
     writer = gguf.GGUFWriter(str(tmp), name)
     try:
         _metadata(writer, arch, name, plans, loaded.path)
-        _tokenizer(writer, loaded)
-        if name.startswith("gemma") and not Path(loaded.path).is_file():
-            writer.add_add_space_prefix(False)  # as the converter marks Gemma's vocabulary
+        _tokenizer(writer, loaded, name)
         if (arch.rope_scaling or {}).get("rope_type") == "llama3":  # as the converter bakes it
             divisors = llama3_rope_divisors(arch.rope_scaling, arch.rope_theta, arch.head_dim)
             writer.add_tensor("rope_freqs.weight", divisors.float().numpy())
@@ -267,10 +265,12 @@ def _gemma_metadata(writer, arch, name: str) -> None:
         writer.add_rope_freq_base_swa(arch.rope_local_theta)
 
 
-def _tokenizer(writer, loaded) -> None:
+def _tokenizer(writer, loaded, name: str) -> None:
     """From a GGUF source: its `tokenizer.*` keys as they are. From a Hugging Face directory
     (or a qserve checkpoint): tokenizer.json (byte-level BPE) or tokenizer.model
-    (sentencepiece) through the gguf package's vocab readers, as the converter's fallbacks do."""
+    (sentencepiece) through the gguf package's vocab readers, as the converter's fallbacks do,
+    else a sentencepiece-style ("▁", byte fallback) tokenizer.json, which is what a qserve
+    checkpoint keeps of a sentencepiece model (_SentencePieceJson)."""
     import gguf
 
     path = Path(loaded.path)
@@ -282,15 +282,15 @@ def _tokenizer(writer, loaded) -> None:
                 writer.add_key_value(key, field.contents(), field.types[0], sub)
         return
     vocab = None
-    for cls in (gguf.vocab.BpeVocab, gguf.vocab.SentencePieceVocab):
+    for cls in (gguf.vocab.BpeVocab, gguf.vocab.SentencePieceVocab, _SentencePieceJson):
         try:
             vocab = cls(path)
             break
         except (FileNotFoundError, ValueError, KeyError):
             continue
     if vocab is None:
-        raise QServeError(f"GGUF export: {path} has no byte-level BPE tokenizer.json or "
-                          f"sentencepiece tokenizer.model to write")
+        raise QServeError(f"GGUF export: {path} has no byte-level BPE or sentencepiece-style "
+                          f"tokenizer.json, nor a sentencepiece tokenizer.model, to write")
     tokens, scores, types = [], [], []
     for text, score, kind in vocab.all_tokens():
         tokens.append(text)
@@ -305,9 +305,72 @@ def _tokenizer(writer, loaded) -> None:
     if vocab.tokenizer_model == "gpt2":
         writer.add_tokenizer_pre("default")  # the converter's hash table of pre-tokenizers is
         # not reproduced: llama.cpp then splits with its default GPT-2 regex
+    if isinstance(vocab, _SentencePieceJson):
+        writer.add_add_space_prefix(vocab.add_space_prefix)
+    elif vocab.tokenizer_model == "llama" and name.startswith("gemma"):
+        writer.add_add_space_prefix(False)  # as the converter marks Gemma's vocabulary
     writer.add_token_list(tokens)
     writer.add_token_scores(scores)
     writer.add_token_types(types)
     special = gguf.SpecialVocab(path, load_merges=vocab.tokenizer_model == "gpt2",
                                 n_vocab=len(tokens))
+    # whether BOS / EOS are added as the source's tokenizer adds them, not as a config file or
+    # llama.cpp's default for the vocabulary type guesses
+    tok = loaded.tokenizer
+    plain, full = tok.encode("a", add_special_tokens=False), tok.encode("a")
+    special.add_special_token["bos"] = full[:1] == [tok.bos_token_id] != plain[:1]
+    special.add_special_token["eos"] = full[-1:] == [tok.eos_token_id] != plain[-1:]
     special.add_to_gguf(writer)
+
+
+class _SentencePieceJson:
+    """A sentencepiece-style BPE tokenizer.json ("▁" for spaces, <0xNN> byte tokens) as
+    llama.cpp's "llama" vocabulary, which merges the adjacent pair whose union scores highest:
+    a token's score is minus the rank of the first merge that makes it, so the merge order is
+    the file's. Token types: added special tokens CONTROL (the unk token UNKNOWN), other added
+    tokens USER_DEFINED, <0xNN> BYTE, the rest NORMAL."""
+
+    tokenizer_model = "llama"
+
+    def __init__(self, path: Path):
+        import json
+
+        import gguf
+
+        with open(path / "tokenizer.json", encoding="utf-8") as f:  # FileNotFoundError: none
+            tj = json.load(f)
+        model = tj["model"]
+        steps = json.dumps([tj.get(k) for k in ("normalizer", "pre_tokenizer", "decoder")],
+                           ensure_ascii=False)
+        if model["type"] != "BPE" or "▁" not in steps:
+            raise ValueError("not a sentencepiece-style BPE tokenizer.json")
+        vocab: dict[str, int] = dict(model["vocab"])
+        added = {t["content"]: t for t in tj.get("added_tokens", [])}
+        vocab |= {c: t["id"] for c, t in added.items()}
+        if sorted(vocab.values()) != list(range(len(vocab))):
+            raise ValueError("tokenizer.json's ids are not 0..n-1")
+        merges = [m.split(" ", 1) if isinstance(m, str) else m for m in model.get("merges", [])]
+        rank: dict[str, int] = {}
+        for r, (left, right) in enumerate(merges):
+            rank.setdefault(left + right, r)
+        T = gguf.TokenType
+        self._tokens = []
+        for text, i in sorted(vocab.items(), key=lambda kv: kv[1]):
+            if text in added:
+                kind = (T.UNKNOWN if text == model.get("unk_token") else
+                        T.CONTROL if added[text].get("special") else T.USER_DEFINED)
+            elif len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
+                kind = T.BYTE
+            else:
+                kind = T.NORMAL
+            self._tokens.append((text.encode("utf-8"), -float(rank.get(text, len(merges))),
+                                 kind))
+        # a leading "▁" before the text, as sentencepiece's add_dummy_prefix
+        self.add_space_prefix = any(
+            step.get("type") == "Prepend" or (step.get("type") == "Metaspace" and step.get(
+                "prepend_scheme", "always") != "never" and step.get("add_prefix_space", True))
+            for part in (tj.get("normalizer"), tj.get("pre_tokenizer")) if part
+            for step in part.get("normalizers", part.get("pretokenizers", [part])))
+
+    def all_tokens(self):
+        return iter(self._tokens)
