@@ -48,7 +48,7 @@ def configs() -> dict[str, object]:
         "gemma2": Gemma2Config(**gemma, num_hidden_layers=3, attn_logit_softcapping=1.5,
                                final_logit_softcapping=5.0),
         "gemma3": Gemma3TextConfig(**gemma, num_hidden_layers=6, rope_parameters={
-            "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
         "gemma3-layers": Gemma3TextConfig(  # not llama.cpp's five-to-one: written as a list
             **gemma, num_hidden_layers=3, layer_types=[
@@ -60,6 +60,8 @@ def configs() -> dict[str, object]:
         # refused: llama.cpp cannot say these
         "gemma2-scalar": Gemma2Config(**gemma | {"query_pre_attn_scalar": 24},
                                       num_hidden_layers=2),
+        "gemma2-nowindow": Gemma2Config(**gemma | {"sliding_window": None},
+                                        num_hidden_layers=2),
         "qwen3_moe-unnormed": Qwen3MoeConfig(**two, head_dim=32, moe_intermediate_size=64,
                                              num_experts=4, num_experts_per_tok=2,
                                              norm_topk_prob=False),
@@ -155,6 +157,8 @@ def test_llama_cpp_completes_the_export_as_qserve(name, exports):
     ("gemma2-scalar", r"^GGUF export: query_pre_attn_scalar 24 \(llama\.cpp takes 32 for this "
                       r"shape\), which llama\.cpp would run differently; this model is not "
                       r"exported$"),
+    ("gemma2-nowindow", r"^GGUF export: Gemma 2 without a sliding window \(llama\.cpp then "
+                        r"slides 4096\), which"),
     ("qwen3_moe-unnormed", r"^GGUF export: norm_topk_prob false \(llama\.cpp always "
                            r"renormalizes the chosen experts\), which"),
 ])

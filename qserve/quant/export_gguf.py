@@ -82,6 +82,8 @@ def _unexpressed(arch) -> str | None:
         if arch.query_pre_attn_scalar not in (None, derived):
             return (f"query_pre_attn_scalar {arch.query_pre_attn_scalar:g} (llama.cpp takes "
                     f"{derived} for this shape)")
+        if name == "gemma2" and not arch.sliding_window:
+            return "Gemma 2 without a sliding window (llama.cpp then slides 4096)"
         if name == "gemma3" and arch.attn_logit_softcapping:
             return "Gemma 3 with attention soft-capping"
     if name == "qwen3moe" and not arch.norm_topk_prob:
