@@ -281,21 +281,6 @@ def test_tool_calls_stream_as_deltas_and_a_tool_round_trip(client):
     assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
 
 
-def test_auto_tool_choice_parses_tagged_calls():
-    from qserve.server.structured import Structure, ToolStream, Tool, parse_tool_calls
-
-    s = Structure(tools=[Tool("f", {})], tool_mode="auto")
-    text = 'Let me look. <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>'
-    content, calls = parse_tool_calls(text, s)
-    assert content == "Let me look." and calls[0]["function"] == {"name": "f",
-                                                                   "arguments": '{"x": 1}'}
-    ts = ToolStream(s)
-    sent = "".join(ts.feed(text[i:i + 3]) for i in range(0, len(text), 3))
-    rest, calls = ts.finish()
-    assert (sent + rest).strip() == "Let me look." and len(calls) == 1
-    assert parse_tool_calls("plain answer", s) == ("plain answer", [])
-
-
 def test_auto_tool_choice_over_http_answers(served):
     """auto: free text or a tagged call; either way a well-formed OpenAI message."""
     r = _post(served, "/v1/chat/completions", {
@@ -326,6 +311,10 @@ def test_auto_tool_choice_over_http_answers(served):
         "type": "object", "properties": {"x": {"type": "nonsense"}}}}}],
       "tool_choice": "required"}, "tools"),
     ({"messages": [{"role": "assistant", "tool_calls": "x"}]}, "messages"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "string"}}}]}, "tools"),
+    ({"tools": [WEATHER], "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "nonsense"}}}}, "response_format"),
 ])
 def test_bad_structures_are_openai_400s(served, body, param):
     full = {"model": MODEL, "messages": ASK, "max_tokens": 4, **body}
@@ -401,12 +390,13 @@ def test_generate_json_schema_cli(tmp_path):
 
 
 def test_tool_history_with_arguments_nested_too_deep_stays_text():
-    from qserve.server.structured import check_tool_history
+    from qserve.server.tool_calls import check_tool_history
 
     deep = "[" * 100_000 + "]" * 100_000  # json.loads: RecursionError
     m = {"role": "assistant", "tool_calls": [{"type": "function",
                                               "function": {"name": "f", "arguments": deep}}]}
-    assert check_tool_history(m, 0) == {"tool_calls": [{"name": "f", "arguments": deep}]}
+    assert check_tool_history(m, 0) == {"tool_calls": [
+        {"id": None, "type": "function", "function": {"name": "f", "arguments": deep}}]}
 
 
 def test_logit_columns_past_the_tokenizer_are_never_allowed():

@@ -51,14 +51,32 @@ class ChatTemplate:
             raise ModelLoadError(f"the model's chat template does not compile: {e} "
                                  f"(line {e.lineno})") from None
         self.source = source
+        self._renders_tools: bool | None = None
+
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the template writes tool definitions into the prompt (Llama 3.1+, Qwen 2.5+
+        do; a plain ChatML template ignores `tools`): a probe tool's name must show up."""
+        if self._renders_tools is None:
+            probe = "qserve_probe_tool"
+            tool = {"type": "function", "function": {
+                "name": probe, "description": "probe",
+                "parameters": {"type": "object", "properties": {}}}}
+            try:
+                text = self.render([{"role": "user", "content": "hi"}], True, tools=[tool])
+            except QServeError:
+                text = ""
+            self._renders_tools = probe in text
+        return self._renders_tools
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True,
-               **special_tokens: str | None) -> str:
-        """messages: [{"role": "user", "content": "..."}, ...]; special_tokens: bos_token=...,
-        eos_token=... as the template expects them."""
+               tools: list[dict] | None = None, **special_tokens: str | None) -> str:
+        """messages: [{"role": "user", "content": "..."}, ...]; tools: OpenAI's function
+        definitions ({"type": "function", "function": {...}}), for templates that list them;
+        special_tokens: bos_token=..., eos_token=... as the template expects them."""
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         tools=None, documents=None, **special_tokens)
+                                         tools=tools, documents=None, **special_tokens)
         except jinja2.TemplateError as e:  # raise_exception(), e.g. roles that do not alternate
             raise QServeError(f"the chat template rejected the messages: {e}") from None
         except (TypeError, KeyError, AttributeError) as e:  # e.g. content that is not a string

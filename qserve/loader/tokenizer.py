@@ -170,8 +170,14 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
         """Render a conversation to prompt text (tokenize it with encode(add_special_tokens=False)
-        when the template writes BOS itself)."""
-        return self._template.render(messages, add_generation_prompt,
+        when the template writes BOS itself). `tools` reach templates that list them
+        (`chat_template_renders_tools`)."""
+        return self._template.render(messages, add_generation_prompt, tools=tools,
                                      bos_token=self.bos_token, eos_token=self.eos_token)
+
+    @property
+    def chat_template_renders_tools(self) -> bool:
+        return self._template.renders_tools

@@ -30,8 +30,8 @@ from qserve.server.async_engine import AsyncEngine, EngineStopped, Generation
 from qserve.server.config import ServerConfig
 from qserve.server.guard import RequestGuard
 from qserve.server.metrics import CONTENT_TYPE, Metrics
-from qserve.server.structured import (Grammars, StructureError, ToolStream, parse_tool_calls,
-                                      tool_messages)
+from qserve.server.structured import Grammars, StructureError, ToolFormat
+from qserve.server.tool_calls import ToolCallParser, render_chat
 
 log = logging.getLogger("qserve.server")
 # A lone UTF-16 surrogate can only come from a \uD800-\uDFFF escape (raw UTF-8 cannot hold one)
@@ -185,8 +185,7 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: Metrics,
 
         def render() -> list[int]:
             try:
-                text = tok.apply_chat_template(tool_messages(req.messages, req.structure),
-                                               add_generation_prompt=True)
+                text = render_chat(tok, req.messages, req.structure, grammars.fmt)
             except QServeError as e:  # a template that refuses this conversation
                 raise P.bad(str(e), "messages") from None
             return _encode(tok, [text], False)[0]
@@ -221,7 +220,7 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: Metrics,
             echo_texts = [p if isinstance(p, str) else engine.tokenizer.decode(ids)
                           for p, ids in zip(req.prompts, prompts)]
         response = _Response(gen.request_ids[0], kind, model_name, req, params.n, engine,
-                             echo_texts)
+                             echo_texts, grammars.fmt)
         if req.stream:
             return _EventStream(response.stream(gen), on_close=gen.close)
         try:
@@ -301,10 +300,11 @@ class _Response:
     """Builds one request's completion or chat JSON, whole or as stream chunks."""
 
     def __init__(self, rid: str, kind: str, model: str, req: P.GenerateRequest, n: int,
-                 engine: AsyncEngine, echo_texts: list[str] | None):
+                 engine: AsyncEngine, echo_texts: list[str] | None, tool_format: ToolFormat):
         self.id, self.kind, self.model, self.req, self.n = rid, kind, model, req, n
         self.chat = kind == "chat.completion"
         self.tools = req.structure  # parses_tools: chat text holds tool calls
+        self.tool_format = tool_format  # how this model's text writes them
         self.created = P.now()
         self.echo = echo_texts
         self.lp = (P.LogprobFormatter(engine.tokenizer, req.logprobs)
@@ -323,7 +323,10 @@ class _Response:
                 head = self.echo[i] if self.echo else ""
                 content, calls = c.text, []
                 if self.tools.parses_tools:
-                    content, calls = parse_tool_calls(c.text, self.tools)
+                    parser = ToolCallParser(self.tools, self.tool_format)
+                    parser.feed(c.text)
+                    parser.finish()
+                    content, calls = parser.message()
                 choice = {"index": i * self.n + c.index,
                           "logprobs": self._logprobs(c, 0, len(head)),
                           "finish_reason": P.finish_reason(c, bool(calls))}
@@ -345,7 +348,7 @@ class _Response:
         offsets: dict[int, int] = {}  # choice index -> characters sent (completions' offsets)
         finished: set[int] = set()
         last: dict[int, object] = {}
-        tool_streams: dict[int, ToolStream] = {}  # choice index -> its held-back text
+        parsers: dict[int, ToolCallParser] = {}  # choice index -> its calls read so far
         try:
             async for i, out in gen:
                 last[i] = out
@@ -354,14 +357,15 @@ class _Response:
                     index = i * self.n + c.index
                     text, calls = c.delta_text, []
                     if self.tools.parses_tools and index not in finished:
-                        ts = tool_streams.setdefault(index, ToolStream(self.tools))
-                        text = ts.feed(text)
+                        parser = parsers.setdefault(
+                            index, ToolCallParser(self.tools, self.tool_format))
+                        text, calls = parser.feed(text)
                         if c.finish_reason is not None:
-                            rest, calls = ts.finish()
-                            text += rest
-                    reason = P.finish_reason(c, bool(calls))
+                            rest, more = parser.finish()
+                            text, calls = text + rest, calls + more
+                    reason = P.finish_reason(c, index in parsers and parsers[index].started > 0)
                     first = index not in sent_tokens
-                    if not (first or text or (reason and index not in finished)):
+                    if not (first or text or calls or (reason and index not in finished)):
                         continue
                     if first and self.echo:
                         text = self.echo[i] + text
@@ -370,11 +374,12 @@ class _Response:
                                                          offsets.get(index, 0)),
                               "finish_reason": reason}
                     if self.chat:
-                        choice["delta"] = ({"role": "assistant", "content": text} if first
-                                           else {"content": text} if text or not reason else {})
-                        if calls:
-                            choice["delta"]["tool_calls"] = [dict(call, index=k)
-                                                             for k, call in enumerate(calls)]
+                        delta = {"role": "assistant"} if first else {}
+                        if text or (first and not calls):
+                            delta["content"] = text
+                        if calls:  # a call's start (index, id, name), then its arguments
+                            delta["tool_calls"] = calls
+                        choice["delta"] = delta
                     else:
                         choice["text"] = text
                     sent_tokens[index] = len(c.token_ids)

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 from qserve.outputs import CompletionOutput, RequestOutput
 from qserve.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
-from qserve.server.structured import (Structure, StructureError, check_tool_history,
-                                      parse_structure)
+from qserve.server.structured import Structure, StructureError, parse_structure
+from qserve.server.tool_calls import check_tool_history
 
 MAX_N = 32
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -111,6 +111,8 @@ def parse_chat(body: dict) -> GenerateRequest:
         except StructureError as e:
             raise bad(str(e), e.param) from None
         content = m.get("content")
+        if m["role"] == "tool" and isinstance(m.get("tool_call_id"), str):
+            calls = {"tool_call_id": m["tool_call_id"]}  # which call this result answers
         clean.append({"role": "system" if m["role"] == "developer" else m["role"],
                       "content": "" if content is None and calls else _content(content, i),
                       **calls})
@@ -217,12 +219,13 @@ def fit_to_context(req: GenerateRequest, prompt_lens: list[int], max_model_len: 
 
 # ---- responses --------------------------------------------------------------------------
 def finish_reason(c: CompletionOutput, tool_calls: bool = False) -> str | None:
-    """OpenAI's reasons; an abort (only at shutdown) reads as "stop"."""
+    """OpenAI's reasons; an abort (only at shutdown) reads as "stop"; an answer that called a
+    tool and was not cut short, "tool_calls"."""
     if c.finish_reason is None:
         return None
-    if tool_calls:
-        return "tool_calls"
-    return "length" if c.finish_reason == "length" else "stop"
+    if c.finish_reason == "length":
+        return "length"
+    return "tool_calls" if tool_calls else "stop"
 
 
 def usage(outputs: list[RequestOutput]) -> dict:

@@ -2,13 +2,19 @@
 
 A request's structure becomes a grammar (xgrammar compiles JSON schemas and structural tags
 against the model's vocabulary); the grammar rides down to the engine as a TokenConstraint on
-SamplingParams, and the sampler asks it for a token mask each step:
+SamplingParams, and the sampler asks it for a token mask each step. A tool call is written in
+the model family's own format (ToolFormat: Qwen's `<tool_call>` tags, Llama 3's bare JSON),
+`CALL = open {"name": NAME, "arguments": ARGS} close`:
 
     response_format json_object         any JSON object
     response_format json_schema         that schema
-    tool_choice named                   the function's arguments (a JSON object)
-    tool_choice required                [{"name": tool, "arguments": {...}}, ...], at least one
-    tool_choice auto                    free text; after "<tool_call>" one call and its close tag
+    tool_choice named                   one CALL of that function
+    tool_choice required                CALL (separator CALL)*; one CALL if not parallel
+    tool_choice auto                    free text, and from the format's trigger on a CALL
+    auto + response_format              the response schema's JSON, or CALL (separator CALL)*
+
+ARGS follows the function's parameter schema. tool_calls.py renders the prompt side and parses
+the calls back out of the text, also as they stream.
 
 Why xgrammar: it precomputes, per grammar, which tokens each grammar position allows, so a
 step's mask on a CPU costs microseconds; it is what vLLM and SGLang use. llguidance computes
@@ -31,12 +37,10 @@ from __future__ import annotations
 import json
 import re
 import threading
-import uuid
 from dataclasses import dataclass, field
 
 import torch
 
-TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _EMPTY_PARAMS = {"type": "object", "properties": {}}
 
@@ -55,16 +59,26 @@ class StructureError(ValueError):
 class Tool:
     name: str
     parameters: dict  # a JSON schema for the arguments object
+    description: str | None = None
+
+    def openai(self) -> dict:
+        """The definition as OpenAI (and a chat template's `tools`) spells it."""
+        fn = {"name": self.name, "parameters": self.parameters}
+        if self.description is not None:
+            fn = {"name": self.name, "description": self.description,
+                  "parameters": self.parameters}
+        return {"type": "function", "function": fn}
 
 
 @dataclass
 class Structure:
-    """The parsed structure fields of one request. `grammar` is ("json_schema", text) or
-    ("tool_tag", text) or None (unconstrained)."""
+    """The parsed structure fields of one request. `grammar` is ("json_schema", schema text),
+    ("tools", the response_format schema text or "") or None (unconstrained)."""
 
     tools: list[Tool] = field(default_factory=list)
     tool_mode: str | None = None  # None (no tool calls), "auto", "required" or "named"
     named: str | None = None  # the function tool_choice names
+    parallel: bool = True  # parallel_tool_calls: more than one call in an answer
     grammar: tuple[str, str] | None = None
 
     @property
@@ -95,23 +109,14 @@ def parse_structure(body: dict, chat: bool) -> Structure:
         s.tool_mode, s.named = _tool_choice("auto" if choice is None else choice, s.tools)
     if s.tool_mode == "none":
         s.tool_mode, s.tools = None, []
-    if s.tool_mode is not None and schema is not None:
-        raise StructureError("give 'response_format' or 'tools', not both (or tool_choice "
-                             "\"none\")", "response_format")
-    if schema is not None:
+    s.parallel = body.get("parallel_tool_calls") is not False
+    if s.tool_mode is not None:
+        # with tools, response_format shapes the answer that is not a call: only under "auto"
+        # (required / a named function leave no such answer, so the tool grammar wins)
+        answer = schema if s.tool_mode == "auto" else None
+        s.grammar = ("tools", "" if answer is None else _dump(answer))
+    elif schema is not None:
         s.grammar = ("json_schema", _dump(schema))
-    elif s.tool_mode == "named":
-        params = next(t.parameters for t in s.tools if t.name == s.named)
-        s.grammar = ("json_schema", _dump(params))
-    elif s.tool_mode == "required":
-        calls = {"type": "array", "minItems": 1,
-                 "items": {"anyOf": [_call_schema(t) for t in s.tools]}}
-        if body.get("parallel_tool_calls") is False:
-            calls["maxItems"] = 1
-        s.grammar = ("json_schema", _dump(calls))
-    elif s.tool_mode == "auto":
-        s.grammar = ("tool_tag", _dump([{"name": t.name, "parameters": t.parameters}
-                                        for t in s.tools]))
     return s
 
 
@@ -153,10 +158,15 @@ def _tools(tools) -> list[Tool]:
         params = fn.get("parameters")
         if params is None:
             params = _EMPTY_PARAMS
-        if not isinstance(params, dict):
-            raise StructureError(f"tools[{i}].function.parameters must be a JSON schema "
-                                 f"object", "tools")
-        out.append(Tool(name, params))
+        if not isinstance(params, dict) or params.get("type", "object") != "object":
+            raise StructureError(f"tools[{i}].function.parameters must be a JSON schema of an "
+                                 f"object ({{\"type\": \"object\", ...}})", "tools")
+        if "type" not in params:  # arguments are always an object, as OpenAI writes them
+            params = {"type": "object", **params}
+        description = fn.get("description")
+        if description is not None and not isinstance(description, str):
+            raise StructureError(f"tools[{i}].function.description must be a string", "tools")
+        out.append(Tool(name, params, description))
     return out
 
 
@@ -175,156 +185,67 @@ def _tool_choice(choice, tools: list[Tool]) -> tuple[str, str | None]:
     return "named", name
 
 
-def _call_schema(t: Tool) -> dict:
-    return {"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.parameters},
-            "required": ["name", "arguments"], "additionalProperties": False}
-
-
 def _dump(obj) -> str:
     """JSON text that keeps key order: a schema's property order is the order the grammar
     writes them in."""
     return json.dumps(obj, ensure_ascii=False)
 
 
-# ---- the prompt side of tools -----------------------------------------------------------
-def tool_messages(messages: list[dict], s: Structure) -> list[dict]:
-    """Messages as a plain chat template renders them: tool definitions in the system
-    message, an assistant's earlier tool calls and the tool results as tagged text."""
-    out = []
-    for m in messages:
-        if m["role"] == "tool":
-            out.append({"role": "user", "content": f"<tool_response>\n{m['content']}\n"
-                                                   f"</tool_response>"})
-        elif m.get("tool_calls"):
-            calls = "\n".join(f"{TOOL_OPEN}\n{_dump(c)}\n{TOOL_CLOSE}" for c in m["tool_calls"])
-            out.append({"role": "assistant", "content": (m["content"] + "\n" + calls).strip()})
-        else:
-            out.append({"role": m["role"], "content": m["content"]})
-    if s.tools and s.tool_mode is not None:
-        listing = "\n".join(_dump({"type": "function", "function": {
-            "name": t.name, "parameters": t.parameters}}) for t in s.tools)
-        intro = ("You can call these functions (JSON signatures, one a line):\n"
-                 f"{listing}\nTo call one, answer with {TOOL_OPEN}{{\"name\": NAME, "
-                 f"\"arguments\": {{...}}}}{TOOL_CLOSE}; several calls may follow each other.")
-        if out and out[0]["role"] == "system":
-            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + intro}
-        else:
-            out.insert(0, {"role": "system", "content": intro})
-    return out
+# ---- how a model family writes a tool call ----------------------------------------------
+@dataclass(frozen=True)
+class ToolFormat:
+    """One family's call text: `open {"name": NAME, "<key>": ARGS} close`, calls joined by
+    `separator`. In free text (tool_choice auto) a call starts where `trigger` does."""
+
+    name: str
+    open: str
+    close: str
+    key: str  # the arguments' field: "arguments" or "parameters"
+    separator: str = "\n"
+
+    def begin(self, name: str) -> str:
+        """The fixed text of a call to `name` up to its arguments."""
+        return f'{self.open}{{"name": {json.dumps(name)}, "{self.key}": '
+
+    @property
+    def end(self) -> str:
+        return "}" + self.close
+
+    @property
+    def trigger(self) -> str:
+        return self.open or '{"name": '
+
+    def write(self, name: str, arguments) -> str:
+        """A call as text (an earlier call in the prompt): the grammar's separators."""
+        return self.begin(name) + _dump(arguments) + self.end
 
 
-def check_tool_history(m: dict, i: int) -> dict:
-    """The `tool_calls` of one incoming chat message (an assistant's earlier calls), checked.
-    Returns {"tool_calls": [{name, arguments}]} or {}."""
-    calls = m.get("tool_calls")
-    if calls is None:
-        return {}
-    if m.get("role") != "assistant" or not isinstance(calls, list):
-        raise StructureError(f"messages[{i}].tool_calls must be a list on an assistant "
-                             f"message", "messages")
-    out = []
-    for c in calls:
-        fn = c.get("function") if isinstance(c, dict) else None
-        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str)
-                and isinstance(fn.get("arguments", "{}"), str)):
-            raise StructureError(f"messages[{i}].tool_calls entries must be {{\"type\": "
-                                 f"\"function\", \"function\": {{\"name\", \"arguments\"}}}}",
-                                 "messages")
-        try:
-            args = json.loads(fn.get("arguments", "{}"))
-        except (ValueError, RecursionError):  # kept as the text it was
-            args = fn.get("arguments")
-        out.append({"name": fn["name"], "arguments": args})
-    return {"tool_calls": out}
+# Qwen 2.5/3, Hermes, SmolLM3 and qserve's own prompt (a template that cannot list tools)
+HERMES = ToolFormat("hermes", "<tool_call>\n", "\n</tool_call>", "arguments")
+# Llama 3.1-3.3: a bare JSON object with "parameters"
+LLAMA3_JSON = ToolFormat("llama3_json", "", "", "parameters")
 
 
-# ---- the output side of tools -----------------------------------------------------------
-def parse_tool_calls(text: str, s: Structure) -> tuple[str | None, list[dict]]:
-    """A finished sample's text -> (content, OpenAI tool_calls). Text that does not parse as
-    the calls its mode promises (a length cut, say) stays content, with no calls."""
-    calls: list[tuple[str, object]] = []
-    content: str | None = text
-    if s.tool_mode == "named":
-        try:
-            calls, content = [(s.named, json.loads(text))], None
-        except (ValueError, RecursionError):
-            pass
-    elif s.tool_mode == "required":
-        try:
-            items = json.loads(text)
-            calls, content = [(c["name"], c["arguments"]) for c in items], None
-        except (ValueError, TypeError, KeyError, RecursionError):
-            calls = []
-    elif s.tool_mode == "auto":
-        rest, pos = [], 0
-        for m in re.finditer(re.escape(TOOL_OPEN) + r"(.*?)" + re.escape(TOOL_CLOSE), text,
-                             re.S):
-            try:
-                c = json.loads(m.group(1))
-                calls.append((c["name"], c["arguments"]))
-            except (ValueError, TypeError, KeyError, RecursionError):
-                continue
-            rest.append(text[pos:m.start()])
-            pos = m.end()
-        rest.append(text[pos:])
-        content = "".join(rest).strip() or None if calls else text
-    return content, [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": name, "arguments": _dump_args(args)}}
-                     for name, args in calls]
-
-
-def _dump_args(args) -> str:
-    return json.dumps(args, ensure_ascii=False)
-
-
-class ToolStream:
-    """One streamed choice of a tool-calling request: what text may go out as content now.
-    Named / required calls are all JSON, held until the end; in auto mode content streams
-    until the text could be opening a call ("<tool_c..."), and from a call on it is held."""
-
-    def __init__(self, s: Structure):
-        self.s = s
-        self.text = ""
-        self.sent = 0  # characters of text sent as content
-
-    def feed(self, delta: str) -> str:
-        self.text += delta
-        if self.s.tool_mode != "auto":
-            return ""
-        at = self.text.find(TOOL_OPEN, self.sent)
-        end = at if at >= 0 else len(self.text) - _partial_suffix(self.text, TOOL_OPEN)
-        end = max(end, self.sent)
-        out, self.sent = self.text[self.sent:end], end
-        return out
-
-    def finish(self) -> tuple[str, list[dict]]:
-        """(content not yet sent, tool calls) once the sample has finished."""
-        content, calls = parse_tool_calls(self.text, self.s)
-        if not calls:
-            return self.text[self.sent:], []
-        if self.s.tool_mode != "auto" or content is None:
-            return "", calls
-        # auto: the content outside the calls, less what already went out
-        sent = self.text[:self.sent]
-        return (content[len(sent):] if content.startswith(sent) else ""), calls
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest end of `text` that is a proper start of `tag`."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
+def tool_format(tokenizer) -> ToolFormat:
+    """The call format the model's chat template teaches: Llama 3's JSON when its template
+    lists tools and asks for {"name": ..., "parameters": ...}, else Hermes-style tags."""
+    source = tokenizer.chat_template or ""
+    if (tokenizer.chat_template_renders_tools and "<tool_call>" not in source
+            and re.search(r'"parameters"\s*:', source)):
+        return LLAMA3_JSON
+    return HERMES
 
 
 # ---- grammars ---------------------------------------------------------------------------
 class Grammars:
-    """Compiles structures against one model's vocabulary (thread-safe; call it off the event
-    loop: the first compile builds the vocabulary table, a schema takes milliseconds). Logit
-    columns past the tokenizer's vocabulary (padded embeddings) are never allowed."""
+    """Compiles structures against one model's vocabulary and tool-call format (thread-safe;
+    call it off the event loop: the first compile builds the vocabulary table, a schema takes
+    milliseconds). Logit columns past the tokenizer's vocabulary (padded embeddings) are never
+    allowed."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, fmt: ToolFormat | None = None):
         self.tokenizer = tokenizer
+        self.fmt = fmt or tool_format(tokenizer)
         self.vocab_size = tokenizer.backend.get_vocab_size(with_added_tokens=True)
         self._compiler = None
         self._lock = threading.Lock()
@@ -356,29 +277,49 @@ class Grammars:
             return None
         compiler = self._get_compiler()
         kind, text = s.grammar
-        param = "response_format" if not s.parses_tools else "tools"
+        param = "response_format"
         try:
             if kind == "json_schema":
                 # any_whitespace=False: separators are fixed, so a small model cannot wander
                 # off into whitespace forever
                 compiled = compiler.compile_json_schema(text, any_whitespace=False)
             else:
-                compiled = self._compile_tool_tag(compiler, json.loads(text))
+                answer = _json(json.loads(text)) if text else None
+                param = "tools"
+                compiled = compiler.compile_structural_tag(self._tool_tag(s, answer))
         except Exception as e:  # xgrammar raises RuntimeError / ValueError for bad schemas
             msg = str(e).splitlines()[-1] if str(e) else type(e).__name__
             msg = re.sub(r"^\[[\d:]+\] \S+: ", "", msg)
             raise StructureError(f"the JSON schema cannot be used: {msg}"[:300], param) from None
         return GrammarConstraint(compiled, self.vocab_size)
 
-    @staticmethod
-    def _compile_tool_tag(compiler, tools: list[dict]):
-        import xgrammar as xgr
+    def _tool_tag(self, s: Structure, answer: dict | None) -> dict:
+        """The structural tag of a tool-calling request (the table in the module docstring);
+        `answer`: the response_format content a tool_choice "auto" answer may be instead."""
+        fmt = self.fmt
+        tags = [{"type": "tag", "begin": fmt.begin(t.name), "content": _json(t.parameters),
+                 "end": fmt.end}
+                for t in s.tools if s.tool_mode != "named" or t.name == s.named]
+        if s.tool_mode == "auto" and answer is None:
+            calls = {"type": "triggered_tags", "triggers": [fmt.trigger], "tags": tags,
+                     "stop_after_first": not s.parallel}
+        else:
+            calls = {"type": "tags_with_separator", "tags": tags, "separator": fmt.separator,
+                     "at_least_one": True,
+                     "stop_after_first": s.tool_mode == "named" or not s.parallel}
+            if answer is not None:
+                calls = {"type": "or", "elements": [answer, calls]}
+        return {"type": "structural_tag", "format": calls}
 
-        tags = [xgr.StructuralTagItem(begin=f'{TOOL_OPEN}{{"name": {json.dumps(t["name"])}, '
-                                            f'"arguments": ',
-                                      schema=json.dumps(t["parameters"]), end=f"}}{TOOL_CLOSE}")
-                for t in tools]
-        return compiler.compile_structural_tag(tags, [TOOL_OPEN])
+
+def _json(schema: dict) -> dict:
+    """A structural tag's JSON content with the separators of compile_json_schema(...,
+    any_whitespace=False): `, ` and `: `, no other whitespace, so the text a call writes is
+    the text tool_calls.py parses, and a small model cannot wander off into whitespace."""
+    import xgrammar as xgr
+
+    ebnf = str(xgr.Grammar.from_json_schema(_dump(schema), any_whitespace=False))
+    return {"type": "grammar", "grammar": ebnf}
 
 
 @dataclass
