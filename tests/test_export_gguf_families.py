@@ -146,11 +146,27 @@ def test_export_reads_back_bit_for_bit(name, exports):
         assert [int(d) for d in exps.shape] == [64, inter, E]
 
 
+def clear_prompt(model: Path) -> list[int]:
+    """Of a few rotations of PROMPT, the one whose first 4 greedy steps (qserve on `model`)
+    are furthest from a tie: these random models' top tokens are often within 0.05 nats, which
+    int8 activations summed in another order may flip at the first step."""
+    from qserve import LLM, SamplingParams
+
+    llm = LLM(str(model), kv_cache_memory="8MiB", max_model_len=128, block_size=4)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2)
+    prompts = [PROMPT[i:] + PROMPT[:i] for i in range(0, len(PROMPT), 2)]
+
+    def margin(out) -> float:
+        return min(float(np.subtract(*sorted(lp.values(), reverse=True)[:2]))
+                   for lp in out.outputs[0].logprobs)
+    return max(zip(llm.generate(prompts, params), prompts), key=lambda op: margin(op[0]))[1]
+
+
 @pytest.mark.parametrize("name", RUN)
 def test_llama_cpp_completes_the_export_as_qserve(name, exports):
     _, out = exports[name]
-    # a random model's logits are flat: near ties come early (min_agree 2)
-    assert_same_greedy(llama_cpp_greedy(out, PROMPT, 16), qserve_greedy(out, PROMPT, 16), 2)
+    prompt = clear_prompt(out)
+    assert_same_greedy(llama_cpp_greedy(out, prompt, 16), qserve_greedy(out, prompt, 16), 4)
 
 
 @pytest.mark.parametrize("name, message", [
