@@ -63,11 +63,10 @@ class Tool:
 
     def openai(self) -> dict:
         """The definition as OpenAI (and a chat template's `tools`) spells it."""
-        fn = {"name": self.name, "parameters": self.parameters}
+        fn = {"name": self.name}
         if self.description is not None:
-            fn = {"name": self.name, "description": self.description,
-                  "parameters": self.parameters}
-        return {"type": "function", "function": fn}
+            fn["description"] = self.description
+        return {"type": "function", "function": dict(fn, parameters=self.parameters)}
 
 
 @dataclass
