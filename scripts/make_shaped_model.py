@@ -4,6 +4,7 @@ llama.cpp's own tools: for benchmarks and memory tests at sizes no small downloa
 
     python scripts/make_shaped_model.py llama-3.2-1b --out ~/.cache/qserve-bench/llama-3.2-1b
     python scripts/make_shaped_model.py llama-3.1-8b --layers 2 --no-gguf --out DIR
+    python scripts/make_shaped_model.py llama-3.1-8b --direct --out ~/.cache/qserve-bench/llama-3.1-8b
 
 Writes, under --out:
 
@@ -11,10 +12,17 @@ Writes, under --out:
     <name>-F16.gguf            convert_hf_to_gguf.py's output (BF16 with --dtype bf16)
     <name>-<TYPE>.gguf         llama-quantize's output, one per --types entry
 
+--direct writes only <name>-Q4_K_M.gguf, with the gguf package: random K-quant blocks in the
+type mix llama-quantize gives Q4_K_M (q4_k_m_type), no checkpoint and no F16 file in between
+(the full 8B shape: 4.9 GB in about a minute, where converting and quantizing 16 GB of fp16
+takes long on a small machine). Its vocabulary is the real model's (128,256: the default
+model's tokens, padded as Llama 3's are: ordinary tokens, then 256 control ones), so its
+embedding and output matrices are real-size too.
+
 <name> is the preset, with -<N>L when --layers cuts it. The weights are N(0, 0.02) (norms 1),
-drawn tensor by tensor in the target dtype, so even the 8B shape never needs fp32 memory. The
-vocabulary is the default model's (SmolLM2, 49,152 tokens), so the embedding and output matrices
-are smaller than the real models' (128,256); every layer is the real shape. Outputs that exist
+drawn tensor by tensor in the target dtype, so even the 8B shape never needs fp32 memory.
+Without --direct the vocabulary is the default model's (SmolLM2, 49,152 tokens), so the
+embedding and output matrices are smaller than the real models'; every layer is the real shape. Outputs that exist
 are kept (delete them or pass --force); llama.cpp comes from scripts/peer.py.
 """
 from __future__ import annotations
@@ -48,6 +56,7 @@ PRESETS = {  # LlamaConfig fields, as in each model's config.json (vocabulary ex
                          max_position_embeddings=131072, rms_norm_eps=1e-5,
                          tie_word_embeddings=False),
 }
+VOCAB = {"llama-3.2-1b": 128256, "llama-3.1-8b": 128256}  # the real models', for --direct
 DTYPES = {"fp16": (torch.float16, "f16", "F16"), "bf16": (torch.bfloat16, "bf16", "BF16")}
 INIT_STD = 0.02
 SHARD_BYTES = 2 << 30  # safetensors files of at most ~2 GiB, so no step holds much more
@@ -184,23 +193,180 @@ def make_ggufs(args, hf: Path, out: Path, name: str) -> list[Path]:
     return made
 
 
+# ---- --direct: a Q4_K_M GGUF written block by block ------------------------------------------
+# Per-block fp16 scales that make weights come out about N(0, INIT_STD)-sized (see random_blocks).
+# Q4_K: w = d * sc * q - dmin * m with sc, m uniform 6-bit and q 4-bit: dmin = 7.5 d centres it,
+# and its std is then ~258 d. Q6_K: w = d * sc * (q - 32), sc int8, q 6-bit: std ~1367 d
+# (a subnormal fp16 d, as llama-quantize writes for weights this small).
+BLOCK_STEP = {"Q4_K": INIT_STD / 258, "Q6_K": INIT_STD / 1367}
+
+
+def q4_k_m_type(name: str, layer: int | None, num_layers: int, tied: bool) -> str:
+    """The GGML type llama-quantize gives GGUF tensor `name` ('attn_v', 'output', ...) of a
+    dense Llama for Q4_K_M (llama.cpp src/llama-quant.cpp, llama_tensor_get_type_impl): Q6_K
+    for the output matrix (and the embedding when it is tied to it), and for attn_v and
+    ffn_down in the layers use_more_bits picks: the first and last eighth and every third
+    layer between; Q4_K for every other matrix. Vectors (norms, rope_freqs) stay F32."""
+    if name == "output" or (tied and name == "token_embd"):
+        return "Q6_K"
+    if name in ("attn_v", "ffn_down"):
+        n, i = num_layers, layer
+        more_bits = i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+        return "Q6_K" if more_bits else "Q4_K"
+    return "Q4_K"
+
+
+def gguf_tensors(fields: dict, vocab: int) -> list[tuple[str, tuple[int, ...], str]]:
+    """(GGUF name, shape (out, in) or (n,), GGML type) of every tensor of a Llama with these
+    LlamaConfig fields, in llama-quantize's output order, Q4_K_M types."""
+    h, i, n = fields["hidden_size"], fields["intermediate_size"], fields["num_hidden_layers"]
+    hd = fields["head_dim"]
+    q, kv = fields["num_attention_heads"] * hd, fields["num_key_value_heads"] * hd
+    tied = fields["tie_word_embeddings"]
+    out = [] if tied else [("output.weight", (vocab, h), "Q6_K")]
+    out += [("output_norm.weight", (h,), "F32"), ("rope_freqs.weight", (hd // 2,), "F32"),
+            ("token_embd.weight", (vocab, h), q4_k_m_type("token_embd", None, n, tied))]
+    layer = {"attn_k": (kv, h), "attn_norm": (h,), "attn_output": (h, q), "attn_q": (q, h),
+             "attn_v": (kv, h), "ffn_down": (h, i), "ffn_gate": (i, h), "ffn_norm": (h,),
+             "ffn_up": (i, h)}
+    for li in range(n):
+        out += [(f"blk.{li}.{name}.weight", shape,
+                 "F32" if len(shape) == 1 else q4_k_m_type(name, li, n, tied))
+                for name, shape in layer.items()]
+    return out
+
+
+def random_blocks(rng, type_name: str, rows: int, cols: int):
+    """(rows, bytes per row) uint8 blocks of GGML type `type_name` (Q4_K or Q6_K): random
+    quants and sub-block scales, and finite fp16 block scales around BLOCK_STEP."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+    blocks = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
+    d = (BLOCK_STEP[type_name] * rng.uniform(0.5, 1.5, len(blocks))).astype(np.float16)
+    if type_name == "Q4_K":  # d, dmin, scales[12], qs[128]
+        blocks[:, 0:2] = d.view(np.uint8).reshape(-1, 2)
+        blocks[:, 2:4] = (d * np.float16(7.5)).view(np.uint8).reshape(-1, 2)
+    else:  # Q6_K: ql[128], qh[64], scales[16], d
+        blocks[:, -2:] = d.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, -1)
+
+
+def _metadata_type(value):
+    """(GGUFValueType, array element type or None) to write a GGUF metadata value read back by
+    qserve's GGUFFile: ids and counts as u32, token types as i32, scores as f32."""
+    from gguf import GGUFValueType as T
+
+    if isinstance(value, list):
+        first = value[0]
+        sub = (T.STRING if isinstance(first, str) else T.FLOAT32 if isinstance(first, float)
+               else T.INT32)
+        return T.ARRAY, sub
+    if isinstance(value, bool):
+        return T.BOOL, None
+    if isinstance(value, int):
+        return T.UINT32, None
+    return (T.FLOAT32 if isinstance(value, float) else T.STRING), None
+
+
+def write_direct(preset: str, layers: int | None, out: Path, seed: int,
+                 fields: dict | None = None, vocab: int | None = None) -> None:
+    """Write `out`, a Q4_K_M GGUF of `preset`'s shapes (or of these LlamaConfig `fields`) with
+    random blocks, the default model's tokenizer padded to `vocab` tokens (the preset's real
+    vocabulary by default), through a temporary file renamed at the end."""
+    import gguf
+    import numpy as np
+
+    from qserve.loader.gguf_loader import GGUFFile, llama3_rope_divisors
+    from qserve.loader.registry import resolve_model
+
+    fields = dict(fields or PRESETS[preset])
+    if layers:
+        fields["num_hidden_layers"] = layers
+    src = GGUFFile(resolve_model(None))
+    tok = {k: v for k, v in src.metadata.items() if k.startswith("tokenizer.")}
+    vocab = vocab or VOCAB[preset]
+    have = len(tok["tokenizer.ggml.tokens"])
+    assert vocab >= have, (vocab, have)
+    # as Llama 3's: ordinary tokens (unreachable: no merge makes them), then 256 control ones
+    pad = vocab - have
+    control = min(pad, 256)
+    tok["tokenizer.ggml.tokens"] = (tok["tokenizer.ggml.tokens"]
+                                    + [f"[pad{k}]" for k in range(pad - control)]
+                                    + [f"<|reserved_special_token_{k}|>" for k in range(control)])
+    types = tok.get("tokenizer.ggml.token_type", [1] * have)
+    tok["tokenizer.ggml.token_type"] = types + [1] * (pad - control) + [3] * control  # 3: CONTROL
+    tensors = gguf_tensors(fields, vocab)
+
+    tmp = out.with_name(out.name + ".tmp")
+    w = gguf.GGUFWriter(tmp, "llama")
+    w.add_type("model")
+    w.add_name(f"{preset} shaped, random Q4_K_M blocks")
+    w.add_block_count(fields["num_hidden_layers"])
+    w.add_context_length(fields["max_position_embeddings"])
+    w.add_embedding_length(fields["hidden_size"])
+    w.add_feed_forward_length(fields["intermediate_size"])
+    w.add_head_count(fields["num_attention_heads"])
+    w.add_head_count_kv(fields["num_key_value_heads"])
+    w.add_rope_freq_base(fields["rope_theta"])
+    w.add_layer_norm_rms_eps(fields["rms_norm_eps"])
+    w.add_key_length(fields["head_dim"])
+    w.add_value_length(fields["head_dim"])
+    w.add_vocab_size(vocab)
+    w.add_rope_dimension_count(fields["head_dim"])
+    for key, value in tok.items():
+        w.add_key_value(key, value, *_metadata_type(value))
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    for name, shape, type_name in tensors:
+        if type_name == "F32":
+            w.add_tensor_info(name, shape, np.dtype(np.float32), 4 * shape[0])
+        else:
+            qtype = gguf.GGMLQuantizationType[type_name]
+            block, size = gguf.GGML_QUANT_SIZES[qtype]
+            row = shape[1] // block * size
+            w.add_tensor_info(name, (shape[0], row), np.dtype(np.uint8), shape[0] * row, qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    rng = np.random.default_rng(seed)
+    rope = fields.get("rope_scaling")
+    for name, shape, type_name in tensors:
+        if name == "rope_freqs.weight":  # Llama 3's scaling, as convert_hf_to_gguf writes it
+            data = llama3_rope_divisors(rope, fields["rope_theta"], fields["head_dim"]).numpy()
+        elif type_name == "F32":  # norms
+            data = np.ones(shape, np.float32)
+        else:
+            data = random_blocks(rng, type_name, *shape)
+        w.write_tensor_data(data)
+    w.close()
+    tmp.rename(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("preset", choices=PRESETS)
     ap.add_argument("--out", type=Path, required=True, help="output directory")
     ap.add_argument("--layers", type=int, help="keep only the first N layers (saves disk and time)")
-    ap.add_argument("--types", default="Q4_0,Q4_K_M,Q8_0",
-                    help="llama-quantize types, comma-separated  [default: Q4_0,Q4_K_M,Q8_0]")
+    ap.add_argument("--types", help="llama-quantize types, comma-separated  "
+                                     "[default: Q4_0,Q4_K_M,Q8_0]")
     ap.add_argument("--dtype", choices=DTYPES, default="fp16",
                     help="checkpoint dtype, and the GGUF's dense type (F16 / BF16)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-gguf", action="store_true", help="write the HF directory only")
     ap.add_argument("--force", action="store_true", help="remake outputs that already exist")
+    ap.add_argument("--direct", action="store_true",
+                    help="write <name>-Q4_K_M.gguf only, random blocks through the gguf package "
+                         "(real vocabulary; no checkpoint, no llama.cpp)")
     args = ap.parse_args()
+    if args.direct and (args.types or args.no_gguf):
+        ap.error("--direct writes one Q4_K_M file; it takes no --types or --no-gguf")
     full = PRESETS[args.preset]["num_hidden_layers"]
     if args.layers is not None and not 1 <= args.layers <= full:
         ap.error(f"--layers {args.layers}: {args.preset} has {full}; give 1 to {full}")
-    args.types = [t.strip().upper() for t in args.types.split(",") if t.strip()]
+    args.types = [t.strip().upper() for t in (args.types or "Q4_0,Q4_K_M,Q8_0").split(",")
+                  if t.strip()]
     if bad := [t for t in args.types if t not in quant_types()]:
         ap.error(f"--types: unknown {', '.join(bad)}; llama-quantize knows "
                  f"{', '.join(quant_types())}")
@@ -208,6 +374,14 @@ def main() -> None:
         args.layers = None
     name = args.preset + (f"-{args.layers}L" if args.layers else "")
     out = args.out.expanduser()
+    if args.direct:
+        q = out / f"{name}-Q4_K_M.gguf"
+        if args.force or not q.exists():
+            out.mkdir(parents=True, exist_ok=True)
+            print(f"writing {q} ...", file=sys.stderr)
+            write_direct(args.preset, args.layers, q, args.seed)
+        print(f"{q.stat().st_size / 2**20:>10,.1f} MiB  {q}")
+        return
     try:
         hf = make_hf_dir(args, out)
         ggufs = [] if args.no_gguf else make_ggufs(args, hf, out, name)

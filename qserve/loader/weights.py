@@ -3,6 +3,9 @@ looked up and never kept, so a loader's peak memory is the model being built plu
 (the streaming load), and `qserve quantize` holds its output plus one layer."""
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 from collections.abc import Mapping
 from typing import Callable
 
@@ -17,8 +20,30 @@ class LazyWeights(Mapping):
             raise KeyError(name)
         return self._read(name)
 
+    def __contains__(self, name) -> bool:  # Mapping's default would read the tensor to answer
+        return name in self.shapes
+
     def __iter__(self):
         return iter(self.shapes)
 
     def __len__(self) -> int:
         return len(self.shapes)
+
+
+def trim_heap() -> None:
+    """Hand the pages of freed heap memory back to the OS (glibc's malloc_trim; elsewhere
+    nothing). A load frees a temporary per tensor (a q/k matrix read, then re-ordered; parts
+    read, then stacked), and glibc keeps freed holes between live tensors resident: measured
+    after building an 8B Q4_K_M model, 40-300 MiB, varying from run to run."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.lru_cache(maxsize=None)
+def _malloc_trim():
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        return None
