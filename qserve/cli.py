@@ -315,11 +315,9 @@ def info(model, as_json, engine):
     per_block = bytes_per_block(arch, bs, kv_dtype)
     report["kv_cache_memory"] = blocks * per_block
     report["dtype"], report["kv_dtype"] = _dtype_name(dtype), _dtype_name(kv_dtype)
-    plan = plan_memory(path, arch, device=device, dtype=dtype,
-                       native=config.weights == "native", kv_bytes=blocks * per_block,
-                       host_kv_bytes=host_blocks * per_block,
-                       max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
-                       max_num_seqs=config.scheduler.max_num_seqs)
+    plan = plan_memory(path, arch, config, device=device, dtype=dtype,
+                       kv_bytes=blocks * per_block, host_kv_bytes=host_blocks * per_block,
+                       max_model_len=max_len)
     if not path.is_dir():  # GGML type -> tensor count, as the file stores them
         from collections import Counter
 

@@ -10,6 +10,7 @@ import torch
 from click.testing import CliRunner
 
 from qserve import cli
+from qserve.config import engine_config
 from qserve.engine.memory_plan import plan_memory
 from qserve.errors import ConfigError
 from qserve.loader import load_arch, load_model
@@ -18,10 +19,12 @@ from qserve.models.registry import num_params
 GiB = 1 << 30
 
 
-def _plan(path, available, native=True, dtype=torch.float32, kv=64 << 20):
-    return plan_memory(path, load_arch(path), device=torch.device("cpu"), dtype=dtype,
-                       native=native, kv_bytes=kv, host_kv_bytes=0,
-                       max_num_batched_tokens=512, max_num_seqs=8, available_bytes=available)
+def _plan(path, available, native=True, dtype=torch.float32, kv=64 << 20, **options):
+    config = engine_config(str(path), weights="native" if native else "dense",
+                           max_num_batched_tokens=512, max_num_seqs=8, **options)
+    return plan_memory(path, load_arch(path), config, device=torch.device("cpu"), dtype=dtype,
+                       kv_bytes=kv, host_kv_bytes=1 << 30, max_model_len=2048,
+                       available_bytes=available)
 
 
 def test_native_weights_counted_as_they_will_be_resident(default_model_path):

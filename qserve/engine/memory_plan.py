@@ -6,6 +6,20 @@ an out-of-memory kill halfway through a load.
 Weights are counted from the file's header alone: each tensor in the format the loader will
 keep it in (qserve/formats; a GGUF's blocks as stored, fp16 kept as fp16 in an fp32 model,
 dense tensors at the engine's dtype when dequantized).
+
+On a CPU the plan is the process's peak RSS, term by term (measured with
+/proc/self/smaps_rollup at each stage of `qserve generate`, README "Memory of a plain
+`qserve generate`"):
+
+    baseline    the interpreter, torch, qserve, the kernel library, the tokenizer
+    weights     as resident
+    KV pool     device blocks (zeroed, so resident); the host pool only where blocks can move
+                there (swap preemption, layer-wise offload): untouched, its pages take nothing
+    scratch     the buffer a prefill matmul dequantizes the largest matrix into, kept for reuse
+                (kernels/cpu_ops.py _scratch): bf16 where the CPU multiplies bf16 fast
+    activations one step's transient peak: the larger of the attention (torch's CPU SDPA
+                on 3-D inputs materializes fp32 scores and probabilities, heads x chunk x
+                context each) and the MLP's fused gate/up product, beside the residual stream
 """
 from __future__ import annotations
 
@@ -15,12 +29,15 @@ from pathlib import Path
 
 import torch
 
-from qserve.config import ModelArchConfig
+from qserve.config import EngineConfig, ModelArchConfig
 from qserve.errors import ConfigError
 
 GiB = 1 << 30
-# The interpreter, torch and the tokenizer before any model: measured ~0.35 GiB RSS here.
-CPU_BASELINE_BYTES = 512 << 20
+# The interpreter, torch (215 MiB of it), qserve and its kernel library before any model, and
+# per vocabulary entry the tokenizer (its GGUF strings parsed, the Rust BPE model): measured at
+# 49,152 and 128,256 tokens, README "Memory of a plain `qserve generate`".
+CPU_BASELINE_BYTES = 256 << 20
+CPU_TOKENIZER_BYTES_PER_TOKEN = 350
 _ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "U8": 1, "I8": 1, "I32": 4, "I64": 8}
 
 
@@ -32,8 +49,9 @@ class MemoryPlan:
     device: str
     weight_bytes: int
     kv_bytes: int  # the device KV pool
-    host_kv_bytes: int  # the swap pool; on a CPU device it is the same memory
-    activation_bytes: int  # one step's working set, prefill's dequantized matrix included
+    host_kv_bytes: int  # the swap pool where blocks can move there; on a CPU the same memory
+    scratch_bytes: int  # the reused buffer of prefill's dequantized matrix (CPU)
+    activation_bytes: int  # one step's transient peak
     baseline_bytes: int
     available_bytes: int
     weight_formats: dict[str, dict[str, int]] = field(default_factory=dict)  # fmt -> n, bytes
@@ -41,7 +59,8 @@ class MemoryPlan:
     @property
     def total_bytes(self) -> int:
         host = self.host_kv_bytes + self.baseline_bytes if self.device == "cpu" else 0
-        return self.weight_bytes + self.kv_bytes + self.activation_bytes + host
+        return (self.weight_bytes + self.kv_bytes + self.scratch_bytes + self.activation_bytes
+                + host)
 
     def to_dict(self) -> dict:
         return asdict(self) | {"total_bytes": self.total_bytes,
@@ -65,60 +84,128 @@ class MemoryPlan:
             f"{self.model} needs {_gib(self.total_bytes)} on {self.device} (weights "
             f"{_gib(self.weight_bytes)}, KV pool {_gib(self.kv_bytes)}"
             + (f", swap pool {_gib(self.host_kv_bytes)}" if self.device == "cpu" else "")
-            + f", activations {_gib(self.activation_bytes)}) but {_gib(self.available_bytes)} "
-            f"is available; try {' or '.join(hints)}")
+            + f", activations {_gib(self.scratch_bytes + self.activation_bytes)}) but "
+            f"{_gib(self.available_bytes)} is available; try {' or '.join(hints)}")
 
 
 def _gib(n: int) -> str:
     return f"{n / GiB:.2f} GiB"
 
 
-def plan_memory(path: Path, arch: ModelArchConfig, *, device: torch.device,
-                dtype: torch.dtype, native: bool, kv_bytes: int, host_kv_bytes: int,
-                max_num_batched_tokens: int, max_num_seqs: int,
-                available_bytes: int | None = None) -> MemoryPlan:
-    """The plan for `path` (a .gguf file or a model directory) run with these settings."""
+def plan_memory(path: Path, arch: ModelArchConfig, config: EngineConfig, *,
+                device: torch.device, dtype: torch.dtype, kv_bytes: int, host_kv_bytes: int,
+                max_model_len: int, available_bytes: int | None = None) -> MemoryPlan:
+    """The plan for `path` (a .gguf file or a model directory) run with `config`.
+
+    Args:
+        kv_bytes, host_kv_bytes: the device and host KV pools the engine will allocate.
+        max_model_len: the longest context a prefill chunk attends to.
+        available_bytes: what the device has free (default: read now).
+    """
     from qserve.engine.cache_engine import free_memory
 
-    formats = resident_weights(path, arch, dtype, native)
-    plan = MemoryPlan(
+    native, sched = config.weights == "native", config.scheduler
+    tensors = list(resident_tensors(path, arch, dtype, native))
+    formats: dict[str, dict[str, int]] = {}
+    for _, fmt, nbytes, _ in tensors:
+        row = formats.setdefault(fmt, {"tensors": 0, "bytes": 0})
+        row["tensors"] += 1
+        row["bytes"] += nbytes
+    cpu = device.type == "cpu"
+    tokens = min(sched.max_num_batched_tokens, max_model_len)
+    swaps = sched.preemption_mode == "swap" or config.cache.kv_offload != "off"
+    return MemoryPlan(
         model=str(path), device=device.type,
         weight_bytes=sum(v["bytes"] for v in formats.values()),
-        kv_bytes=kv_bytes, host_kv_bytes=host_kv_bytes,
-        activation_bytes=activation_bytes(arch, max_num_batched_tokens, max_num_seqs,
-                                          dtype.itemsize),
-        baseline_bytes=CPU_BASELINE_BYTES if device.type == "cpu" else 0,
+        kv_bytes=kv_bytes, host_kv_bytes=host_kv_bytes if swaps else 0,
+        scratch_bytes=(scratch_bytes(tensors, arch, dtype, tokens, sched.max_num_seqs)
+                       if cpu else 0),
+        activation_bytes=activation_bytes(arch, tokens, max_model_len, sched.max_num_seqs,
+                                          cpu),
+        baseline_bytes=(CPU_BASELINE_BYTES + CPU_TOKENIZER_BYTES_PER_TOKEN * arch.vocab_size
+                        if cpu else 0),
         available_bytes=free_memory(device) if available_bytes is None else available_bytes,
         weight_formats=formats)
-    return plan
 
 
-def activation_bytes(arch: ModelArchConfig, tokens: int, seqs: int, itemsize: int) -> int:
-    """One step's largest live set: per token the residual, the norm output, q/k/v, the
-    gate/up pair and the MLP activation in fp32; logits for up to `seqs` rows (and the
-    sampler's copy); and the fp32 copy of the largest layer matrix that a many-row (prefill)
-    matmul dequantizes once."""
-    h, i = arch.hidden_size, arch.intermediate_size
-    qkv = (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim
-    per_token = (3 * h + qkv + 3 * i) * max(itemsize, 4)
+def scratch_bytes(tensors: list[tuple[str, str, int, tuple[int, ...]]], arch: ModelArchConfig,
+                  dtype: torch.dtype, tokens: int, seqs: int) -> int:
+    """The CPU prefill's reused buffer (kernels/cpu_ops.py _scratch): a matmul of more than
+    FUSED_MAX_ROWS rows dequantizes its packed matrix, one stacked segment at a time (the
+    parts of a fused projection in one format stack into one), into a buffer kept at the
+    largest size seen; the output matrix counts when that many sequences take logits."""
+    from qserve.kernels import cpu_ops
+    from qserve.models import registry
+
+    itemsize = 2 if cpu_ops.int8_activations() and cpu_ops.fast_bf16() else 4
+    dense = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}[dtype]
+    packed = {name: (fmt, shape) for name, fmt, _, shape in tensors
+              if len(shape) == 2 and fmt != dense and not name.endswith("embed_tokens.weight")}
+    head = [n for n in packed if n.startswith("lm_head.")]
+    if min(seqs, tokens) <= cpu_ops.FUSED_MAX_ROWS:
+        for name in head:
+            del packed[name]
+    elif arch.tie_word_embeddings:  # the embedding is the output matrix
+        packed.update({n: (f, s) for n, f, _, s in tensors if n.endswith("embed_tokens.weight")
+                       and f != dense})
+    if tokens <= cpu_ops.FUSED_MAX_ROWS or not packed:
+        return 0
+    rows = {name: shape[0] for name, (_, shape) in packed.items()}
+    mapping = registry.model_class(arch.architecture).packed_modules_mapping
+    for parts in mapping.values():  # neighbours of one format: one segment
+        for name in list(rows):
+            owner, _, leaf = name.removesuffix(".weight").rpartition(".")
+            if leaf != parts[0]:
+                continue
+            run = f"{owner}.{parts[0]}.weight"
+            for part in parts[1:]:
+                nxt = f"{owner}.{part}.weight"
+                if nxt in packed and packed[nxt][0] == packed[run][0]:
+                    rows[run] += rows.pop(nxt)
+                else:
+                    run = nxt
+    return max(n * packed[name][1][1] for name, n in rows.items()) * itemsize
+
+
+def activation_bytes(arch: ModelArchConfig, tokens: int, context: int, seqs: int,
+                     cpu: bool) -> int:
+    """One step's transient peak for a chunk of `tokens` tokens attending to up to `context`
+    positions, activations in fp32: what stays live through a layer, beside the larger of the
+    attention and the MLP; plus logits for up to `seqs` rows and the sampler's copy.
+
+    Live through a layer: the residual stream (x, residual, normed), q/k/v, and what the
+    allocator keeps of the previous MLP: (6 hidden + 3 intermediate) fp32 values a token, as
+    measured on the 1B and 8B shapes. The MLP: its fused gate/up product in fp32, with the
+    bf16 and fp32 GEMM results it is copied from, and the activation. On a CPU the attention
+    is torch's SDPA math path (3-D inputs), which materializes fp32 scores and probabilities
+    (heads, tokens, context): measured 9 bytes a score at 500-2,000 tokens, plus K/V expanded
+    to every head and the output."""
+    h, i, H, d = arch.hidden_size, arch.intermediate_size, arch.num_heads, arch.head_dim
+    live = tokens * (6 * h + 3 * i) * 4
+    attention = tokens * 3 * H * d * 4 + (9 * H * tokens * context if cpu else 0)
+    mlp = tokens * (2 * i * (4 + 2 + 4) + 2 * h + i * 4)
     logits = 2 * min(seqs, tokens) * arch.vocab_size * 4
-    biggest = max(2 * i * h, qkv * h) * 4
-    return tokens * per_token + logits + biggest
+    return live + max(attention, mlp) + logits
 
 
 def resident_weights(path: Path, arch: ModelArchConfig, dtype: torch.dtype, native: bool
                      ) -> dict[str, dict[str, int]]:
     """Weight format -> {"tensors": count, "bytes": resident bytes}, from headers alone."""
-    from qserve.loader.hf_loader import expected_shapes
-
-    wanted = expected_shapes(arch)
     out: dict[str, dict[str, int]] = {}
-
-    def add(fmt: str, nbytes: int) -> None:
+    for _, fmt, nbytes, _ in resident_tensors(path, arch, dtype, native):
         row = out.setdefault(fmt, {"tensors": 0, "bytes": 0})
         row["tensors"] += 1
         row["bytes"] += nbytes
+    return out
 
+
+def resident_tensors(path: Path, arch: ModelArchConfig, dtype: torch.dtype, native: bool):
+    """(HF name, format, resident bytes, shape (out, in) or (n,)) of every weight the model
+    keeps, from the file's headers alone; a qserve checkpoint's packed linear is one entry
+    (its qweight, scales and offsets together)."""
+    from qserve.loader.hf_loader import expected_shapes
+
+    wanted = expected_shapes(arch)
     dense_name = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}[dtype]
     if not path.is_dir():
         from qserve.formats import format_for_ggml
@@ -135,36 +222,37 @@ def resident_weights(path: Path, arch: ModelArchConfig, dtype: torch.dtype, nati
                 raise gguf.error(f"tensor {info.name} has type {type_name}, which qserve "
                                  f"cannot run") from None
             if len(info.shape) == 1:
-                add("f32", 4 * numel)
+                yield hf, "f32", 4 * numel, info.shape
             elif not native or fmt is None:
-                add(dense_name, dtype.itemsize * numel)
+                yield hf, dense_name, dtype.itemsize * numel, info.shape
             elif fmt in ("f16", "bf16"):
-                add(fmt if dtype == torch.float32 else dense_name, 2 * numel)
+                yield hf, fmt if dtype == torch.float32 else dense_name, 2 * numel, info.shape
             else:
-                add(fmt, info.nbytes)
-        return out
-    from qserve.loader.checkpoint import WEIGHTS_FILE, quantization_config
+                yield hf, fmt, info.nbytes, info.shape
+        return
+    from qserve.loader.checkpoint import quantization_config
 
     quant = quantization_config(path)
+    packed: dict[str, list] = {}  # base name -> [format, bytes]
     for name, dt, shape in _safetensors_tensors(path):
-        base = name.rsplit(".", 1)[0]
-        if quant is not None and name.rsplit(".", 1)[1] in ("qweight", "scales", "offsets"):
+        base, _, leaf = name.rpartition(".")
+        if quant is not None and leaf in ("qweight", "scales", "offsets"):
             layer = quant.get("layers", {}).get(base, {})
-            fmt = layer.get("format") or f"int{layer.get('bits', 8)}"
-            row = out.setdefault(fmt, {"tensors": 0, "bytes": 0})
-            row["tensors"] += name.endswith(".qweight")
-            row["bytes"] += _ITEMSIZE.get(dt, 4) * _numel(shape)
+            entry = packed.setdefault(base, [layer.get("format") or
+                                             f"int{layer.get('bits', 8)}", 0])
+            entry[1] += _ITEMSIZE.get(dt, 4) * _numel(shape)
             continue
         if name not in wanted:
             continue
         kept = (native and dtype == torch.float32 and dt in ("F16", "BF16") and len(shape) == 2)
         if kept:
-            add(dt.lower(), 2 * _numel(shape))
+            yield name, dt.lower(), 2 * _numel(shape), tuple(shape)
         elif len(shape) == 1:
-            add("f32", 4 * _numel(shape))
+            yield name, "f32", 4 * _numel(shape), tuple(shape)
         else:
-            add(dense_name, dtype.itemsize * _numel(shape))
-    return out
+            yield name, dense_name, dtype.itemsize * _numel(shape), tuple(shape)
+    for base, (fmt, nbytes) in packed.items():
+        yield base + ".weight", fmt, nbytes, tuple(wanted.get(base + ".weight", ()))
 
 
 def _numel(shape) -> int:
