@@ -507,6 +507,77 @@ q2k_row_i8(const uint8_t *row, int64_t nb, const qacts *a, int64_t m0, int64_t K
 #undef SUM32
 #undef SUM16
 
+#ifdef HAVE_ZMM_PATH
+/* q4_k / q5_k, 512-bit (AVX-512 VNNI): as q4_row_z, two 32-input sub-blocks per step (one
+ * 32-byte load of qs unpacks sub-blocks 2p and 2p + 1: low nibbles, then high), 16 sub-blocks
+ * (two super-blocks) per block of scale vectors: lane j of s16 is d sc_j, of o16 -dmin m_j,
+ * times the activation rows' steps and sums of their chunk. */
+static inline __attribute__((always_inline)) void
+k4_row_z(const uint8_t *row, int64_t nb, const qacts *a, int64_t m0, int64_t K, const int five,
+         const int mt, float *res)
+{
+    const int64_t nchunk = K / CHUNK, bytes = five ? 176 : 144;
+    __m512 acc[MTI];
+    float sd[MTI][16] __attribute__((aligned(64)));
+    for (int i = 0; i < mt; i++)
+        acc[i] = _mm512_setzero_ps();
+    const __m512i mask = _mm512_set1_epi8(15), one = _mm512_set1_epi8(1);
+    const __m512i shifts = _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4);
+    for (int64_t b0 = 0; b0 < nb; b0 += 2) {
+        const int two = nb - b0 >= 2;
+        const int64_t c0 = 8 * b0;
+        const __mmask16 k = two ? 0xffff : 0x00ff;
+        __m256 dsc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, dmn[2] = {dsc[0], dsc[1]};
+        for (int h = 0; h < 1 + two; h++) {
+            const uint8_t *blk = row + (b0 + h) * bytes;
+            prefetch_ahead(blk, (int)bytes);
+            uint32_t wd[4];
+            k4_words(blk + 4, wd);
+            const __m128i sm8 = _mm_setr_epi32((int)wd[0], (int)wd[1], (int)wd[2], (int)wd[3]);
+            dsc[h] = _mm256_mul_ps(_mm256_set1_ps(ld_half(blk)),
+                                   _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm8)));
+            dmn[h] = _mm256_mul_ps(_mm256_set1_ps(-ld_half(blk + 2)), _mm256_cvtepi32_ps(
+                                       _mm256_cvtepu8_epi32(_mm_unpackhi_epi64(sm8, sm8))));
+        }
+        const __m512 s16 = _mm512_insertf32x8(_mm512_castps256_ps512(dsc[0]), dsc[1], 1);
+        const __m512 o16 = _mm512_insertf32x8(_mm512_castps256_ps512(dmn[0]), dmn[1], 1);
+        for (int i = 0; i < mt; i++) {
+            const int64_t r = (m0 + i) * nchunk + c0;
+            _mm512_store_ps(sd[i], _mm512_mul_ps(s16, _mm512_maskz_loadu_ps(k, a->drow + r)));
+            acc[i] = _mm512_mask3_fmadd_ps(o16, _mm512_maskz_loadu_ps(k, a->dsrow + r), acc[i], k);
+        }
+#define STEP(j)                                                                                 \
+        if ((j) < 4 || two) {                                                                   \
+            const uint8_t *blk = row + (b0 + (j) / 4) * bytes;                                  \
+            const uint8_t *qs = blk + (five ? 48 : 16) + 32 * ((j) % 4);                        \
+            __m512i w = _mm512_and_si512(_mm512_srlv_epi64(_mm512_broadcast_i64x4(              \
+                _mm256_loadu_si256((const __m256i *)qs)), shifts), mask);                       \
+            if (five) { /* bit 4: bit 2p (low half) and 2p + 1 (high half) of qh[l] */          \
+                const __m512i hs = _mm512_setr_epi64(2 * ((j) % 4), 2 * ((j) % 4),              \
+                    2 * ((j) % 4), 2 * ((j) % 4), 2 * ((j) % 4) + 1, 2 * ((j) % 4) + 1,         \
+                    2 * ((j) % 4) + 1, 2 * ((j) % 4) + 1);                                      \
+                const __m512i hb = _mm512_and_si512(_mm512_srlv_epi64(_mm512_broadcast_i64x4(   \
+                    _mm256_loadu_si256((const __m256i *)(blk + 16))), hs), one);                \
+                w = _mm512_or_si512(w, _mm512_slli_epi16(hb, 4));                               \
+            }                                                                                   \
+            const __m512i idx = SEQ_IDX(j);                                                     \
+            for (int i = 0; i < mt; i++) {                                                      \
+                const __m512i xv = _mm512_loadu_si512(a->q + (m0 + i) * K +                     \
+                                                      (c0 + 2 * (j)) * CHUNK);                  \
+                const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv);           \
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p),                                 \
+                                         _mm512_permutexvar_ps(idx, _mm512_load_ps(sd[i])),     \
+                                         acc[i]);                                               \
+            }                                                                                   \
+        }
+        STEP(0) STEP(1) STEP(2) STEP(3) STEP(4) STEP(5) STEP(6) STEP(7)
+#undef STEP
+    }
+    for (int i = 0; i < mt; i++)
+        res[i] = _mm512_reduce_add_ps(acc[i]);
+}
+#endif
+
 /* Each row kernel specialized for every tile height 1..MTI, behind one signature. */
 typedef void (*rows_i8_fn)(const uint8_t *row, int64_t nb, const qacts *a, int64_t m0, int64_t K,
                            int mt, float *res);
@@ -520,8 +591,13 @@ typedef void (*rows_i8_fn)(const uint8_t *row, int64_t nb, const qacts *a, int64
 #define Q5_1(k) q5_row_i8(row, nb, a, m0, K, 1, k, res)
 #define Q2_K(k) q2k_row_i8(row, nb, a, m0, K, k, res)
 #define Q3_K(k) q3k_row_i8(row, nb, a, m0, K, k, res)
+#ifdef HAVE_ZMM_PATH
+#define Q4_K(k) k4_row_z(row, nb, a, m0, K, 0, k, res)
+#define Q5_K(k) k4_row_z(row, nb, a, m0, K, 1, k, res)
+#else
 #define Q4_K(k) k4_row_i8(row, nb, a, m0, K, 0, k, res)
 #define Q5_K(k) k4_row_i8(row, nb, a, m0, K, 1, k, res)
+#endif
 #define Q6_K(k) q6k_row_i8(row, nb, a, m0, K, k, res)
 ROWS_I8(q5_0_rows_i8, Q5_0)
 ROWS_I8(q5_1_rows_i8, Q5_1)

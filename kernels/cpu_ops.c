@@ -28,6 +28,10 @@
 typedef _Float16 half;
 
 #define CHUNK 32 /* inputs per inner step: one int4 chunk is 16 bytes */
+#if defined(__AVX2__) && defined(__FMA__) && defined(__AVX512F__) && defined(__AVX512BW__) && \
+    defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define HAVE_ZMM_PATH 1 /* the 512-bit int8-activation row kernels (q4_row_z and others) */
+#endif
 #define MT 4     /* activation rows that share one dequantized weight chunk (fp32 activations) */
 #define MTI 8    /* the same with int8 activations, whose per-row state is one register */
 #define NR 4     /* fp32 weight rows that share each activation load (f32_rows) */
@@ -264,7 +268,20 @@ typedef struct {
     float *dsum;    /* (Kp / 32, Mp) d * sum(q_x) of the chunk */
     float *dsum16;  /* (Kp / 16, Mp) d * sum(q_x) of each 16 inputs, for the GGML K-quants'
                      * 16-input sub-blocks; NULL unless asked for */
+    float *drow;    /* (M, Kp / 32) d again, row-major, and d * sum(q_x) (dsrow), for the */
+    float *dsrow;   /* 512-bit row kernels (ACT_PAIRS, ACT_U8): they read 16 chunks of a row */
 } qacts;
+
+/* How quantize_activations lays out each row's codes for the row kernel that reads them. */
+enum {
+    ACT_PLAIN = 0, /* input order (int8 weights, GGML blocks) */
+    ACT_NIBBLE,    /* per chunk: the 16 even inputs, then the 16 odd ones (int4's nibble order) */
+    ACT_PAIRS,     /* int4, 512-bit: per pair of chunks c, c + 1: even(c) even(c+1) odd(c)
+                    * odd(c+1), 16 codes each, as one 32-byte load of both chunks' weights
+                    * unpacks (q4_row_z); a last unpaired chunk stays in ACT_NIBBLE order */
+    ACT_U8,        /* input order, codes + 128 as unsigned bytes: the 512-bit multiply-add
+                    * takes one unsigned operand, and int8 weights are signed (q8_row_z) */
+};
 
 static inline int hsum_epi32(__m256i v)
 {
@@ -274,16 +291,24 @@ static inline int hsum_epi32(__m256i v)
 }
 
 static qacts quantize_activations(const float *x, int64_t M, int64_t K, int64_t ldx, int64_t Kp,
-                                  int permute, int sums16, int nthreads)
+                                  int layout, int sums16, int nthreads)
 {
     const int64_t nchunk = Kp / CHUNK, Mp = (M + MTI - 1) / MTI * MTI;
+#ifdef HAVE_ZMM_PATH
+    const int rows = 1; /* every 512-bit row kernel reads them */
+#else
+    const int rows = 0;
+#endif
     qacts a = {aligned_alloc(64, (size_t)((M * Kp + 63) / 64 * 64)), Mp,
                calloc((size_t)(nchunk * Mp), sizeof(float)),
                calloc((size_t)(nchunk * Mp), sizeof(float)),
-               sums16 ? calloc((size_t)(2 * nchunk * Mp), sizeof(float)) : NULL};
-    float *xp = pack_activations(x, M, K, ldx, Kp, permute);
+               sums16 ? calloc((size_t)(2 * nchunk * Mp), sizeof(float)) : NULL,
+               rows ? malloc(sizeof(float) * (size_t)(M * nchunk)) : NULL,
+               rows ? malloc(sizeof(float) * (size_t)(M * nchunk)) : NULL};
+    float *xp = pack_activations(x, M, K, ldx, Kp, layout == ACT_NIBBLE || layout == ACT_PAIRS);
     const __m256 sign = _mm256_set1_ps(-0.f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    const __m256i flip = _mm256_set1_epi8((char)0x80);
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (M >= 4)
     for (int64_t m = 0; m < M; m++)
         for (int64_t c = 0; c < nchunk; c++) {
@@ -303,13 +328,25 @@ static qacts quantize_activations(const float *x, int64_t M, int64_t K, int64_t 
             for (int u = 0; u < 4; u++)
                 q[u] = _mm256_cvtps_epi32(_mm256_mul_ps(x8[u], _mm256_set1_ps(id)));
             /* 32 int32 in [-127, 127] -> 32 int8 in order (the packs interleave 128-bit lanes) */
-            const __m256i q16 = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]),
-                                                   _mm256_packs_epi32(q[2], q[3]));
-            _mm256_storeu_si256((__m256i *)(a.q + m * Kp + c * CHUNK),
-                                _mm256_permutevar8x32_epi32(q16, order));
+            const __m256i q16 = _mm256_permutevar8x32_epi32(
+                _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])),
+                order);
+            int8_t *dst = a.q + m * Kp;
+            if (layout == ACT_PAIRS && (c | 1) < nchunk) { /* c in a pair: halves 32 bytes apart */
+                int8_t *half0 = dst + (c & ~(int64_t)1) * CHUNK + (c & 1) * (CHUNK / 2);
+                _mm_storeu_si128((__m128i *)half0, _mm256_castsi256_si128(q16));
+                _mm_storeu_si128((__m128i *)(half0 + CHUNK), _mm256_extracti128_si256(q16, 1));
+            } else
+                _mm256_storeu_si256((__m256i *)(dst + c * CHUNK),
+                                    layout == ACT_U8 ? _mm256_xor_si256(q16, flip) : q16);
             const __m256i s0 = _mm256_add_epi32(q[0], q[1]), s1 = _mm256_add_epi32(q[2], q[3]);
+            const float dsum = d * (float)hsum_epi32(_mm256_add_epi32(s0, s1));
             a.d[c * Mp + m] = d;
-            a.dsum[c * Mp + m] = d * (float)hsum_epi32(_mm256_add_epi32(s0, s1));
+            a.dsum[c * Mp + m] = dsum;
+            if (rows) {
+                a.drow[m * nchunk + c] = d;
+                a.dsrow[m * nchunk + c] = dsum;
+            }
             if (sums16) { /* inputs 0..15 and 16..31 */
                 a.dsum16[2 * c * Mp + m] = d * (float)hsum_epi32(s0);
                 a.dsum16[(2 * c + 1) * Mp + m] = d * (float)hsum_epi32(s1);
@@ -325,6 +362,8 @@ static void free_activations(qacts a)
     free(a.d);
     free(a.dsum);
     free(a.dsum16);
+    free(a.drow);
+    free(a.dsrow);
 }
 
 /* Lane i of v in all 8 lanes (i a constant once inlined). */
@@ -398,6 +437,173 @@ q8_row_i8(const int8_t *row, const float *sc, int64_t nchunk, int64_t group_size
         res[i] = hsum(acc[i]);
 }
 
+
+#ifdef HAVE_ZMM_PATH
+/* 512-bit row kernels (AVX-512 VNNI), two 32-input chunks per step. Per step the 256-bit ones
+ * spend ~20 instructions on one chunk (nibble unpack, two multiply-adds, the scale products
+ * rebuilt from scalars, a lane broadcast per row); these spend ~9 on two: one load-broadcast,
+ * shift and mask unpacks both chunks' nibbles, one vpdpbusd per activation row, and the scale
+ * products s * d come from 16-chunk vectors computed once per 16 chunks (vpermps picks each
+ * lane's chunk), as does the offset term o_c * d_c * sum(q_x) of those chunks. Same sums as the 256-bit kernels, in another order: a row's result still depends
+ * on nothing but its own activations (batch-invariant). */
+
+/* Lane -> chunk (of 16) maps of step j (chunks 2j, 2j + 1 of a 16-chunk block): int4's dot
+ * products come out as [even(2j) even(2j+1) odd(2j) odd(2j+1)], 4 lanes each (ACT_PAIRS),
+ * int8's as [2j 2j+1], 8 lanes each. */
+#define PAIR_IDX(j) _mm512_setr_epi32(2 * (j), 2 * (j), 2 * (j), 2 * (j), 2 * (j) + 1, \
+    2 * (j) + 1, 2 * (j) + 1, 2 * (j) + 1, 2 * (j), 2 * (j), 2 * (j), 2 * (j), 2 * (j) + 1, \
+    2 * (j) + 1, 2 * (j) + 1, 2 * (j) + 1)
+#define SEQ_IDX(j) _mm512_setr_epi32(2 * (j), 2 * (j), 2 * (j), 2 * (j), 2 * (j), 2 * (j), \
+    2 * (j), 2 * (j), 2 * (j) + 1, 2 * (j) + 1, 2 * (j) + 1, 2 * (j) + 1, 2 * (j) + 1, \
+    2 * (j) + 1, 2 * (j) + 1, 2 * (j) + 1)
+
+/* Where the scales of a 16-chunk block come from: one masked fp16 load of the groups it spans
+ * (g0 .. g0 + popcount(kg)), then lane i takes group idx[i]: the identity when a group is one
+ * chunk, [0 0 1 1 ...] for 64-input groups, and so on. Built once per matmul (chunk_blocks). */
+typedef struct {
+    __m512i idx;
+    int64_t g0;
+    __mmask16 kg;
+} chunk_block;
+
+static chunk_block *chunk_blocks(int64_t nchunk, int64_t per_group)
+{
+    const int64_t nblk = (nchunk + 15) / 16;
+    chunk_block *blk = aligned_alloc(64, (size_t)nblk * sizeof(chunk_block));
+    for (int64_t b = 0; b < nblk; b++) {
+        const int64_t c0 = 16 * b, n = nchunk - c0 < 16 ? nchunk - c0 : 16;
+        int32_t idx[16] = {0};
+        blk[b].g0 = c0 / per_group;
+        for (int64_t i = 0; i < n; i++)
+            idx[i] = (int32_t)((c0 + i) / per_group - blk[b].g0);
+        blk[b].kg = (__mmask16)((1u << (idx[n - 1] + 1)) - 1);
+        blk[b].idx = _mm512_loadu_si512(idx);
+    }
+    return blk;
+}
+
+/* The 16 chunk values (scales or offsets) of block b of a row whose group values are h. */
+static inline __m512 chunk16(const half *h, const chunk_block *b)
+{
+    return _mm512_permutexvar_ps(b->idx, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(b->kg, h + b->g0)));
+}
+
+/* One int4 row (group scales sh, offsets oh or none: symmetric; blk: chunk_blocks) against activation rows m0 .. m0 + mt
+ * (ACT_PAIRS codes). */
+static inline __attribute__((always_inline)) void
+q4_row_z(const uint8_t *row, const half *sh, const half *oh, const chunk_block *blk,
+         int64_t nchunk, const qacts *a, int64_t m0, int64_t Kp, const int mt, float *res)
+{
+    __m512 acc[MTI];
+    float sd[MTI][16] __attribute__((aligned(64)));
+    for (int i = 0; i < mt; i++)
+        acc[i] = _mm512_setzero_ps();
+    const __m512i mask = _mm512_set1_epi8(15);
+    const __m512i shifts = _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4);
+    for (int64_t c0 = 0; c0 < nchunk; c0 += 16) {
+        const int64_t n = nchunk - c0 < 16 ? nchunk - c0 : 16, pairs = n / 2;
+        const __mmask16 k = n == 16 ? 0xffff : (__mmask16)((1u << n) - 1);
+        const __m512 s16 = chunk16(sh, blk + c0 / 16);
+        const __m512 o16 = oh ? chunk16(oh, blk + c0 / 16)
+                              : _mm512_mul_ps(s16, _mm512_set1_ps(-8.f)); /* symmetric */
+        for (int i = 0; i < mt; i++) {
+            const int64_t r = (m0 + i) * nchunk + c0;
+            _mm512_store_ps(sd[i], _mm512_mul_ps(s16, _mm512_maskz_loadu_ps(k, a->drow + r)));
+            acc[i] = _mm512_mask3_fmadd_ps(o16, _mm512_maskz_loadu_ps(k, a->dsrow + r), acc[i], k);
+        }
+        const uint8_t *wb = row + c0 * (CHUNK / 2);
+        prefetch_ahead(wb, 8 * CHUNK);
+#define STEP(j)                                                                                 \
+        if ((j) < pairs) {                                                                      \
+            const __m512i w = _mm512_and_si512(_mm512_srlv_epi64(_mm512_broadcast_i64x4(         \
+                _mm256_loadu_si256((const __m256i *)(wb + (j) * CHUNK))), shifts), mask);       \
+            const __m512i idx = PAIR_IDX(j);                                                    \
+            for (int i = 0; i < mt; i++) {                                                      \
+                const __m512i xv = _mm512_loadu_si512(                                          \
+                    a->q + (m0 + i) * Kp + (c0 + 2 * (j)) * CHUNK);                             \
+                const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv);           \
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p),                                 \
+                                         _mm512_permutexvar_ps(idx, _mm512_load_ps(sd[i])),     \
+                                         acc[i]);                                               \
+            }                                                                                   \
+        }
+        STEP(0) STEP(1) STEP(2) STEP(3) STEP(4) STEP(5) STEP(6) STEP(7)
+#undef STEP
+        if (n & 1) { /* the row's last chunk, unpaired (ACT_NIBBLE order) */
+            const int64_t c = c0 + n - 1;
+            const __m128i b = _mm_loadu_si128((const __m128i *)(row + c * (CHUNK / 2)));
+            const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b),
+                                               _mm256_set1_epi8(15));
+            for (int i = 0; i < mt; i++) {
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(a->q + (m0 + i) * Kp +
+                                                                        c * CHUNK));
+                const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, xv);
+                acc[i] = _mm512_fmadd_ps(_mm512_zextps256_ps512(_mm256_cvtepi32_ps(p)),
+                                         _mm512_set1_ps(sd[i][n - 1]), acc[i]);
+            }
+        }
+    }
+    for (int i = 0; i < mt; i++)
+        res[i] = _mm512_reduce_add_ps(acc[i]);
+}
+
+/* One int8 row (group scales sh; blk: chunk_blocks) against activation rows m0 .. m0 + mt (ACT_U8 codes, q + 128):
+ * sum (q_x + 128) q_w - 128 sum q_w, both from vpdpbusd. */
+static inline __attribute__((always_inline)) void
+q8_row_z(const int8_t *row, const half *sh, const chunk_block *blk, int64_t nchunk,
+         const qacts *a, int64_t m0, int64_t Kp, const int mt, float *res)
+{
+    __m512 acc[MTI];
+    float sd[MTI][16] __attribute__((aligned(64)));
+    for (int i = 0; i < mt; i++)
+        acc[i] = _mm512_setzero_ps();
+    const __m512i bias = _mm512_set1_epi8((char)0x80);
+    for (int64_t c0 = 0; c0 < nchunk; c0 += 16) {
+        const int64_t n = nchunk - c0 < 16 ? nchunk - c0 : 16, pairs = n / 2;
+        const __mmask16 k = n == 16 ? 0xffff : (__mmask16)((1u << n) - 1);
+        const __m512 s16 = chunk16(sh, blk + c0 / 16);
+        for (int i = 0; i < mt; i++)
+            _mm512_store_ps(sd[i], _mm512_mul_ps(
+                s16, _mm512_maskz_loadu_ps(k, a->drow + (m0 + i) * nchunk + c0)));
+        const int8_t *wb = row + c0 * CHUNK;
+        prefetch_ahead((const uint8_t *)wb, 16 * CHUNK);
+#define STEP(j)                                                                                 \
+        if ((j) < pairs) {                                                                      \
+            const __m512i w = _mm512_loadu_si512(wb + (j) * 2 * CHUNK);                         \
+            const __m512i corr = _mm512_dpbusd_epi32(_mm512_setzero_si512(), bias, w);          \
+            const __m512i idx = SEQ_IDX(j);                                                     \
+            for (int i = 0; i < mt; i++) {                                                      \
+                const __m512i xv = _mm512_loadu_si512(                                          \
+                    a->q + (m0 + i) * Kp + (c0 + 2 * (j)) * CHUNK);                             \
+                const __m512i p = _mm512_sub_epi32(                                             \
+                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), xv, w), corr);                  \
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p),                                 \
+                                         _mm512_permutexvar_ps(idx, _mm512_load_ps(sd[i])),     \
+                                         acc[i]);                                               \
+            }                                                                                   \
+        }
+        STEP(0) STEP(1) STEP(2) STEP(3) STEP(4) STEP(5) STEP(6) STEP(7)
+#undef STEP
+        if (n & 1) {
+            const int64_t c = c0 + n - 1;
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(row + c * CHUNK));
+            const __m256i corr = _mm256_dpbusd_epi32(_mm256_setzero_si256(),
+                                                     _mm256_set1_epi8((char)0x80), w);
+            for (int i = 0; i < mt; i++) {
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(a->q + (m0 + i) * Kp +
+                                                                        c * CHUNK));
+                const __m256i p = _mm256_sub_epi32(
+                    _mm256_dpbusd_epi32(_mm256_setzero_si256(), xv, w), corr);
+                acc[i] = _mm512_fmadd_ps(_mm512_zextps256_ps512(_mm256_cvtepi32_ps(p)),
+                                         _mm512_set1_ps(sd[i][n - 1]), acc[i]);
+            }
+        }
+    }
+    for (int i = 0; i < mt; i++)
+        res[i] = _mm512_reduce_add_ps(acc[i]);
+}
+#endif /* HAVE_ZMM_PATH */
+
 #define HAVE_I8_PATH 1
 #else
 /* Portable versions of the same loops, for compilers/CPUs without AVX2. */
@@ -470,8 +676,16 @@ static void packed_matmul(const wdesc *W, const float *x, int64_t M, int64_t ldx
 #ifdef HAVE_I8_PATH
     qacts a = {0};
     i8 = i8 && Kp % CHUNK == 0 && gs % CHUNK == 0;
-    if (i8) /* int4 activations are chunk-permuted like its nibbles (pack_activations) */
-        a = quantize_activations(x, M, W->K, ldx, Kp, four, 0, nthreads);
+#ifdef HAVE_ZMM_PATH
+    const int layout = four ? ACT_PAIRS : ACT_U8;
+#else /* int4 activations are chunk-permuted like its nibbles (pack_activations) */
+    const int layout = four ? ACT_NIBBLE : ACT_PLAIN;
+#endif
+    if (i8)
+        a = quantize_activations(x, M, W->K, ldx, Kp, layout, 0, nthreads);
+#ifdef HAVE_ZMM_PATH
+    chunk_block *blk = i8 ? chunk_blocks(nchunk, gs / CHUNK) : NULL;
+#endif
 #else
     i8 = 0;
 #endif
@@ -479,19 +693,32 @@ static void packed_matmul(const wdesc *W, const float *x, int64_t M, int64_t ldx
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, ROW_ITEM)
     for (int64_t n = 0; n < W->N; n++) {
         const uint8_t *row = (const uint8_t *)W->w + n * row_bytes;
+        const half *sh = W->scales + n * G, *oh = W->offsets ? W->offsets + n * G : NULL;
         /* the row's fp16 scales and offsets as floats, converted 8 at a time: a scalar fp16
-         * load per chunk in the row kernels cost more than the chunk's dot product */
-        float sc[G], ofs[W->offsets ? G : 1];
-        halves_to_floats(W->scales + n * G, sc, G);
-        const float *of = W->offsets ? halves_to_floats(W->offsets + n * G, ofs, G) : NULL;
+         * load per chunk in the row kernels cost more than the chunk's dot product (the
+         * 512-bit kernels convert them themselves, 16 chunks at a time) */
+        float sc[G], ofs[oh ? G : 1];
+        const float *of = NULL;
+#ifdef HAVE_ZMM_PATH
+        if (!i8)
+#endif
+        {
+            halves_to_floats(sh, sc, G);
+            of = oh ? halves_to_floats(oh, ofs, G) : NULL;
+        }
         const int64_t tile = i8 ? MTI : MT;
         for (int64_t m0 = 0; m0 < M; m0 += tile) {
             float res[MTI];
             const int mt = M - m0 < tile ? (int)(M - m0) : (int)tile;
 #ifdef HAVE_I8_PATH
             if (i8) {
+#ifdef HAVE_ZMM_PATH
+#define CALL(k) (four ? q4_row_z(row, sh, oh, blk, nchunk, &a, m0, Kp, k, res) \
+                      : q8_row_z((const int8_t *)row, sh, blk, nchunk, &a, m0, Kp, k, res))
+#else
 #define CALL(k) (four ? q4_row_i8(row, sc, of, nchunk, gs / CHUNK, &a, m0, Kp, k, res) \
                       : q8_row_i8((const int8_t *)row, sc, nchunk, gs, &a, m0, Kp, k, res))
+#endif
                 FOR_EACH_MTI(mt, CALL);
 #undef CALL
             } else
@@ -510,6 +737,9 @@ static void packed_matmul(const wdesc *W, const float *x, int64_t M, int64_t ldx
 #ifdef HAVE_I8_PATH
     if (i8)
         free_activations(a);
+#endif
+#ifdef HAVE_ZMM_PATH
+    free(blk);
 #endif
     free(xp);
 }
@@ -1318,6 +1548,19 @@ int wdequant_bf16(const wdesc *W, uint16_t *out, int nthreads)
 int has_int8_path(void)
 {
 #ifdef HAVE_I8_PATH
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Which row kernels this build runs: 2 the 512-bit ones (AVX-512 VNNI), 1 the 256-bit ones
+ * (AVX2), 0 the portable loops. */
+int kernel_isa(void)
+{
+#if defined(HAVE_ZMM_PATH)
+    return 2;
+#elif defined(HAVE_I8_PATH)
     return 1;
 #else
     return 0;

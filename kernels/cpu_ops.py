@@ -95,6 +95,7 @@ _SIGNATURES = {  # name: (argtypes, restype)
     "wdequant_bf16": ([_WDESC, _ptr, _int], _int),
     "wkind_known": ([_i64], _int),
     "has_int8_path": ([], _int),
+    "kernel_isa": ([], _int),
     "kv_write": ([_int, _ptr, _ptr, _ptr, _i64, _i64, _int, _ptr, _int], None),
     "f32_matmul": ([_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _int], None),
     "decode_layers": ([_ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _int, _i64, _flt, _ptr, _ptr,
@@ -111,12 +112,22 @@ _SIGNATURES = {  # name: (argtypes, restype)
 # vectorize loops with clamps and rounding in them (the KV writes': ~3x faster).
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fno-trapping-math", "-fopenmp",
           "-shared", "-fPIC", "-std=gnu11"]
+# QSERVE_CPU_ISA=avx2 builds without AVX-512 on a CPU that has it: the kernels an AVX2-only CPU
+# (Zen 3) runs, for tests and comparisons.
+ISA_FLAGS = {"native": [], "avx2": ["-mno-avx512f"]}
+
+
+def cflags() -> list[str]:
+    isa = os.environ.get("QSERVE_CPU_ISA", "native")
+    if isa not in ISA_FLAGS:
+        raise RuntimeError(f"QSERVE_CPU_ISA={isa!r}: expected one of {', '.join(ISA_FLAGS)}")
+    return CFLAGS + ISA_FLAGS[isa]
 
 
 def _build_path() -> Path:
     from qserve.config import model_home
 
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(CFLAGS).encode()
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(cflags()).encode()
                          + platform.machine().encode() + platform.node().encode()).hexdigest()[:16]
     return model_home() / "build" / f"cpu_ops-{key}.so"
 
@@ -129,7 +140,7 @@ def _compile(out: Path) -> None:
     # build to a private name, then rename: concurrent processes never load a half-written file
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
-    cmd = [cc, *CFLAGS, str(SOURCE), "-o", tmp, "-lm"]
+    cmd = [cc, *cflags(), str(SOURCE), "-o", tmp, "-lm"]
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if res.returncode != 0:
@@ -209,6 +220,13 @@ def has_int8_path() -> bool:
     `int8_activations=True` runs the fp32-activation kernels."""
     L = lib()
     return L is not None and bool(L.has_int8_path())
+
+
+def kernel_isa() -> str:
+    """The instruction set of the built row kernels: "avx512-vnni", "avx2" or "portable"
+    ("none" where the kernels are unavailable)."""
+    L = lib()
+    return "none" if L is None else ("portable", "avx2", "avx512-vnni")[L.kernel_isa()]
 
 
 class ThreadBudget:

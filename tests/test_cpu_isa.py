@@ -1,0 +1,42 @@
+"""The kernels an AVX2-only CPU runs, checked on a CPU with AVX-512: QSERVE_CPU_ISA=avx2 builds
+them without the 512-bit row kernels, and the int8-activation and batch-invariance tests run
+against that build in a subprocess."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from qserve.kernels import cpu_ops
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _isa(env_isa: str) -> str:
+    env = {**os.environ, "QSERVE_CPU_ISA": env_isa}
+    out = subprocess.run([sys.executable, "-c", "from qserve.kernels import cpu_ops; "
+                          "print(cpu_ops.kernel_isa())"], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.strip().splitlines()[-1]
+
+
+def test_an_unknown_isa_is_refused(monkeypatch):
+    monkeypatch.setenv("QSERVE_CPU_ISA", "avx9000")
+    with pytest.raises(RuntimeError, match="QSERVE_CPU_ISA='avx9000'"):
+        cpu_ops.cflags()
+
+
+@pytest.mark.skipif(cpu_ops.kernel_isa() != "avx512-vnni",
+                    reason="this CPU runs the AVX2 kernels already (no AVX-512 VNNI)")
+def test_the_avx2_kernels_pass_the_kernel_tests():
+    assert _isa("avx2") == "avx2"
+    env = {**os.environ, "QSERVE_CPU_ISA": "avx2", "QSERVE_REQUIRE_KERNELS": "1"}
+    res = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
+         "tests/test_cpu_ops.py", "tests/test_cpu_formats.py", "-k",
+         "int8 or batch or bit_for_bit"], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=1200)
+    assert res.returncode == 0, res.stdout[-3000:]
+    assert " passed" in res.stdout and "skipped" not in res.stdout.splitlines()[-1]
