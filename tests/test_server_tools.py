@@ -9,7 +9,9 @@ detection and the Llama JSON call format.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 
@@ -70,6 +72,7 @@ Answer a function call as {"name": function name, "parameters": dictionary of ar
 
 {% endif %}"""
 
+REPO = Path(__file__).resolve().parent.parent
 ANSWER = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}},
           "required": ["answer"], "additionalProperties": False}
 WEATHER_ARGS = WEATHER["function"]["parameters"]
@@ -116,6 +119,7 @@ def test_a_template_that_lists_tools_renders_them_the_calls_and_the_results(tok)
     text = render_chat(t, HISTORY, s, HERMES)
     assert "# Tools" in text and "You can call these functions" not in text
     assert json.dumps(WEATHER, ensure_ascii=False) in text  # the definition, description too
+    assert '"name": "get_time", "description": ""' in text
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": ' \
            '"celsius"}}\n</tool_call>' in text
     # the result carries the name of the call it answers (OpenAI sends only the id)
@@ -152,6 +156,60 @@ def test_a_llama_template_selects_llamas_json_call_format(tok):
     assert ('{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "celsius"}}'
             in text)
     assert "<|start_header_id|>ipython<|end_header_id|>\n\n{\"temp\": 21}" in text
+
+
+def _vendored_templates() -> Path | None:
+    """llama.cpp's collection of real chat templates (scripts/peer.py's source), if unpacked."""
+    spec = importlib.util.spec_from_file_location("peer", REPO / "scripts" / "peer.py")
+    peer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peer)
+    try:
+        return peer.source_dir(download=False) / "models" / "templates"
+    except peer.PeerError:
+        return None
+
+
+@pytest.mark.parametrize("name, renders, fmt_name", [
+    ("TAGS_TEMPLATE", True, "HERMES"),
+    ("LLAMA_TEMPLATE", True, "LLAMA3_JSON"),
+    ("Qwen-Qwen2.5-7B-Instruct", True, "HERMES"),
+    ("Qwen-Qwen3-0.6B", True, "HERMES"),
+    ("NousResearch-Hermes-3-Llama-3.1-8B-tool_use", True, "HERMES"),
+    ("meta-llama-Llama-3.1-8B-Instruct", True, "LLAMA3_JSON"),
+    ("meta-llama-Llama-3.2-3B-Instruct", True, "LLAMA3_JSON"),
+    ("meta-llama-Llama-3.3-70B-Instruct", True, "LLAMA3_JSON"),
+    ("HuggingFaceTB-SmolLM3-3B", False, "HERMES"),  # llama.cpp's copy has no tools block
+])
+def test_the_template_path_renders_as_transformers_does(tok, name, renders, fmt_name):
+    """With tools, history calls and a tool result, the prompt equals transformers'
+    apply_chat_template(..., tools=...) on the same template (real ones from llama.cpp's
+    collection where it is unpacked); the call format is the one the template teaches."""
+    transformers = pytest.importorskip("transformers")
+    from qserve.server import structured
+    from qserve.server.tool_calls import _name_tool_results, render_chat
+
+    if name.isupper():
+        source = globals()[name]
+    else:
+        folder = _vendored_templates()
+        if folder is None or not (folder / f"{name}.jinja").exists():
+            pytest.skip("llama.cpp's templates are not unpacked (scripts/peer.py)")
+        source = (folder / f"{name}.jinja").read_text()
+    t = _with_template(tok, source)
+    fmt = structured.tool_format(t)
+    assert t.chat_template_renders_tools == renders and fmt is getattr(structured, fmt_name)
+    if not renders:
+        return
+    structure = _structure({"tools": [WEATHER, TIME]})  # TIME has no description
+    tools = [tool.openai() for tool in structure.tools]
+    history = [{"role": "system", "content": "Be brief."}] + HISTORY
+    ours = render_chat(t, history, structure, fmt)
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tok.backend)
+    theirs = hf.apply_chat_template(_name_tool_results(history), tools=tools,
+                                    chat_template=source, tokenize=False,
+                                    add_generation_prompt=True, bos_token=t.bos_token,
+                                    eos_token=t.eos_token)
+    assert ours == theirs
 
 
 # ---- reading calls back -----------------------------------------------------------------

@@ -62,11 +62,11 @@ class Tool:
     description: str | None = None
 
     def openai(self) -> dict:
-        """The definition as OpenAI (and a chat template's `tools`) spells it."""
-        fn = {"name": self.name}
-        if self.description is not None:
-            fn["description"] = self.description
-        return {"type": "function", "function": dict(fn, parameters=self.parameters)}
+        """The definition as OpenAI (and a chat template's `tools`) spells it; the description
+        is "" when none was given (templates such as Hermes 3's concatenate it)."""
+        return {"type": "function", "function": {
+            "name": self.name, "description": self.description or "",
+            "parameters": self.parameters}}
 
 
 @dataclass
