@@ -10,21 +10,35 @@ each sending one chat message (a short, distinct question) with stream=true, tem
 and ignore_eos. Requests arrive in a seeded random order with --concurrency in flight, so
 under round-robin every replica sees every prompt.
 
-Each policy gets a fresh deployment (a local Ray cluster of --replicas replicas with
---kv-cache-memory each, so the caches start empty and equal) and the same requests:
+The KV pool: each replica's holds --cache-share (default 0.5) of the system prompts' blocks,
+plus the blocks of its share of the requests in flight beyond their system prompt (computed
+from the tokenizer and the engine's KV layout, and printed). That is the deployment prefix
+routing is for: a hot set of prompts that one replica's cache cannot hold but the replicas'
+caches together can. With pools that hold every prompt, any policy hits (only each replica's
+first request of a prompt misses; prefix routing can gain at most the 8 of 128 requests that
+round-robin sends cold to the second replica); with pools far below half, neither can. Both
+policies run in the same run, with the same pools and requests; --kv-cache-memory sets the
+pools directly instead.
+
+Each policy gets a fresh deployment (a local Ray cluster of --replicas replicas, so the caches
+start empty and equal) and the same requests:
 
     hit rate  prefix-cache hit blocks x block size / prompt tokens, summed over the replicas'
-              /metrics (qserve_prefix_cache_hit_blocks, qserve_prompt_tokens)
+              /metrics (qserve_prefix_cache_hit_blocks, counted once per request, at its
+              first admission; qserve_prompt_tokens)
     TTFT      request sent -> first text chunk, client side (includes queueing)
+    sticky    the share of requests that went to their system prompt's most used replica
+    preempt   the replicas' preemptions (a pool too small for the requests in flight)
 
-With a KV pool that holds some but not all of the prompts' blocks, round-robin makes every
-replica cache every prompt (and evict them in turn) while prefix routing splits the prompts
-between the replicas. Needs Ray Serve (pip install 'qserve[cluster]'), openai and httpx.
+Round-robin makes every replica cache every prompt and evict them in turn; prefix routing
+gives each prompt a home replica, so each replica caches its half. Needs Ray Serve
+(pip install 'qserve[cluster]'), openai and httpx.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import re
@@ -67,6 +81,44 @@ def workload(systems: list[str], users: int, seed: int) -> list[tuple[int, str]]
     return requests
 
 
+def shared_blocks(model: str | None, systems: list[str], block_size: int) -> tuple[int, int]:
+    """(KV blocks two users of one system prompt share, prompt tokens of one request): the
+    working set is these blocks times the number of system prompts."""
+    from qserve.loader import load_tokenizer
+
+    tok = load_tokenizer(model)
+
+    def ids(user: str) -> list[int]:
+        return tok.encode(tok.apply_chat_template(
+            [{"role": "system", "content": systems[0]}, {"role": "user", "content": user}]))
+    a, b = ids("User 0 asks: what does rule 1 mean for me?"), ids("User 1 asks: why?")
+    common = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return common // block_size, len(a)
+
+
+def pool_blocks(args, shared: int, prompt_tokens: int) -> int:
+    """A replica's KV pool in blocks: --cache-share of the system prompts' shared blocks, and
+    the blocks of its share of the requests in flight beyond those (their user part and
+    output)."""
+    own = -(-(prompt_tokens + args.max_tokens) // args.block_size) - shared
+    in_flight = -(-args.concurrency // args.replicas)
+    return math.ceil(args.cache_share * args.systems * shared) + in_flight * own
+
+
+def pool_bytes(args, blocks: int) -> int:
+    """What `blocks` KV blocks take in a replica's engine (its KV dtype on its device)."""
+    from qserve.config import engine_config
+    from qserve.engine.cache_engine import DTYPES, bytes_per_block, kv_torch_dtype
+    from qserve.loader import load_arch, resolve_model
+    from qserve.loader.checkpoint import quantization_config
+
+    cfg = engine_config(args.model, block_size=args.block_size,
+                        device="cuda" if args.replica_gpus > 0 else "cpu")
+    quant = quantization_config(resolve_model(args.model)) or {}
+    dtype = kv_torch_dtype(cfg.cache, DTYPES[cfg.resolved_dtype()], quant.get("kv_dtype"))
+    return blocks * bytes_per_block(load_arch(args.model), args.block_size, dtype)
+
+
 def chat(client, system: str, user: str, max_tokens: int) -> tuple[float, str]:
     """TTFT in seconds, and the replica that answered."""
     t0 = time.perf_counter()
@@ -100,7 +152,8 @@ def run_policy(args, routing: str, requests, systems) -> dict:
                   max_num_seqs=args.max_num_seqs, block_size=args.block_size, device="auto")
     cfg = C.ClusterConfig(replicas=args.replicas, replica_cpus=args.replica_cpus,
                           replica_gpus=args.replica_gpus,
-                          routing=routing, max_ongoing_requests=args.max_num_seqs)
+                          routing=routing, max_ongoing_requests=args.max_num_seqs,
+                          max_imbalance=args.max_imbalance)
     C.deploy(cfg, args.model, engine, MODEL_NAME, ServerConfig(port=args.port))
     url = f"http://127.0.0.1:{args.port}"
     deadline = time.monotonic() + 600
@@ -124,13 +177,20 @@ def run_policy(args, routing: str, requests, systems) -> dict:
     hit_tokens = delta("qserve_prefix_cache_hit_blocks_total") * args.block_size
     ttfts = sorted(t for t, _ in results)
     per_replica: dict[str, int] = {}
-    for _, replica in results:
+    by_system: dict[int, dict[str, int]] = {}  # system prompt -> replica -> requests
+    for (system, _), (_, replica) in zip(requests, results):
         per_replica[replica] = per_replica.get(replica, 0) + 1
+        counts = by_system.setdefault(system, {})
+        counts[replica] = counts.get(replica, 0) + 1
     return {"routing": routing, "requests": len(results),
             "hit_rate": hit_tokens / prompt_tokens if prompt_tokens else 0.0,
             "ttft_p50_s": statistics.median(ttfts),
             "ttft_p90_s": ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))],
-            "wall_s": wall, "per_replica": sorted(per_replica.values(), reverse=True)}
+            "wall_s": wall, "per_replica": sorted(per_replica.values(), reverse=True),
+            # the share of requests that went to their system prompt's most used replica
+            "sticky": sum(max(c.values()) for c in by_system.values()) / len(results),
+            "preemptions": int(delta("qserve_preemptions_total")),
+            "kv_blocks": int(after.get("qserve_kv_blocks_total", 0)) // args.replicas}
 
 
 def main() -> None:
@@ -145,12 +205,18 @@ def main() -> None:
                     help="words per system prompt (about 1.3 tokens each)")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--concurrency", type=int, default=8, help="requests in flight")
-    ap.add_argument("--kv-cache-memory", default="96MiB",
-                    help="per replica; room for some but not all of the prompts' blocks")
+    ap.add_argument("--cache-share", type=float, default=0.5,
+                    help="size each replica's KV pool to hold this share of the system "
+                         "prompts' blocks, plus its share of the requests in flight")
+    ap.add_argument("--kv-cache-memory",
+                    help="per replica, instead of --cache-share (e.g. 96MiB)")
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--routings", default="prefix,round-robin")
+    ap.add_argument("--max-imbalance", type=int, default=8,
+                    help="prefix routing's bound on load imbalance (router.rank), as "
+                         "`qserve serve --replicas` has it")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="also print one JSON object per row")
     args = ap.parse_args()
@@ -161,6 +227,9 @@ def main() -> None:
 
     systems = system_prompts(args.systems, args.system_words, args.seed)
     requests = workload(systems, args.users, args.seed)
+    shared, prompt_tokens = shared_blocks(args.model, systems, args.block_size)
+    if args.kv_cache_memory is None:
+        args.kv_cache_memory = pool_bytes(args, pool_blocks(args, shared, prompt_tokens))
     args.port = free_port()
     ray.init(num_cpus=max(2, int(args.replicas * args.replica_cpus)),
              num_gpus=int(args.replicas * args.replica_gpus + 0.999) or None,
@@ -175,15 +244,21 @@ def main() -> None:
         serve.shutdown()
         ray.shutdown()
 
+    blocks = rows[0]["kv_blocks"] if rows else 0
+    memory = args.kv_cache_memory
+    memory = f"{memory / 2**20:.1f}MiB" if isinstance(memory, int) else memory
     print(f"\n{args.systems} system prompts x {args.users} users, {args.replicas} replicas, "
-          f"KV {args.kv_cache_memory} each, {args.concurrency} in flight, "
-          f"{args.max_tokens} tokens out")
+          f"{args.concurrency} in flight, {args.max_tokens} tokens out; KV {memory} each")
+    print(f"a request: {prompt_tokens} prompt tokens, {shared} blocks of {args.block_size} of "
+          f"them its system prompt's; all {args.systems} prompts: {shared * args.systems} "
+          f"blocks; a replica's pool: {blocks} blocks")
     print(f"{'routing':<12} {'requests':>8} {'hit rate':>9} {'TTFT p50':>9} {'TTFT p90':>9} "
-          f"{'wall':>7}  per replica")
+          f"{'wall':>7} {'sticky':>7} {'preempt':>7}  per replica")
     for r in rows:
         print(f"{r['routing']:<12} {r['requests']:>8} {100 * r['hit_rate']:>8.1f}% "
               f"{1000 * r['ttft_p50_s']:>7.0f}ms {1000 * r['ttft_p90_s']:>7.0f}ms "
-              f"{r['wall_s']:>6.1f}s  {r['per_replica']}")
+              f"{r['wall_s']:>6.1f}s {100 * r['sticky']:>6.0f}% {r['preemptions']:>7}  "
+              f"{r['per_replica']}")
         if args.json:
             print(json.dumps(r))
     by = {r["routing"]: r for r in rows}

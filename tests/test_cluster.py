@@ -20,8 +20,8 @@ import time
 
 import pytest
 
-from qserve.server.router import (PrefixTable, RoundRobin, prefix_keys, rank,
-                                  routing_text)
+from qserve.server.router import (PrefixPolicy, PrefixTable, RoundRobin, prefix_keys,
+                                  rank, routing_text)
 
 MODEL = "smollm2-135m-instruct"
 SYSTEMS = [
@@ -77,30 +77,116 @@ def test_routing_text_of_completions_and_of_what_is_not_a_generation():
     assert routing_text("/v1/chat/completions", b"[1]") is None
 
 
-def test_prefix_table_longest_alive_match_lru_and_forget():
+def test_prefix_table_keeps_a_prefix_home_counts_homes_and_forgets():
     t = PrefixTable(capacity=4)
     t.record([b"k1", b"k2"], "A")
     t.record([b"k1", b"k2", b"k3"], "B")  # B ran a longer prompt with the same start
-    assert t.lookup([b"k1", b"k2", b"k3"], {"A", "B"}) == ("B", 3)
-    t.record([b"k1"], "A")
-    assert t.lookup([b"k1", b"k2", b"k9"], {"A", "B"}) == ("B", 2)
-    assert t.lookup([b"k1", b"k2", b"k3"], {"A"}) == ("A", 1)  # B is gone
-    assert t.lookup([b"zz"], {"A", "B"}) == (None, 0)
+    assert t.lookup([b"k1", b"k2", b"k3"], {"A", "B"}) == (["B"], 3)
+    # k1, k2 stay home on A, the replica that ran them first; B is a second holder
+    assert t.lookup([b"k1", b"k2", b"k9"], {"A", "B"}) == (["A", "B"], 2)
+    assert t.lookup([b"k1", b"k2", b"k3"], {"A"}) == (["A"], 2)  # B is gone
+    assert t.lookup([b"zz"], {"A", "B"}) == ([], 0)
+    assert t.homed == {"A": 2, "B": 1}
     t.record([b"k4", b"k5"], "A")  # 5 keys > capacity 4: the least recently used goes
-    assert len(t) == 4 and t.lookup([b"k2"], {"A", "B"}) == (None, 0)
-    t.forget("A")
-    assert t.lookup([b"k1"], {"A", "B"}) == (None, 0)
-    assert t.lookup([b"k1", b"k2", b"k3"], {"A", "B"}) == ("B", 3)
+    assert len(t) == 4 and t.lookup([b"k1"], {"A", "B"}) == ([], 0)
+    assert t.homed == {"A": 3, "B": 1}
+    t.forget("A")  # k2 moves home to B; k4, k5 held by A alone are dropped
+    assert t.lookup([b"k1", b"k2"], {"A", "B"}) == (["B"], 2)
+    assert len(t) == 2 and t.homed == {"B": 2}
 
 
-def test_rank_prefers_the_prefix_owner_until_it_is_too_busy():
+def test_rank_prefers_the_home_until_it_is_too_busy_and_places_new_prefixes_evenly():
     ids = ["A", "B", "C"]
-    assert rank(ids, {"A": 5, "B": 1, "C": 0}, "A", max_imbalance=5) == ["A", "C", "B"]
-    assert rank(ids, {"A": 6, "B": 1, "C": 0}, "A", max_imbalance=5) == ["C", "B", "A"]
-    assert rank(ids, {"A": 1, "B": 0, "C": 2}, None, max_imbalance=5) == ["B", "A", "C"]
-    assert rank(ids, {}, "gone", max_imbalance=0) == ids
+    assert rank(ids, {"A": 5, "B": 1, "C": 1}, ["A"], max_imbalance=4) == ["A", "B", "C"]
+    # too busy: past max_imbalance beyond the least loaded, and past twice it
+    assert rank(ids, {"A": 6, "B": 1, "C": 0}, ["A"], max_imbalance=6) == ["A", "C", "B"]
+    assert rank(ids, {"A": 6, "B": 1, "C": 0}, ["A"], max_imbalance=4) == ["C", "B", "A"]
+    assert rank(ids, {"A": 19, "B": 10, "C": 12}, ["A"], max_imbalance=4) == ["A", "B", "C"]
+    assert rank(ids, {"A": 21, "B": 10, "C": 12}, ["A"], max_imbalance=4) == ["B", "C", "A"]
+    # past a busy home, the next holder, not just the least loaded
+    assert rank(ids, {"A": 9, "B": 1, "C": 0}, ["A", "B"], max_imbalance=4) == ["B", "C", "A"]
+    # a new prefix: the replica home to the fewest prefix blocks, unless it is too busy
+    homed = {"A": 30, "B": 3, "C": 10}
+    assert rank(ids, {"A": 0, "B": 2, "C": 1}, [], 4, homed) == ["B", "A", "C"]
+    assert rank(ids, {"A": 0, "B": 5, "C": 1}, [], 4, homed) == ["C", "A", "B"]
+    # a request without a prefix: the least loaded
+    assert rank(ids, {"A": 1, "B": 0, "C": 2}, [], 4, None) == ["B", "A", "C"]
+    assert rank(ids, {}, ["gone"], max_imbalance=0) == ids
     rr = RoundRobin()
-    assert [rr.rank(["A", "B"])[0] for _ in range(4)] == ["A", "B", "A", "B"]
+    assert [rr.rank([], ["A", "B"], {})[0] for _ in range(4)] == ["A", "B", "A", "B"]
+
+
+def _system_keys(s: int, user: int) -> list[bytes]:
+    return _chat_keys([{"role": "system", "content": f"{s}: " + SYSTEMS[s % 4] * 3},
+                       {"role": "user", "content": f"User {user} asks a question."}])
+
+
+def test_policy_spreads_new_prefixes_evenly_and_one_overflow_does_not_move_a_home():
+    policy, ids = PrefixPolicy(max_imbalance=4), ["A", "B"]
+    # 8 system prompts arrive at once, with the first replica already busier: the homes
+    # still split 4 and 4 (placing each new prefix on the least-loaded replica did not)
+    load = {"A": 3, "B": 0}
+    homes = {}
+    for s in range(8):
+        first = policy.rank(_system_keys(s, 0), ids, load)[0]
+        policy.routed(_system_keys(s, 0), first)
+        homes[s] = first
+        load[first] += 1
+    assert sorted(homes.values()) == ["A"] * 4 + ["B"] * 4
+    # a burst: requests ranked before any of them is routed still share a new prefix's home
+    burst = [policy.rank(_system_keys(8, u), ids, {"A": 0, "B": 0})[0] for u in range(4)]
+    assert len(set(burst)) == 1
+    # system prompt 0's home is too busy: one request goes elsewhere, the next ones go home
+    home, other = homes[0], "B" if homes[0] == "A" else "A"
+    busy = {home: 6, other: 1}
+    assert policy.rank(_system_keys(0, 1), ids, busy)[0] == other
+    policy.routed(_system_keys(0, 1), other)
+    assert [policy.rank(_system_keys(0, u), ids, {"A": 2, "B": 2})[0]
+            for u in range(2, 6)] == [home] * 4
+    # a short common start (under min_match of the request) is not a reason to stick
+    long_user = [{"role": "system", "content": SYSTEMS[0] * 3},
+                 {"role": "user", "content": "a long document " * 300}]
+    policy.routed(_chat_keys(long_user[:1]), home)
+    assert policy.rank(_chat_keys(long_user), ids, {home: 3, other: 0})[0] == other
+
+
+def test_policy_shares_out_the_caches_where_round_robin_thrashes_them():
+    """A replay of the benchmark's workload (8 system prompts x 16 users, 2 replicas, 8 in
+    flight, in a seeded random order) against caches that hold 4 system prompts each (LRU),
+    with requests ending in a seeded random order: prefix routing keeps each prompt on one
+    replica and hits about twice as often as round-robin."""
+    import random
+    from collections import OrderedDict
+
+    def replay(policy, seed: int) -> tuple[float, float]:
+        rng = random.Random(seed)
+        requests = [(s, u) for u in range(16) for s in range(8)]
+        rng.shuffle(requests)
+        ids = ["A", "B"]
+        caches = {r: OrderedDict() for r in ids}
+        load, running, hits, where = {r: 0 for r in ids}, [], 0, {}
+        for s, u in requests:
+            if len(running) == 8:
+                load[running.pop(rng.randrange(8))] -= 1
+            keys = _system_keys(s, u)
+            r = policy.rank(keys, ids, load)[0]
+            policy.routed(keys, r)
+            load[r] += 1
+            running.append(r)
+            hits += s in caches[r]
+            caches[r][s] = None
+            caches[r].move_to_end(s)
+            if len(caches[r]) > 4:
+                caches[r].popitem(last=False)
+            where.setdefault(s, []).append(r)
+        sticky = sum(max(w.count(r) for r in ids) for w in where.values()) / len(requests)
+        return hits / len(requests), sticky
+
+    for seed in range(4):
+        prefix, sticky = replay(PrefixPolicy(), seed)
+        rr, _ = replay(RoundRobin(), seed)
+        assert sticky >= 0.9 and prefix >= 0.75, (seed, prefix, sticky)
+        assert rr <= 0.55, (seed, rr)
 
 
 # ---- the command line ---------------------------------------------------------------------

@@ -7,8 +7,8 @@ Imported only with --replicas: Ray is the optional extra `pip install 'qserve[cl
                                        │ (router.py), forwards it through a handle
                                        v
                      QServeRouter (Ray Serve request router, inside the ingress process)
-                                       │ the replica that ran the longest matching prefix,
-                                       │ else the least loaded one
+                                       │ the home replica of the longest known prefix,
+                                       │ unless it is too busy (router.py)
                         ┌──────────────┴──────────────┐
                         v                             v
                  QServeReplica 0                QServeReplica 1 ...    (--replica-cpus/-gpus)
@@ -66,7 +66,7 @@ from qserve.server import protocol as P
 from qserve.server.config import ServerConfig
 from qserve.server.guard import RequestGuard
 from qserve.server.metrics import CONTENT_TYPE
-from qserve.server.router import PrefixTable, RoundRobin, prefix_keys, rank, routing_text
+from qserve.server.router import PrefixPolicy, RoundRobin, prefix_keys, routing_text
 
 log = logging.getLogger("qserve.server")
 
@@ -89,7 +89,7 @@ class ClusterConfig:
     max_replicas: int | None = None
     target_ongoing_requests: float | None = None  # autoscaling target per replica
     routing: str = "prefix"
-    max_imbalance: int = 4  # see router.rank
+    max_imbalance: int = 8  # see router.rank
     max_ongoing_requests: int = 256  # per replica; beyond it the router tries the next one
 
     def __post_init__(self):
@@ -163,14 +163,11 @@ class QServeRouter(RequestRouter):
     first whose queue is not full. `on_request_routed` records where each request went.
     """
 
-    def initialize_state(self, routing: str = "prefix", max_imbalance: int = 4,
-                         table_capacity: int = 1 << 16, **_):
-        self.routing = routing
-        self.max_imbalance = max_imbalance
-        self.table = PrefixTable(table_capacity)
-        self.round_robin = RoundRobin()
+    def initialize_state(self, routing: str = "prefix", max_imbalance: int = 8,
+                         min_match: float = 0.5, table_capacity: int = 1 << 16, **_):
+        self.policy = (PrefixPolicy(max_imbalance, min_match, table_capacity)
+                       if routing == "prefix" else RoundRobin())
         self.ongoing: dict[str, int] = {}  # replica id -> requests this router has in flight
-        self._ties = 0  # rotates which idle replica a new prefix goes to
         _registry()[self._deployment_id.name] = self
 
     def replica_ids(self) -> list[str]:
@@ -188,15 +185,7 @@ class QServeRouter(RequestRouter):
         if fwd.target is not None:
             # gone: any replica answers, and the ingress sees it is not the one asked for
             return [[by_id[fwd.target]]] if fwd.target in by_id else [candidate_replicas]
-        ids = sorted(by_id)
-        if self.routing == "round-robin":
-            order = self.round_robin.rank(ids)
-        else:
-            preferred, _ = self.table.lookup(fwd.keys, ids)
-            if preferred is None:  # a new prefix: rotate among equally loaded replicas
-                self._ties += 1
-                ids = ids[self._ties % len(ids):] + ids[:self._ties % len(ids)]
-            order = rank(ids, self.ongoing, preferred, self.max_imbalance)
+        order = self.policy.rank(fwd.keys, sorted(by_id), self.ongoing)
         return [[by_id[i]] for i in order]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
@@ -206,8 +195,8 @@ class QServeRouter(RequestRouter):
         fwd = _forwarded(pending_request)
         if fwd is not None:
             fwd.routed_to = rid
-            if fwd.keys and fwd.target is None:
-                self.table.record(fwd.keys, rid)
+            if fwd.target is None:
+                self.policy.routed(fwd.keys, rid)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         rid = replica_id.unique_id
@@ -219,7 +208,7 @@ class QServeRouter(RequestRouter):
         alive = {r.replica_id.unique_id for r in replicas}
         for rid in [r for r in self.ongoing if r not in alive]:
             del self.ongoing[rid]
-            self.table.forget(rid)
+            self.policy.forget(rid)
 
 
 def _registry() -> dict[str, "QServeRouter"]:
