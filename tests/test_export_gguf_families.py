@@ -26,7 +26,7 @@ from qserve.errors import QServeError
 from qserve.loader import load_arch, load_model
 from qserve.quant.quantize import quantize
 from test_export import (PROMPT, assert_same_greedy, llama_cpp_greedy, make_tiny, qserve_greedy,
-                         same_weights)
+                         recipe_file, same_weights)
 from test_families import COMMON
 
 pytestmark = pytest.mark.slow  # transformers writes the checkpoints
@@ -68,8 +68,9 @@ def configs() -> dict[str, object]:
     }
 
 
-RUN = ["phi3", "gemma2", "gemma3", "mixtral", "qwen3_moe"]  # llama.cpp runs these exactly
-READ_BACK = RUN + ["phi3-longrope", "gemma3-layers"]
+RUN = ["phi3", "gemma2", "gemma3", "gemma3-layers", "mixtral", "qwen3_moe"]  # llama.cpp runs
+# these exactly (Phi-3 longrope: it picks long or short factors by context size)
+READ_BACK = RUN + ["phi3-longrope"]
 
 
 @pytest.fixture(scope="module")
@@ -165,6 +166,22 @@ def clear_prompt(model: Path) -> list[int]:
 @pytest.mark.parametrize("name", RUN)
 def test_llama_cpp_completes_the_export_as_qserve(name, exports):
     _, out = exports[name]
+    prompt = clear_prompt(out)
+    assert_same_greedy(llama_cpp_greedy(out, prompt, 16), qserve_greedy(out, prompt, 16), 4)
+
+
+@pytest.mark.parametrize("recipe, ggml_type", [("w4g32-sym", "Q4_0"), ("w8g32", "Q8_0")])
+def test_experts_export_in_every_lossless_type(recipe, ggml_type, checkpoints, tmp_path):
+    """Mixtral's stacked experts as Q4_0 and Q8_0 blocks: read back bit for bit, and llama.cpp
+    completes them as qserve does."""
+    import gguf
+
+    ckpt, out = tmp_path / "tiny-mixtral", tmp_path / "m.gguf"
+    quantize(str(checkpoints["mixtral"]), ckpt, recipe_file(tmp_path, recipe))
+    quantize(str(ckpt), out, recipe_file(tmp_path, recipe), fmt="gguf")
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(out).tensors}
+    assert {types[f"blk.1.ffn_{k}_exps.weight"] for k in ("gate", "up", "down")} == {ggml_type}
+    same_weights(load_model(ckpt).weights, load_model(out).weights)
     prompt = clear_prompt(out)
     assert_same_greedy(llama_cpp_greedy(out, prompt, 16), qserve_greedy(out, prompt, 16), 4)
 
