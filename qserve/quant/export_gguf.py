@@ -18,10 +18,12 @@ follow llama.cpp's convert_hf_to_gguf.py for each family:
     gemma2, gemma3_text     -> gemma2, gemma3   norms stored as 1 + w; soft-caps, windows
 
 What llama.cpp would run differently is refused, in one line: a Gemma query_pre_attn_scalar
-other than the one it derives, Qwen3-MoE weights that are not renormalized over the chosen
-experts, Gemma 3 attention soft-capping, a rope scaling the format has no keys for. The
-tokenizer is copied from a GGUF source, or built from a Hugging Face directory's tokenizer
-files with the gguf package's vocab readers.
+other than the one it derives, Gemma 2 without a window, Gemma 3 attention soft-capping,
+Qwen3-MoE weights that are not renormalized over the chosen experts, a rope scaling the
+format has no keys for. (Phi-3's window and longrope are written as the converter writes
+them, though llama.cpp ignores the window and picks longrope's factors by context size.)
+The tokenizer is copied from a GGUF source, or built from a Hugging Face directory's
+tokenizer files (_tokenizer).
 
 The `gguf` package (GGUFWriter) is imported only here, when an export runs.
 """
