@@ -1,5 +1,6 @@
 """Every model family through every engine feature, on the tiny random checkpoints of
-tests/test_families.py and tests/test_moe.py (plus a Llama): int4 and int8 weight recipes,
+tests/test_families.py and tests/test_moe.py (plus Llama, Mistral with a window shorter than
+the prompts, and Qwen2 with its q/k/v biases): int4 and int8 weight recipes,
 int8 and int4 KV caches, prefix sharing, preemption by recompute and by swap, speculative
 decoding, `qserve chat`'s REPL and `qserve serve`'s app.
 
@@ -33,18 +34,21 @@ pytestmark = pytest.mark.slow  # transformers writes the checkpoints and is the 
 ENGINE = dict(kv_cache_memory="16MiB", max_model_len=256, block_size=4)
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 # A family's test name -> which tiny checkpoint stands for it
-FAMILIES = {"llama": "llama", "qwen3": "qwen3", "phi3": "phi3-longrope", "gemma2": "gemma2",
+FAMILIES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3-longrope", "gemma2": "gemma2",
             "gemma3": "gemma3", "mixtral": "mixtral", "qwen3_moe": "qwen3_moe"}
 
 
 def configs() -> dict[str, object]:
-    from transformers import LlamaConfig
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
+    two = dict(COMMON, num_hidden_layers=2)
+    llama_file = {  # models/llama.py: the fused C decode step runs these
+        "llama": LlamaConfig(**two, tie_word_embeddings=False),
+        "mistral": MistralConfig(**two, sliding_window=8),  # shorter than every prompt
+        "qwen2": Qwen2Config(**two, use_sliding_window=False)}  # q/k/v biases
     dense = {n: c for n, (c, _) in dense_configs().items()}
     moe = {n: c for n, (c, _) in moe_configs().items()}
-    llama = LlamaConfig(**COMMON, num_hidden_layers=2, tie_word_embeddings=False)
-    return {"llama": llama} | {name: (dense | moe)[ckpt] for name, ckpt in FAMILIES.items()
-                               if name != "llama"}
+    return {name: (llama_file | dense | moe)[ckpt] for name, ckpt in FAMILIES.items()}
 
 
 @pytest.fixture(scope="module")
