@@ -6,6 +6,7 @@ into qserve's int4 with codes and scales as stored, compared exactly with the in
 weights, then served."""
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -82,3 +83,34 @@ def test_expert_weights_equal_the_intended(family, case, tmp_path):
     [out] = llm.generate([[5, 9, 17, 33, 8]], SamplingParams(temperature=0, max_tokens=4,
                                                               ignore_eos=True))
     assert len(out.outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("case", ["awq", "gptq-sym-v2"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_greedy_equals_transformers_on_the_intended_weights(family, case, tmp_path,
+                                                            monkeypatch):
+    """qserve on the imported mixture against transformers on a copy whose linears hold the
+    intended (q - z) * s weights (fp32 activations on both sides, so the only difference is
+    the summation order; AWQ's offsets are rounded once, below what moves a greedy token)."""
+    from safetensors.torch import load_file, save_file
+
+    from test_families import transformers_greedy
+
+    monkeypatch.setenv("QSERVE_CPU_ACTIVATIONS", "fp32")
+    chosen = make(tmp_path / "q", family, case)
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    stored = load_file(tmp_path / "q" / "model.safetensors")
+    dense = {k: v for k, v in stored.items() if not k.endswith((".qweight", ".qzeros",
+                                                               ".scales", ".g_idx"))}
+    save_file(dense | {b + ".weight": intended(*qzs).float() for b, qzs in chosen.items()},
+              str(ref / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((tmp_path / "q" / "config.json").read_text())
+    del cfg["quantization_config"]
+    (ref / "config.json").write_text(json.dumps(cfg))
+    ids = (5, 9, 17, 33, 8, 61, 40, 22, 9, 70)
+    want, _ = transformers_greedy(ref, ids, 12)
+    llm = LLM(str(tmp_path / "q"), kv_cache_memory="8MiB", max_model_len=64, block_size=4)
+    [out] = llm.generate([list(ids)], SamplingParams(temperature=0, max_tokens=12,
+                                                      ignore_eos=True))
+    assert out.outputs[0].token_ids == want
