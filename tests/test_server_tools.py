@@ -250,7 +250,7 @@ def test_streamed_fragments_join_to_the_whole_answer(fmt_name):
 
 def test_a_call_cut_short_is_no_call():
     from qserve.server.structured import HERMES
-    from qserve.server.tool_calls import ToolCallParser
+    from qserve.server.tool_calls import ToolCallParser, parse_tool_calls
 
     s = _structure({"tools": [WEATHER]})
     whole = HERMES.write("get_weather", {"city": "Oslo", "unit": "celsius"})
@@ -260,6 +260,9 @@ def test_a_call_cut_short_is_no_call():
         parser.finish()
         assert content == "Hi " and deltas[0]["function"]["name"] == "get_weather"
         assert parser.message() == ("Hi " + whole[:cut], [])
+    # text the grammar would not have written after the arguments: no call, all content
+    odd = whole.replace("}\n</tool_call>", "} and more")
+    assert parse_tool_calls(odd + " " + whole, s, HERMES) == (odd + " " + whole, [])
 
 
 # ---- the grammar: response_format with tools ----------------------------------------------

@@ -363,7 +363,7 @@ class _Response:
                         if c.finish_reason is not None:
                             rest, more = parser.finish()
                             text, calls = text + rest, calls + more
-                    reason = P.finish_reason(c, index in parsers and parsers[index].started > 0)
+                    reason = P.finish_reason(c, index in parsers and bool(parsers[index].calls))
                     first = index not in sent_tokens
                     if not (first or text or calls or (reason and index not in finished)):
                         continue

@@ -119,7 +119,7 @@ class ToolCallParser:
         self.begins = {fmt.begin(t.name): t.name for t in s.tools}
         self.text = ""
         self.pos = 0  # text[:pos] has been dealt with
-        self.state = "text"  # "text", "args" (inside ARGS) or "end" (after ARGS)
+        self.state = "text"  # "text", "args" (inside ARGS), "end" (after ARGS) or "lost"
         self.calls: list[dict] = []  # complete calls: {"id", "type", "function"}
         self.started = 0  # calls begun (their first delta sent)
         self.content: list[str] = []  # every piece of content, sent or held
@@ -146,13 +146,13 @@ class ToolCallParser:
         if not self.started:
             return "".join(self.content), []
         content = "".join(self.content)
-        if self.state != "text":  # a call cut short: its text stays readable as content
+        if self.state != "text":  # a call cut short: its text, and the rest, stay content
             content += self.text[self._open["at"]:]
         return content.strip() or None, self.calls
 
     def _advance(self, final: bool) -> tuple[str, list[dict]]:
         out, deltas = [], []
-        while True:
+        while self.state != "lost":
             if self.state == "text":
                 at, begin = self._next_begin()
                 if begin is None:
@@ -193,10 +193,8 @@ class ToolCallParser:
                     self.state = "text"
                 elif end.startswith(rest):
                     break  # more of it in a later delta (or, at the end, a call cut short)
-                else:  # not the grammar's text (no constraint ran): the rest is content
-                    self.state = "text"
-                    self._open = None
-                    self.begins = {}
+                else:  # not the grammar's text (no constraint ran): read no further
+                    self.state = "lost"
         return "".join(out), deltas
 
     def _content(self, piece: str, out: list[str]) -> None:
