@@ -206,10 +206,10 @@ TEXTS = ["kalo mine tura\nsivo", "depa quzi  ka\n\nlo"]
 
 
 @pytest.fixture(scope="module")
-def spm_checkpoint(tmp_path_factory) -> Path:
-    """A Gemma 2 whose vocabulary is a sentencepiece BPE model with byte fallback (so llama.cpp
-    finds its newline token), quantized to a qserve checkpoint, which keeps the vocabulary only
-    as tokenizer.json."""
+def spm_dirs(tmp_path_factory) -> dict[str, Path]:
+    """family -> HF directory whose vocabulary is a sentencepiece BPE tokenizer.model with byte
+    fallback (llama.cpp needs a newline token; the converter reads tokenizer.model for these
+    families), norms randomized."""
     import random
 
     import sentencepiece
@@ -225,15 +225,30 @@ def spm_checkpoint(tmp_path_factory) -> Path:
         input=str(root / "corpus.txt"), model_prefix=str(root / "tok"), vocab_size=400,
         model_type="bpe", character_coverage=1.0, byte_fallback=True, bos_id=1, eos_id=2,
         unk_id=0, minloglevel=2)
-    config = configs()["gemma2"]
-    config.vocab_size, config.bos_token_id, config.eos_token_id = 400, 1, 2
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(root / "hf")
-    (root / "hf" / "tokenizer.model").write_bytes((root / "tok.model").read_bytes())
-    quantize(str(root / "hf"), root / "tiny-spm", "w4g32")
-    assert not (root / "tiny-spm" / "tokenizer.model").exists()
-    return root / "tiny-spm"
+    dirs = {}
+    for name in ("phi3", "gemma2", "gemma3", "mixtral", "qwen3_moe"):
+        config = configs()[name]
+        config.vocab_size, config.bos_token_id, config.eos_token_id = 400, 1, 2
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.ndim == 1:
+                    p.add_(torch.randn_like(p) * 0.3)
+        dirs[name] = root / name
+        model.save_pretrained(dirs[name])
+        (dirs[name] / "tokenizer.model").write_bytes((root / "tok.model").read_bytes())
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def spm_checkpoint(spm_dirs, tmp_path_factory) -> Path:
+    """The Gemma 2 quantized to a qserve checkpoint, which keeps the vocabulary only as
+    tokenizer.json."""
+    out = tmp_path_factory.mktemp("spm-ckpt") / "tiny-spm"
+    quantize(str(spm_dirs["gemma2"]), out, "w4g32")
+    assert not (out / "tokenizer.model").exists()
+    return out
 
 
 def test_sentencepiece_tokenizer_json_exports_as_llama_vocabulary(spm_checkpoint, tmp_path):
@@ -253,3 +268,60 @@ def test_sentencepiece_tokenizer_json_exports_as_llama_vocabulary(spm_checkpoint
     for text in TEXTS:
         assert_same_greedy(llama_cpp_greedy(out, text, 8),
                            qserve_greedy(out, ours.encode(text), 8), 2)
+
+
+# ---- the converter's own files, exported again ---------------------------------------------
+# Keys a re-export may differ in: names and size labels the converter derives from the source
+# directory, the vocabulary size and defaults it leaves out, Phi-3's original context (read
+# only beside longrope factors, which these checkpoints have none of)
+NAMING_KEYS = {"general.name", "general.size_label", "general.type", "GGUF.kv_count"}
+
+
+@pytest.fixture(scope="module")
+def converter_q8_0(spm_dirs, tmp_path_factory) -> dict[str, Path]:
+    """family -> the Q8_0 GGUF llama.cpp's convert_hf_to_gguf.py writes (one process)."""
+    import subprocess
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    import peer
+
+    try:
+        script = peer.source_dir(download=False) / "convert_hf_to_gguf.py"
+    except peer.PeerError as e:
+        pytest.skip(f"llama.cpp's converter is not here ({e})")
+    root = tmp_path_factory.mktemp("converter")
+    jobs = [(str(path), str(root / f"{name}.gguf")) for name, path in spm_dirs.items()]
+    # the converter reads Qwen3-MoE's vocabulary as GPT-2 BPE only: read it as dense Qwen3's
+    code = ("import runpy, sys\n"
+            f"sys.path.insert(0, {str(script.parent)!r})  # its conversion package\n"
+            "import conversion.qwen as qwen\n"
+            "qwen.Qwen3MoeModel.set_vocab = lambda self: self._set_vocab_sentencepiece()\n"
+            f"for src, out in {jobs!r}:\n"
+            f"    sys.argv = [{str(script)!r}, src, '--outfile', out, '--outtype', 'q8_0']\n"
+            f"    runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    r = subprocess.run([sys.executable, "-c", code], env=peer.convert_env(),
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return {Path(out).stem: Path(out) for _, out in jobs}
+
+
+@pytest.mark.parametrize("name", ["phi3", "gemma2", "gemma3", "mixtral", "qwen3_moe"])
+def test_converter_q8_0_file_exports_byte_for_byte(name, converter_q8_0, tmp_path):
+    """A Q8_0 GGUF written by llama.cpp's convert_hf_to_gguf.py, exported by qserve with the
+    gguf-native recipe, holds every tensor byte for byte (Gemma's 1 + w norms, Mixtral's and
+    Qwen3-MoE's stacked experts included) and every key the converter wrote, with its value."""
+    import gguf
+
+    theirs, ours = converter_q8_0[name], tmp_path / "qserve.gguf"
+    quantize(str(theirs), ours, "gguf-native", fmt="gguf")
+    a, b = gguf.GGUFReader(theirs), gguf.GGUFReader(ours)
+    mine = {t.name: t for t in b.tensors}
+    assert sorted(mine) == sorted(t.name for t in a.tensors)
+    for x in a.tensors:
+        y = mine[x.name]
+        assert x.tensor_type == y.tensor_type and np.array_equal(x.data, y.data), x.name
+    expected_missing = NAMING_KEYS | {"phi3.rope.scaling.original_context_length"}
+    for key, field in a.fields.items():
+        if key not in expected_missing:
+            assert key in b.fields and b.fields[key].contents() == field.contents(), key
