@@ -20,8 +20,8 @@ GiB = 1 << 30
 
 
 def _plan(path, available, native=True, dtype=torch.float32, kv=64 << 20, **options):
-    config = engine_config(str(path), weights="native" if native else "dense",
-                           max_num_batched_tokens=512, max_num_seqs=8, **options)
+    options = {"max_num_batched_tokens": 512, "max_num_seqs": 8} | options
+    config = engine_config(str(path), weights="native" if native else "dense", **options)
     return plan_memory(path, load_arch(path), config, device=torch.device("cpu"), dtype=dtype,
                        kv_bytes=kv, host_kv_bytes=1 << 30, max_model_len=2048,
                        available_bytes=available)
@@ -73,3 +73,64 @@ def test_info_prints_the_plan(default_model_path):
     plan = info["memory_plan"]
     assert plan["fits"] and plan["kv_bytes"] <= 64 << 20
     assert plan["weight_bytes"] == info["weight_bytes"]["resident"]
+
+
+def test_cpu_scratch_is_the_kernels_buffer(default_model_path, monkeypatch):
+    """The plan's prefill scratch is the size of the buffer the CPU kernels keep after a
+    prefill of more than FUSED_MAX_ROWS tokens: the largest stacked segment (gate/up)."""
+    from qserve.kernels import cpu_ops
+    from qserve.llm import LLM
+    from qserve.sampling_params import SamplingParams
+
+    if cpu_ops.lib() is None:
+        pytest.skip("no C compiler: the CPU kernels (and their scratch) are not built")
+    monkeypatch.setattr(cpu_ops._local, "buf", None, raising=False)
+    llm = LLM(str(default_model_path), max_model_len=256, max_num_seqs=1,
+              kv_cache_memory="16MiB")
+    plan = llm.engine.memory_plan
+    arch = llm.engine.arch
+    itemsize = 2 if cpu_ops.int8_activations() and cpu_ops.fast_bf16() else 4
+    assert plan.scratch_bytes == 2 * arch.intermediate_size * arch.hidden_size * itemsize
+    llm.generate([list(range(100, 180))], SamplingParams(max_tokens=1))
+    assert cpu_ops._local.buf.numel() == plan.scratch_bytes
+
+
+def test_host_pool_counts_only_where_blocks_can_move_there(default_model_path):
+    recompute = _plan(default_model_path, 64 * GiB)
+    swap = _plan(default_model_path, 64 * GiB, preemption_mode="swap")
+    assert recompute.host_kv_bytes == 0 and swap.host_kv_bytes == 1 * GiB
+    assert swap.total_bytes - recompute.total_bytes == 1 * GiB
+
+
+def test_logits_over_32_sequences_count_the_output_matrix(default_model_path):
+    """The tied embedding is the output matrix: dequantized whole when logits take more than
+    FUSED_MAX_ROWS rows, so the scratch grows to it."""
+    arch = load_arch(default_model_path)
+    few = _plan(default_model_path, 64 * GiB)  # 8 sequences
+    many = _plan(default_model_path, 64 * GiB, max_num_seqs=64)
+    assert many.scratch_bytes == few.scratch_bytes * arch.vocab_size // (
+        2 * arch.intermediate_size)
+
+
+def test_plan_is_the_measured_peak(default_model_path, tmp_path):
+    """`qserve generate` with a prompt that fills a prefill step peaks near the plan (its
+    terms were measured on the 1B and 8B shapes, README); the old flat figures were 2-3x."""
+    import resource
+    import subprocess
+    import sys
+
+    flags = ["--max-model-len", "1024", "--max-num-batched-tokens", "1024",
+             "--max-num-seqs", "1"]
+    prompt = "The quick brown fox jumps over the lazy dog. " * 90  # ~900 tokens
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    r = subprocess.run([sys.executable, "-m", "qserve", "generate", "-m",
+                        str(default_model_path), *flags, "--max-tokens", "2",
+                        "--temperature", "0", prompt], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-500:]
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    if peak <= before * 1024:
+        pytest.skip("an earlier child of this process peaked higher (ru_maxrss is a maximum)")
+    out = CliRunner().invoke(cli.main, ["info", str(default_model_path), "--json", *flags])
+    plan = json.loads(out.output)["memory_plan"]["total_bytes"]
+    print(f"plan {plan >> 20} MiB, peak {peak >> 20} MiB")
+    assert 0.85 < plan / peak < 1.2, (plan >> 20, peak >> 20)

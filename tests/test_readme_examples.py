@@ -83,6 +83,9 @@ EXAMPLES: dict[str, Run | Parse] = {
     "python scripts/bench_quantize_memory.py ~/.cache/qserve-bench/llama-3.1-8b-2L/hf "
     "--layers-of-model 32":
         Parse("needs an 8B-shaped checkpoint from scripts/make_shaped_model.py (minutes, GBs)"),
+    "python scripts/bench_generate_memory.py ~/.cache/qserve-bench/*/*-Q4_K_M.gguf "
+    "--prompt-tokens 20":
+        Parse("needs the 1B / 8B-shaped GGUFs from scripts/make_shaped_model.py (GBs)"),
     "qserve info --json | python -c "
     "'import json,sys; print(json.load(sys.stdin)[\"memory_plan\"])'": Run(),
     'qserve generate --kv-cache-memory 1TiB "hi"':

@@ -83,7 +83,7 @@ class MemoryPlan:
         raise ConfigError(
             f"{self.model} needs {_gib(self.total_bytes)} on {self.device} (weights "
             f"{_gib(self.weight_bytes)}, KV pool {_gib(self.kv_bytes)}"
-            + (f", swap pool {_gib(self.host_kv_bytes)}" if self.device == "cpu" else "")
+            + (f", swap pool {_gib(self.host_kv_bytes)}" if self.host_kv_bytes else "")
             + f", activations {_gib(self.scratch_bytes + self.activation_bytes)}) but "
             f"{_gib(self.available_bytes)} is available; try {' or '.join(hints)}")
 
