@@ -1,14 +1,14 @@
 """Every model family through every engine feature, on the tiny random checkpoints of
 tests/test_families.py and tests/test_moe.py (plus Llama, Mistral with a window shorter than
-the prompts, and Qwen2 with its q/k/v biases): int4 and int8 weight recipes,
-int8 and int4 KV caches, prefix sharing, preemption by recompute and by swap, speculative
-decoding, `qserve chat`'s REPL and `qserve serve`'s app.
+the prompts, and Qwen2 with its q/k/v biases): int4 and int8 weight recipes, int8 and int4
+KV caches, prefix sharing, preemption by recompute and by swap, speculative decoding,
+`qserve chat`'s REPL and `qserve serve`'s app.
 
 What each check holds fixed:
 - a weight recipe: greedy tokens (fp32 activations) equal transformers' on the recipe's
   dequantized weights, so the family's quantized layers run what the checkpoint says;
-- a quantized KV cache: the first token's log-probabilities near the fp32 cache's, and int8's
-  first greedy tokens equal (test_kv_cache_dtypes says how near);
+- a quantized KV cache: the first token's log-probabilities near the fp32 cache's
+  (test_kv_cache_dtypes says how near, and why tokens are not compared);
 - prefix hits, preemption and speculation: each prompt's greedy tokens equal its solo run
   with none of them, and the engine's counters show the feature happened;
 - chat and serve: the reply text equals LLM.chat's greedy reply to the same message.
@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from qserve import LLM, SamplingParams
+from hf_reference import assert_layout_comes_from_the_model
 from test_families import (COMMON, NEW_TOKENS, prompt, tokenizer_model,  # noqa: F401
                            transformers_greedy)
 from test_families import configs as dense_configs
@@ -34,8 +35,9 @@ pytestmark = pytest.mark.slow  # transformers writes the checkpoints and is the 
 ENGINE = dict(kv_cache_memory="16MiB", max_model_len=256, block_size=4)
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 # A family's test name -> which tiny checkpoint stands for it
-FAMILIES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3-longrope", "gemma2": "gemma2",
-            "gemma3": "gemma3", "mixtral": "mixtral", "qwen3_moe": "qwen3_moe"}
+FAMILIES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
+            "phi3": "phi3-longrope", "gemma2": "gemma2", "gemma3": "gemma3",
+            "mixtral": "mixtral", "qwen3_moe": "qwen3_moe"}
 
 
 def configs() -> dict[str, object]:
@@ -73,6 +75,11 @@ def checkpoints(tokenizer_model, tmp_path_factory) -> dict[str, Path]:
         (path / "tokenizer.model").write_bytes(tokenizer_model.read_bytes())
         dirs[name] = path
     return dirs
+
+
+def test_checkpoint_layout_comes_from_the_model(checkpoints, tmp_path):
+    """Each family's checkpoint holds exactly the tensors its meta-built model asks for."""
+    assert_layout_comes_from_the_model(checkpoints, tmp_path)
 
 
 def prompts() -> list[list[int]]:
