@@ -201,6 +201,20 @@ def test_what_llama_cpp_cannot_say_is_refused(name, message, checkpoints, tmp_pa
     assert not list(tmp_path.iterdir())
 
 
+def test_cli_refusal_is_one_line(checkpoints, tmp_path):
+    import subprocess
+    import sys
+
+    env = {"QSERVE_HOME": str(tmp_path / "home"), "PATH": "/usr/bin:/bin"}
+    out = tmp_path / "x.gguf"
+    r = subprocess.run([sys.executable, "-m", "qserve", "quantize",
+                        str(checkpoints["qwen3_moe-unnormed"]), "-o", str(out), "--format",
+                        "gguf", "-r", "w4g32"], capture_output=True, text=True, env=env,
+                       cwd=Path(__file__).resolve().parent.parent, timeout=300)
+    assert r.returncode != 0 and r.stderr.startswith("error: GGUF export: norm_topk_prob false")
+    assert r.stderr.count("\n") == 1 and not out.exists()
+
+
 # ---- a sentencepiece vocabulary kept as tokenizer.json -----------------------------------
 TEXTS = ["kalo mine tura\nsivo", "depa quzi  ka\n\nlo"]
 
