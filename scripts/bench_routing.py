@@ -15,10 +15,10 @@ plus the blocks of its share of the requests in flight beyond their system promp
 from the tokenizer and the engine's KV layout, and printed). That is the deployment prefix
 routing is for: a hot set of prompts that one replica's cache cannot hold but the replicas'
 caches together can. With pools that hold every prompt, any policy hits (only each replica's
-first request of a prompt misses; prefix routing can gain at most the 8 of 128 requests that
-round-robin sends cold to the second replica); with pools far below half, neither can. Both
-policies run in the same run, with the same pools and requests; --kv-cache-memory sets the
-pools directly instead.
+first request of a prompt misses: with the defaults, prefix routing can gain at most the 8 of
+128 requests that round-robin sends cold to the second replica); with pools far below half,
+neither can. Both policies run in the same run, with the same pools and requests;
+--kv-cache-memory sets the pools directly instead.
 
 Each policy gets a fresh deployment (a local Ray cluster of --replicas replicas, so the caches
 start empty and equal) and the same requests:

@@ -68,9 +68,8 @@ EXAMPLES: dict[str, Run | Parse] = {
               "one)"),
     "python scripts/bench_routing.py":
         Parse("a benchmark: two deployments of 2 replicas, minutes on a CPU"),
-    "python scripts/bench_routing.py --systems 8 --users 4 --system-words 100 --max-tokens 2 "
-    "--concurrency 4 --kv-cache-memory 30MiB --max-model-len 384":
-        Parse("a benchmark: two deployments of 2 replicas, a few minutes on a CPU"),
+    "python scripts/bench_routing.py --seed 1":
+        Parse("a benchmark: two deployments of 2 replicas, minutes on a CPU"),
     "qserve pull": Run(),
     "qserve info --json": Run(),
     'qserve generate "Once upon a time"': Run(SMALL_GEN),
