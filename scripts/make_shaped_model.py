@@ -4,7 +4,7 @@ llama.cpp's own tools: for benchmarks and memory tests at sizes no small downloa
 
     python scripts/make_shaped_model.py llama-3.2-1b --out ~/.cache/qserve-bench/llama-3.2-1b
     python scripts/make_shaped_model.py llama-3.1-8b --layers 2 --no-gguf --out DIR
-    python scripts/make_shaped_model.py llama-3.1-8b --direct --out ~/.cache/qserve-bench/llama-3.1-8b
+    python scripts/make_shaped_model.py llama-3.1-8b --direct --out DIR
 
 Writes, under --out:
 
@@ -22,8 +22,9 @@ embedding and output matrices are real-size too.
 <name> is the preset, with -<N>L when --layers cuts it. The weights are N(0, 0.02) (norms 1),
 drawn tensor by tensor in the target dtype, so even the 8B shape never needs fp32 memory.
 Without --direct the vocabulary is the default model's (SmolLM2, 49,152 tokens), so the
-embedding and output matrices are smaller than the real models'; every layer is the real shape. Outputs that exist
-are kept (delete them or pass --force); llama.cpp comes from scripts/peer.py.
+embedding and output matrices are smaller than the real models'; every layer is the real
+shape. Outputs that exist are kept (delete them or pass --force); llama.cpp comes from
+scripts/peer.py.
 """
 from __future__ import annotations
 
