@@ -103,13 +103,17 @@ def test_host_pool_counts_only_where_blocks_can_move_there(default_model_path):
 
 
 def test_logits_over_32_sequences_count_the_output_matrix(default_model_path):
-    """The tied embedding is the output matrix: dequantized whole when logits take more than
-    FUSED_MAX_ROWS rows, so the scratch grows to it."""
+    """The tied embedding is the output matrix: dequantized whole when a step takes more than
+    FUSED_MAX_ROWS rows of logits (sequences, or their drafts verified), so the scratch grows
+    to it."""
     arch = load_arch(default_model_path)
     few = _plan(default_model_path, 64 * GiB)  # 8 sequences
     many = _plan(default_model_path, 64 * GiB, max_num_seqs=64)
     assert many.scratch_bytes == few.scratch_bytes * arch.vocab_size // (
         2 * arch.intermediate_size)
+    # 8 sequences verifying 4 drafts each: 40 logit rows a step
+    spec = _plan(default_model_path, 64 * GiB, draft="ngram", num_speculative_tokens=4)
+    assert spec.scratch_bytes == many.scratch_bytes
 
 
 def test_plan_is_the_measured_peak(default_model_path, tmp_path):

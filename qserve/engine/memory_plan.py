@@ -106,22 +106,18 @@ def plan_memory(path: Path, arch: ModelArchConfig, config: EngineConfig, *,
 
     native, sched = config.weights == "native", config.scheduler
     tensors = list(resident_tensors(path, arch, dtype, native))
-    formats: dict[str, dict[str, int]] = {}
-    for _, fmt, nbytes, _ in tensors:
-        row = formats.setdefault(fmt, {"tensors": 0, "bytes": 0})
-        row["tensors"] += 1
-        row["bytes"] += nbytes
+    formats = _by_format(tensors)
     cpu = device.type == "cpu"
     tokens = min(sched.max_num_batched_tokens, max_model_len)
     swaps = sched.preemption_mode == "swap" or config.cache.kv_offload != "off"
+    spec = config.speculative  # verifying K drafts takes logits at K + 1 positions a sequence
+    logit_rows = sched.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0))
     return MemoryPlan(
         model=str(path), device=device.type,
         weight_bytes=sum(v["bytes"] for v in formats.values()),
         kv_bytes=kv_bytes, host_kv_bytes=host_kv_bytes if swaps else 0,
-        scratch_bytes=(scratch_bytes(tensors, arch, dtype, tokens, sched.max_num_seqs)
-                       if cpu else 0),
-        activation_bytes=activation_bytes(arch, tokens, max_model_len, sched.max_num_seqs,
-                                          cpu),
+        scratch_bytes=scratch_bytes(tensors, arch, dtype, tokens, logit_rows) if cpu else 0,
+        activation_bytes=activation_bytes(arch, tokens, max_model_len, logit_rows, cpu),
         baseline_bytes=(CPU_BASELINE_BYTES + CPU_TOKENIZER_BYTES_PER_TOKEN * arch.vocab_size
                         if cpu else 0),
         available_bytes=free_memory(device) if available_bytes is None else available_bytes,
@@ -129,11 +125,12 @@ def plan_memory(path: Path, arch: ModelArchConfig, config: EngineConfig, *,
 
 
 def scratch_bytes(tensors: list[tuple[str, str, int, tuple[int, ...]]], arch: ModelArchConfig,
-                  dtype: torch.dtype, tokens: int, seqs: int) -> int:
+                  dtype: torch.dtype, tokens: int, logit_rows: int) -> int:
     """The CPU prefill's reused buffer (kernels/cpu_ops.py _scratch): a matmul of more than
     FUSED_MAX_ROWS rows dequantizes its packed matrix, one stacked segment at a time (the
     parts of a fused projection in one format stack into one), into a buffer kept at the
-    largest size seen; the output matrix counts when that many sequences take logits."""
+    largest size seen; the output matrix counts when more than that many logit rows are
+    taken in one step."""
     from qserve.kernels import cpu_ops
     from qserve.models import registry
 
@@ -142,7 +139,7 @@ def scratch_bytes(tensors: list[tuple[str, str, int, tuple[int, ...]]], arch: Mo
     packed = {name: (fmt, shape) for name, fmt, _, shape in tensors
               if len(shape) == 2 and fmt != dense and not name.endswith("embed_tokens.weight")}
     head = [n for n in packed if n.startswith("lm_head.")]
-    if min(seqs, tokens) <= cpu_ops.FUSED_MAX_ROWS:
+    if min(logit_rows, tokens) <= cpu_ops.FUSED_MAX_ROWS:
         for name in head:
             del packed[name]
     elif arch.tie_word_embeddings:  # the embedding is the output matrix
@@ -160,18 +157,18 @@ def scratch_bytes(tensors: list[tuple[str, str, int, tuple[int, ...]]], arch: Mo
             run = f"{owner}.{parts[0]}.weight"
             for part in parts[1:]:
                 nxt = f"{owner}.{part}.weight"
-                if nxt in packed and packed[nxt][0] == packed[run][0]:
+                if nxt in packed and run in packed and packed[nxt][0] == packed[run][0]:
                     rows[run] += rows.pop(nxt)
                 else:
                     run = nxt
     return max(n * packed[name][1][1] for name, n in rows.items()) * itemsize
 
 
-def activation_bytes(arch: ModelArchConfig, tokens: int, context: int, seqs: int,
+def activation_bytes(arch: ModelArchConfig, tokens: int, context: int, logit_rows: int,
                      cpu: bool) -> int:
     """One step's transient peak for a chunk of `tokens` tokens attending to up to `context`
     positions, activations in fp32: what stays live through a layer, beside the larger of the
-    attention and the MLP; plus logits for up to `seqs` rows and the sampler's copy.
+    attention and the MLP; plus up to `logit_rows` rows of logits and the sampler's copy.
 
     Live through a layer: the residual stream (x, residual, normed), q/k/v, and what the
     allocator keeps of the previous MLP: (6 hidden + 3 intermediate) fp32 values a token, as
@@ -184,15 +181,19 @@ def activation_bytes(arch: ModelArchConfig, tokens: int, context: int, seqs: int
     live = tokens * (6 * h + 3 * i) * 4
     attention = tokens * 3 * H * d * 4 + (9 * H * tokens * context if cpu else 0)
     mlp = tokens * (2 * i * (4 + 2 + 4) + 2 * h + i * 4)
-    logits = 2 * min(seqs, tokens) * arch.vocab_size * 4
+    logits = 2 * min(logit_rows, tokens) * arch.vocab_size * 4
     return live + max(attention, mlp) + logits
 
 
 def resident_weights(path: Path, arch: ModelArchConfig, dtype: torch.dtype, native: bool
                      ) -> dict[str, dict[str, int]]:
     """Weight format -> {"tensors": count, "bytes": resident bytes}, from headers alone."""
+    return _by_format(resident_tensors(path, arch, dtype, native))
+
+
+def _by_format(tensors) -> dict[str, dict[str, int]]:
     out: dict[str, dict[str, int]] = {}
-    for _, fmt, nbytes, _ in resident_tensors(path, arch, dtype, native):
+    for _, fmt, nbytes, _ in tensors:
         row = out.setdefault(fmt, {"tensors": 0, "bytes": 0})
         row["tensors"] += 1
         row["bytes"] += nbytes
