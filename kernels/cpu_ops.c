@@ -269,16 +269,17 @@ typedef struct {
     float *dsum16;  /* (Kp / 16, Mp) d * sum(q_x) of each 16 inputs, for the GGML K-quants'
                      * 16-input sub-blocks; NULL unless asked for */
     float *drow;    /* (M, Kp / 32) d again, row-major, and d * sum(q_x) (dsrow), for the */
-    float *dsrow;   /* 512-bit row kernels (ACT_PAIRS, ACT_U8): they read 16 chunks of a row */
+    float *dsrow;   /* 512-bit row kernels (ACT_QUADS, ACT_U8): they read 16 chunks of a row */
 } qacts;
 
 /* How quantize_activations lays out each row's codes for the row kernel that reads them. */
 enum {
     ACT_PLAIN = 0, /* input order (int8 weights, GGML blocks) */
     ACT_NIBBLE,    /* per chunk: the 16 even inputs, then the 16 odd ones (int4's nibble order) */
-    ACT_PAIRS,     /* int4, 512-bit: per pair of chunks c, c + 1: even(c) even(c+1) odd(c)
-                    * odd(c+1), 16 codes each, as one 32-byte load of both chunks' weights
-                    * unpacks (q4_row_z); a last unpaired chunk stays in ACT_NIBBLE order */
+    ACT_QUADS,     /* int4, 512-bit: per 4 chunks c .. c + 3 (c % 4 == 0), the 16 even codes
+                    * of each, then the 16 odd codes of each: a 64-byte load of their weights
+                    * unpacks into the same two orders (q4_row_z). Chunks past the last whole
+                    * 4 stay in ACT_NIBBLE order. */
     ACT_U8,        /* input order, codes + 128 as unsigned bytes: the 512-bit multiply-add
                     * takes one unsigned operand, and int8 weights are signed (q8_row_z) */
 };
@@ -305,7 +306,7 @@ static qacts quantize_activations(const float *x, int64_t M, int64_t K, int64_t 
                sums16 ? calloc((size_t)(2 * nchunk * Mp), sizeof(float)) : NULL,
                rows ? malloc(sizeof(float) * (size_t)(M * nchunk)) : NULL,
                rows ? malloc(sizeof(float) * (size_t)(M * nchunk)) : NULL};
-    float *xp = pack_activations(x, M, K, ldx, Kp, layout == ACT_NIBBLE || layout == ACT_PAIRS);
+    float *xp = pack_activations(x, M, K, ldx, Kp, layout == ACT_NIBBLE || layout == ACT_QUADS);
     const __m256 sign = _mm256_set1_ps(-0.f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     const __m256i flip = _mm256_set1_epi8((char)0x80);
@@ -332,10 +333,10 @@ static qacts quantize_activations(const float *x, int64_t M, int64_t K, int64_t 
                 _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])),
                 order);
             int8_t *dst = a.q + m * Kp;
-            if (layout == ACT_PAIRS && (c | 1) < nchunk) { /* c in a pair: halves 32 bytes apart */
-                int8_t *half0 = dst + (c & ~(int64_t)1) * CHUNK + (c & 1) * (CHUNK / 2);
-                _mm_storeu_si128((__m128i *)half0, _mm256_castsi256_si128(q16));
-                _mm_storeu_si128((__m128i *)(half0 + CHUNK), _mm256_extracti128_si256(q16, 1));
+            if (layout == ACT_QUADS && c < nchunk / 4 * 4) { /* halves 64 bytes apart */
+                int8_t *even = dst + (c & ~(int64_t)3) * CHUNK + (c & 3) * (CHUNK / 2);
+                _mm_storeu_si128((__m128i *)even, _mm256_castsi256_si128(q16));
+                _mm_storeu_si128((__m128i *)(even + 2 * CHUNK), _mm256_extracti128_si256(q16, 1));
             } else
                 _mm256_storeu_si256((__m256i *)(dst + c * CHUNK),
                                     layout == ACT_U8 ? _mm256_xor_si256(q16, flip) : q16);
@@ -439,20 +440,22 @@ q8_row_i8(const int8_t *row, const float *sc, int64_t nchunk, int64_t group_size
 
 
 #ifdef HAVE_ZMM_PATH
-/* 512-bit row kernels (AVX-512 VNNI), two 32-input chunks per step. Per step the 256-bit ones
- * spend ~20 instructions on one chunk (nibble unpack, two multiply-adds, the scale products
- * rebuilt from scalars, a lane broadcast per row); these spend ~9 on two: one load-broadcast,
- * shift and mask unpacks both chunks' nibbles, one vpdpbusd per activation row, and the scale
- * products s * d come from 16-chunk vectors computed once per 16 chunks (vpermps picks each
- * lane's chunk), as does the offset term o_c * d_c * sum(q_x) of those chunks. Same sums as the 256-bit kernels, in another order: a row's result still depends
- * on nothing but its own activations (batch-invariant). */
+/* 512-bit row kernels (AVX-512 VNNI). The 256-bit ones spend ~20 instructions per 32-input
+ * chunk and activation row's share (nibble unpack, two multiply-adds, the scale products
+ * rebuilt from scalars, a lane broadcast per row). These take 2 (int8, Q4_K) or 4 (int4) chunks
+ * per step: one load unpacks the weights for every activation row, each row then costs one
+ * vpdpbusd per 64 inputs, and a convert and a multiply-add per step, whose scale products
+ * s * d come from 16-chunk vectors computed once per 16 chunks (vpermps picks each lane's
+ * chunk), as does the offset term o_c * d_c * sum(q_x). 512-bit arithmetic issues on two
+ * ports, not three: Q6_K's version (more work per row) ran no faster than its 256-bit kernel,
+ * which it keeps. Same sums as the 256-bit kernels, in another order: a row's result still
+ * depends on nothing but its own activations (batch-invariant). */
 
-/* Lane -> chunk (of 16) maps of step j (chunks 2j, 2j + 1 of a 16-chunk block): int4's dot
- * products come out as [even(2j) even(2j+1) odd(2j) odd(2j+1)], 4 lanes each (ACT_PAIRS),
- * int8's as [2j 2j+1], 8 lanes each. */
-#define PAIR_IDX(j) _mm512_setr_epi32(2 * (j), 2 * (j), 2 * (j), 2 * (j), 2 * (j) + 1, \
-    2 * (j) + 1, 2 * (j) + 1, 2 * (j) + 1, 2 * (j), 2 * (j), 2 * (j), 2 * (j), 2 * (j) + 1, \
-    2 * (j) + 1, 2 * (j) + 1, 2 * (j) + 1)
+/* Lane -> chunk (of 16) maps of step j: int4 takes chunks 4j .. 4j + 3, 4 lanes each
+ * (ACT_QUADS), int8 chunks 2j, 2j + 1, 8 lanes each. */
+#define QUAD_IDX(j) _mm512_setr_epi32(4 * (j), 4 * (j), 4 * (j), 4 * (j), 4 * (j) + 1, \
+    4 * (j) + 1, 4 * (j) + 1, 4 * (j) + 1, 4 * (j) + 2, 4 * (j) + 2, 4 * (j) + 2, 4 * (j) + 2, \
+    4 * (j) + 3, 4 * (j) + 3, 4 * (j) + 3, 4 * (j) + 3)
 #define SEQ_IDX(j) _mm512_setr_epi32(2 * (j), 2 * (j), 2 * (j), 2 * (j), 2 * (j), 2 * (j), \
     2 * (j), 2 * (j), 2 * (j) + 1, 2 * (j) + 1, 2 * (j) + 1, 2 * (j) + 1, 2 * (j) + 1, \
     2 * (j) + 1, 2 * (j) + 1, 2 * (j) + 1)
@@ -488,8 +491,11 @@ static inline __m512 chunk16(const half *h, const chunk_block *b)
     return _mm512_permutexvar_ps(b->idx, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(b->kg, h + b->g0)));
 }
 
-/* One int4 row (group scales sh, offsets oh or none: symmetric; blk: chunk_blocks) against activation rows m0 .. m0 + mt
- * (ACT_PAIRS codes). */
+/* One int4 row (group scales sh, offsets oh or none: symmetric; blk: chunk_blocks) against
+ * activation rows m0 .. m0 + mt (ACT_QUADS codes). A step takes 4 chunks: one 64-byte load
+ * holds their codes, whose low nibbles (the even inputs) and high nibbles (the odd ones) line
+ * up with the activations' two 64-byte halves, so both multiply-adds add into the same lanes:
+ * lanes 4k .. 4k + 3 hold chunk k's sum, converted and scaled once. */
 static inline __attribute__((always_inline)) void
 q4_row_z(const uint8_t *row, const half *sh, const half *oh, const chunk_block *blk,
          int64_t nchunk, const qacts *a, int64_t m0, int64_t Kp, const int mt, float *res)
@@ -499,9 +505,10 @@ q4_row_z(const uint8_t *row, const half *sh, const half *oh, const chunk_block *
     for (int i = 0; i < mt; i++)
         acc[i] = _mm512_setzero_ps();
     const __m512i mask = _mm512_set1_epi8(15);
-    const __m512i shifts = _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4);
+    const int64_t quads = nchunk / 4;
     for (int64_t c0 = 0; c0 < nchunk; c0 += 16) {
-        const int64_t n = nchunk - c0 < 16 ? nchunk - c0 : 16, pairs = n / 2;
+        const int64_t n = nchunk - c0 < 16 ? nchunk - c0 : 16;
+        const int64_t nq = quads - c0 / 4 < 4 ? quads - c0 / 4 : 4; /* whole quads here */
         const __mmask16 k = n == 16 ? 0xffff : (__mmask16)((1u << n) - 1);
         const __m512 s16 = chunk16(sh, blk + c0 / 16);
         const __m512 o16 = oh ? chunk16(oh, blk + c0 / 16)
@@ -514,23 +521,25 @@ q4_row_z(const uint8_t *row, const half *sh, const half *oh, const chunk_block *
         const uint8_t *wb = row + c0 * (CHUNK / 2);
         prefetch_ahead(wb, 8 * CHUNK);
 #define STEP(j)                                                                                 \
-        if ((j) < pairs) {                                                                      \
-            const __m512i w = _mm512_and_si512(_mm512_srlv_epi64(_mm512_broadcast_i64x4(         \
-                _mm256_loadu_si256((const __m256i *)(wb + (j) * CHUNK))), shifts), mask);       \
-            const __m512i idx = PAIR_IDX(j);                                                    \
+        if ((j) < nq) {                                                                         \
+            const __m512i wv = _mm512_loadu_si512(wb + (j) * 2 * CHUNK);                        \
+            const __m512i lo = _mm512_and_si512(wv, mask);                                      \
+            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), mask);               \
+            const __m512i idx = QUAD_IDX(j);                                                    \
             for (int i = 0; i < mt; i++) {                                                      \
-                const __m512i xv = _mm512_loadu_si512(                                          \
-                    a->q + (m0 + i) * Kp + (c0 + 2 * (j)) * CHUNK);                             \
-                const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv);           \
+                const int8_t *xq = a->q + (m0 + i) * Kp + (c0 + 4 * (j)) * CHUNK;               \
+                const __m512i p = _mm512_dpbusd_epi32(                                          \
+                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xq)),    \
+                    hi, _mm512_loadu_si512(xq + 2 * CHUNK));                                    \
                 acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p),                                 \
                                          _mm512_permutexvar_ps(idx, _mm512_load_ps(sd[i])),     \
                                          acc[i]);                                               \
             }                                                                                   \
         }
-        STEP(0) STEP(1) STEP(2) STEP(3) STEP(4) STEP(5) STEP(6) STEP(7)
+        STEP(0) STEP(1) STEP(2) STEP(3)
 #undef STEP
-        if (n & 1) { /* the row's last chunk, unpaired (ACT_NIBBLE order) */
-            const int64_t c = c0 + n - 1;
+        for (int64_t t = 4 * nq; t < n; t++) { /* the row's last chunks (ACT_NIBBLE order) */
+            const int64_t c = c0 + t;
             const __m128i b = _mm_loadu_si128((const __m128i *)(row + c * (CHUNK / 2)));
             const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b),
                                                _mm256_set1_epi8(15));
@@ -539,7 +548,7 @@ q4_row_z(const uint8_t *row, const half *sh, const half *oh, const chunk_block *
                                                                         c * CHUNK));
                 const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, xv);
                 acc[i] = _mm512_fmadd_ps(_mm512_zextps256_ps512(_mm256_cvtepi32_ps(p)),
-                                         _mm512_set1_ps(sd[i][n - 1]), acc[i]);
+                                         _mm512_set1_ps(sd[i][t]), acc[i]);
             }
         }
     }
@@ -677,7 +686,7 @@ static void packed_matmul(const wdesc *W, const float *x, int64_t M, int64_t ldx
     qacts a = {0};
     i8 = i8 && Kp % CHUNK == 0 && gs % CHUNK == 0;
 #ifdef HAVE_ZMM_PATH
-    const int layout = four ? ACT_PAIRS : ACT_U8;
+    const int layout = four ? ACT_QUADS : ACT_U8;
 #else /* int4 activations are chunk-permuted like its nibbles (pack_activations) */
     const int layout = four ? ACT_NIBBLE : ACT_PLAIN;
 #endif
