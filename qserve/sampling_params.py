@@ -40,6 +40,10 @@ class TokenConstraint(Protocol):
         """logits (R, V): in place, -inf on each row's tokens that may not follow outputs[r]
         (that row's output token ids so far); a row may be left untouched."""
 
+    # Optional: `allows(outputs, tokens) -> list[bool]`, whether tokens[r] may follow
+    # outputs[r]. A constraint that has it lets the sampler draw greedy and temperature-only
+    # rows first and mask only those it refuses (engine/sampler.py).
+
 
 @dataclass
 class SamplingParams:

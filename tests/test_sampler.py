@@ -205,3 +205,58 @@ def test_logprobs_are_log_softmax_of_raw_logits_with_chosen_and_top_n():
     assert list(out.logprobs[1]) == [out.token_ids[1]]
     # the penalty moved row 2 off the raw argmax, so its chosen token is one of the top-5
     assert out.token_ids[2] != int(logits[2].argmax()) and out.token_ids[2] in out.logprobs[2]
+
+
+class _MaskOnly:
+    """A constraint allowing a fixed token set, counting the rows it masks."""
+
+    def __init__(self, allowed: set[int]):
+        self.allowed, self.mask_rows, self.checked = allowed, 0, 0
+
+    def mask(self, logits, outputs):
+        self.mask_rows += len(outputs)
+        for t in range(logits.shape[1]):
+            if t not in self.allowed:
+                logits[:, t] = float("-inf")
+
+
+class _Allowed(_MaskOnly):
+    """The same, which can also check a sampled token."""
+
+    def allows(self, outputs, tokens):
+        self.checked += len(tokens)
+        return [t in self.allowed for t in tokens]
+
+
+def test_greedy_constrained_row_masks_only_a_refused_token():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0], [0.0, 3.0, 1.0, 2.0]])
+    ok, refused = _Allowed({1, 2}), _Allowed({2, 3})
+    out = Sampler()(logits, [row(temperature=0, constraint=ok),
+                             row(temperature=0, constraint=refused)])
+    assert out.token_ids == [1, 3]  # the argmax; the best token the grammar allows
+    assert (ok.checked, ok.mask_rows) == (1, 0)
+    assert (refused.checked, refused.mask_rows) == (1, 1)
+
+
+@pytest.mark.parametrize("kw", [dict(top_p=0.9), dict(top_k=2), dict(min_p=0.1)])
+def test_a_cut_the_mask_moves_masks_first(kw):
+    c = _Allowed({0, 2})
+    ids = draw(torch.tensor([3.0, 2.0, 1.0, 0.0]), 200, temperature=1.0, constraint=c, **kw)
+    assert set(ids.tolist()) <= {0, 2}
+    assert c.checked == 0 and c.mask_rows == 200
+
+
+def test_checked_random_rows_draw_from_the_masked_distribution():
+    # draw, and draw again from the masked logits when refused: p restricted to the allowed
+    logits = torch.tensor([1.0, 0.5, 0.0, -0.5, -1.5])
+    allowed = {1, 2, 4}
+    checked, masked = _Allowed(allowed), _MaskOnly(allowed)
+    for c in (checked, masked):
+        torch.manual_seed(2)
+        counts = torch.bincount(draw(logits, 20000, temperature=1.0, constraint=c),
+                                minlength=5).float()
+        want = torch.softmax(logits, -1)[[1, 2, 4]]
+        assert counts[[0, 3]].sum() == 0
+        assert chi_square(counts[[1, 2, 4]], want / want.sum()) < 13.82  # 2 df, p = 0.001
+    assert masked.mask_rows == 20000  # without `allows`, every row masked first
+    assert 0 < checked.mask_rows < 0.7 * 20000  # only the refused: P(0 or 3) = 0.54

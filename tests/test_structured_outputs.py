@@ -412,3 +412,32 @@ def test_logit_columns_past_the_tokenizer_are_never_allowed():
     logits[0, V:] = 100.0  # the padded columns would win the argmax
     constraint.mask(logits, [[]])
     assert torch.isinf(logits[0, V:]).all() and torch.isfinite(logits[0, :V]).any()
+
+
+def test_allows_agrees_with_the_mask():
+    """`allows` (the sampler's check after a greedy or temperature-only draw) accepts exactly
+    the tokens the mask leaves, and a token it accepts becomes the sample's next: a later
+    mask for the longer output is the one a fresh constraint fills."""
+    from qserve.loader import load_tokenizer
+    from qserve.server.structured import Grammars, Structure
+
+    tok = load_tokenizer(None)
+    grammars = Grammars(tok)
+    structure = Structure(grammar=("json_schema", json.dumps(PERSON)))
+    ids = tok.encode('{"name": "Ann", "role": "admin", "address": {"city": "Lyon", '
+                     '"country": "FR"}, "active": true}', add_special_tokens=False)
+    V = tok.backend.get_vocab_size(with_added_tokens=True)
+    gen = torch.Generator().manual_seed(0)
+    checked, fresh = grammars.constraint(structure), grammars.constraint(structure)
+    for k in range(len(ids)):
+        x = torch.zeros(1, V + 8)
+        fresh.mask(x, [ids[:k]])
+        candidates = torch.randint(0, V + 8, (6,), generator=gen).tolist()
+        for t in candidates:  # refused ones leave the state as it was
+            if t != ids[k]:
+                assert checked.allows([ids[:k]], [t]) == [bool(torch.isfinite(x[0, t]))], (k, t)
+        assert checked.allows([ids[:k]], [ids[k]]) == [True]
+    y, z = torch.zeros(1, V), torch.zeros(1, V)
+    checked.mask(y, [ids])
+    grammars.constraint(structure).mask(z, [ids])
+    assert torch.equal(y, z)

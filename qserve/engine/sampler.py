@@ -7,6 +7,14 @@ Greedy rows take the argmax (ties go to the lowest id). Random rows use the expo
 argmax(p / E) with E ~ Exponential(1), which draws a token with probability p. A seeded row draws
 E from its own generator only, so its token does not depend on the rest of the batch.
 
+A constrained row whose sampling has no cut that the mask could move (greedy, or temperature
+alone) samples first and asks its constraint after (`allows`); only a refused token costs a mask,
+and the row samples again from the masked logits. This is exact: an allowed token that wins
+unmasked also wins masked (greedy), and drawing from p until the draw is allowed draws from p
+restricted to the allowed tokens (random). A grammar's mask can cost milliseconds per row (xgrammar
+inside a length-bounded JSON string: ~10 ms), while a model asked for JSON mostly writes what the
+grammar allows anyway.
+
 Logprobs are log_softmax of the raw logits, before penalties, temperature and truncation (vLLM's
 default): they describe the model, not the sampling settings.
 """
@@ -52,6 +60,8 @@ class Sampler:
         under_min = [i for i, r in enumerate(rows) if len(r.output_token_ids) < r.params.min_tokens
                      and r.params.constraint is None]
         constrained = [i for i, r in enumerate(rows) if r.params.constraint is not None]
+        checked = [i for i in constrained if checks_after_sampling(rows[i].params)]
+        masked = [i for i in constrained if not checks_after_sampling(rows[i].params)]
         rand = [i for i, r in enumerate(rows) if not r.params.greedy]
         want_lp = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
 
@@ -61,12 +71,16 @@ class Sampler:
                 apply_penalties(logits, rows, penalized)
             if under_min:
                 self._mask_stop_tokens(logits, rows, under_min)
-            if constrained:
-                apply_constraints(logits, rows, constrained)
-        token_ids = logits.argmax(dim=-1)  # (B,) greedy answer; random rows are overwritten
-        if rand:
-            idx = torch.tensor(rand, device=logits.device)
-            token_ids[idx] = _sample(logits[idx], [rows[i] for i in rand])
+            if masked:
+                apply_constraints(logits, rows, masked)
+        token_ids = _pick(logits, rows, rand)  # (B,)
+        if checked:
+            refused = refused_rows(token_ids.tolist(), rows, checked)
+            if refused:
+                apply_constraints(logits, rows, refused)
+                idx = torch.tensor(refused, device=logits.device)
+                again = [k for k, i in enumerate(refused) if not rows[i].params.greedy]
+                token_ids[idx] = _pick(logits[idx], [rows[i] for i in refused], again)
         ids = token_ids.tolist()
         logprobs: list[dict[int, float] | None] = [None] * len(rows)
         if want_lp:
@@ -112,6 +126,39 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow], idx: list[int
         freq = torch.tensor([row.params.frequency_penalty for row in rows], device=device)
         pres = torch.tensor([row.params.presence_penalty for row in rows], device=device)
         logits[r, t] -= freq[r] * count + pres[r]
+
+
+def _pick(logits: torch.Tensor, rows: list[SamplingRow], rand: list[int]) -> torch.Tensor:
+    """logits (B, V), not modified -> one id per row (B,): the argmax, or for rows `rand` a
+    random draw."""
+    token_ids = logits.argmax(dim=-1)
+    if rand:
+        idx = torch.tensor(rand, device=logits.device)
+        token_ids[idx] = _sample(logits[idx], [rows[i] for i in rand])
+    return token_ids
+
+
+def checks_after_sampling(params: SamplingParams) -> bool:
+    """Whether a row with this constraint samples first and asks the constraint after (see
+    the module docstring): its constraint can answer `allows`, and no top-k / top-p / min-p
+    cut would differ between the masked and the unmasked distribution."""
+    return (hasattr(params.constraint, "allows")
+            and (params.greedy or (params.top_k <= 0 and params.top_p >= 1
+                                   and params.min_p <= 0)))
+
+
+def refused_rows(token_ids: list[int], rows: list[SamplingRow], idx: list[int]) -> list[int]:
+    """The rows among `idx` whose token their constraint refuses; each constraint answers for
+    all its rows at once (and takes the tokens it allows as the rows' next)."""
+    groups: dict[int, list[int]] = {}
+    for i in idx:
+        groups.setdefault(id(rows[i].params.constraint), []).append(i)
+    refused = []
+    for members in groups.values():
+        allowed = rows[members[0]].params.constraint.allows(
+            [rows[i].output_token_ids for i in members], [token_ids[i] for i in members])
+        refused += [i for i, ok in zip(members, allowed) if not ok]
+    return sorted(refused)
 
 
 def apply_constraints(logits: torch.Tensor, rows: list[SamplingRow], idx: list[int]) -> None:

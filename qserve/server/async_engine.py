@@ -25,6 +25,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 
 from qserve.engine.output_processor import OutputProcessor
+from qserve.engine.sampler import checks_after_sampling
 from qserve.errors import QServeError
 from qserve.outputs import RequestOutput
 from qserve.sampling_params import SamplingParams
@@ -185,12 +186,15 @@ class AsyncEngine:
 
     def _prefetch_masks(self, raw: list[RequestOutput]) -> None:
         """Fill the grammar masks of the constrained samples' next tokens now, while the engine
-        thread runs the forward pass that precedes them (GrammarConstraint.prefetch)."""
+        thread runs the forward pass that precedes them (GrammarConstraint.prefetch). Not for
+        samples that ask their grammar only after sampling: they rarely need a mask, and a
+        fill here takes CPU from that forward pass as soon as the cores are all busy."""
         groups: dict[int, tuple] = {}
         for out in raw:
             req = self.processor.requests.get(out.request_id)
             constraint = req.params.constraint if req is not None else None
-            if constraint is None or not hasattr(constraint, "prefetch"):
+            if (constraint is None or not hasattr(constraint, "prefetch")
+                    or checks_after_sampling(req.params)):
                 continue
             live = [c.token_ids for c in out.outputs if c.finish_reason is None]
             groups.setdefault(id(constraint), (constraint, []))[1].extend(live)
