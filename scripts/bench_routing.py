@@ -2,7 +2,8 @@
 rate the replicas report and the time to first token the clients see.
 
     python scripts/bench_routing.py                       # 8 system prompts x 16 users, 2 replicas
-    python scripts/bench_routing.py --systems 2 --users 2 --max-tokens 2 --system-words 40   # smoke
+    python scripts/bench_routing.py --systems 2 --users 2 --max-tokens 2 --system-words 40 \
+        --max-model-len 256                                               # smoke
 
 The workload is a chat service with a few long system prompts (assistants) shared by many
 users: --systems prompts of about --system-words words each, and --users users per prompt,
@@ -99,10 +100,11 @@ def shared_blocks(model: str | None, systems: list[str], block_size: int) -> tup
 def pool_blocks(args, shared: int, prompt_tokens: int) -> int:
     """A replica's KV pool in blocks: --cache-share of the system prompts' shared blocks, and
     the blocks of its share of the requests in flight beyond those (their user part and
-    output)."""
+    output); at least one --max-model-len sequence, which the engine requires."""
     own = -(-(prompt_tokens + args.max_tokens) // args.block_size) - shared
     in_flight = -(-args.concurrency // args.replicas)
-    return math.ceil(args.cache_share * args.systems * shared) + in_flight * own
+    blocks = math.ceil(args.cache_share * args.systems * shared) + in_flight * own
+    return max(blocks, -(-args.max_model_len // args.block_size))  # the engine's minimum
 
 
 def pool_bytes(args, blocks: int) -> int:
@@ -153,7 +155,8 @@ def run_policy(args, routing: str, requests, systems) -> dict:
     cfg = C.ClusterConfig(replicas=args.replicas, replica_cpus=args.replica_cpus,
                           replica_gpus=args.replica_gpus,
                           routing=routing, max_ongoing_requests=args.max_num_seqs,
-                          max_imbalance=args.max_imbalance)
+                          **({} if args.max_imbalance is None
+                             else {"max_imbalance": args.max_imbalance}))
     C.deploy(cfg, args.model, engine, MODEL_NAME, ServerConfig(port=args.port))
     url = f"http://127.0.0.1:{args.port}"
     deadline = time.monotonic() + 600
@@ -214,9 +217,9 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--routings", default="prefix,round-robin")
-    ap.add_argument("--max-imbalance", type=int, default=8,
-                    help="prefix routing's bound on load imbalance (router.rank), as "
-                         "`qserve serve --replicas` has it")
+    ap.add_argument("--max-imbalance", type=int,
+                    help="prefix routing's bound on load imbalance (router.rank) [default: "
+                         "qserve serve's, ClusterConfig.max_imbalance]")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="also print one JSON object per row")
     args = ap.parse_args()
