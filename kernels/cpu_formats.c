@@ -711,7 +711,7 @@ static void ggml_matmul(const ggml_type *t, const wdesc *W, const float *x, int6
 #else
     i8 = 0;
 #endif
-#pragma omp parallel for num_threads(nthreads) schedule(dynamic, ROW_ITEM)
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, row_item(W->row_bytes))
     for (int64_t n = 0; n < W->N; n++) {
         const uint8_t *row = (const uint8_t *)W->w + n * W->row_bytes;
         const int64_t tile = i8 ? MTI : MT;

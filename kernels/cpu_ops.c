@@ -97,10 +97,19 @@ static inline float *halves_to_floats(const half *h, float *out, int64_t n)
 /* Rows of a matmul (or a dequantization) that one thread takes at a time: OpenMP hands out
  * these items as threads come for them (schedule(dynamic)), so when the OS deschedules one of
  * our threads to run another process, the others take its share instead of waiting for it at
- * the end of the loop (a static split stalls every parallel region for a time slice then). 16
- * rows of the widest formats are ~2-20 KB, a few microseconds: the atomic add that hands one
- * out is small beside that, and each thread still streams through consecutive rows. */
+ * the end of the loop (a static split stalls every parallel region for a time slice then).
+ * An item is at least ROW_ITEM rows and about ITEM_BYTES of weights: each thread then streams
+ * 16x the prefetch distance of consecutive rows before it jumps, where 16 rows of a narrow
+ * matrix were ~5 KB, most of it read before its prefetches landed (the default model's int4
+ * rows are 288 bytes: batch-1 decode at 2 threads rose ~10-20% with 32 KiB items, on a noisy
+ * machine; 1B rows are 1-7 KB, so their items hardly change). */
 #define ROW_ITEM 16
+#define ITEM_BYTES 32768
+static inline int64_t row_item(int64_t row_bytes)
+{
+    const int64_t rows = ITEM_BYTES / (row_bytes > 0 ? row_bytes : 1);
+    return rows > ROW_ITEM ? rows : ROW_ITEM;
+}
 
 /* ---- dequant-matmul ----------------------------------------------------------------------- */
 
@@ -699,7 +708,7 @@ static void packed_matmul(const wdesc *W, const float *x, int64_t M, int64_t ldx
     i8 = 0;
 #endif
     float *xp = i8 ? NULL : pack_activations(x, M, W->K, ldx, Kp, four);
-#pragma omp parallel for num_threads(nthreads) schedule(dynamic, ROW_ITEM)
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, row_item(row_bytes))
     for (int64_t n = 0; n < W->N; n++) {
         const uint8_t *row = (const uint8_t *)W->w + n * row_bytes;
         const half *sh = W->scales + n * G, *oh = W->offsets ? W->offsets + n * G : NULL;
@@ -1311,10 +1320,10 @@ static void att_weighted_sum(const float *p, const float *v, int64_t n, int d, f
 /* Decode attention: one query per sequence against its paged context.
  *   q (B, H, d) fp32; out (B, H, d) fp32; tables (B, max_blocks); seq_lens (B,); c: the
  *   layer's cache (kv_layer).
- * FlashDecoding-style: each task is ATT_PART positions of one sequence's context, so one long
- * sequence still keeps every thread busy. A task reads those positions' K and V rows for all
- * kv heads (contiguous within a block), converts them to fp32 once for the g = H / hkv query
- * heads that share each kv head, and keeps per query head the max score m, the sum l of
+ * FlashDecoding-style: each task is ATT_PART positions of one sequence's context and one kv
+ * head, so one long sequence (or one short one, with its hkv tasks) still keeps every thread
+ * busy. A task reads those positions' K and V rows of its kv head, converts them to fp32 once
+ * for the g = H / hkv query heads that share it, and keeps per query head the max score m, the sum l of
  * exp(score - m) and the exp-weighted sum of values; a second pass merges a sequence's parts
  * in order. int8 K and V and int4 V hold y = H x (int4 keys are not rotated: their codebook
  * works on raw channels), and H is symmetric orthonormal, so q . x = (H q) . y and
@@ -1343,8 +1352,8 @@ void paged_decode(int kind, const float *q, float *out, int64_t B, int64_t H, in
     float *qrot = rotate_q ? malloc(sizeof(float) * (size_t)(B * H * d)) : NULL; /* H q */
 #pragma omp parallel num_threads(nthreads)
     {
-        float *kf = malloc(sizeof(float) * (size_t)(ATT_PART * hkv * d)); /* (hkv, n, d) */
-        float *vf = malloc(sizeof(float) * (size_t)(ATT_PART * hkv * d));
+        float *kf = malloc(sizeof(float) * (size_t)(ATT_PART * d)); /* (n, d), one kv head */
+        float *vf = malloc(sizeof(float) * (size_t)(ATT_PART * d));
         float *s = malloc(sizeof(float) * ATT_PART);
         if (rotate_q) { /* each query rotated once, not once per part */
 #pragma omp for schedule(static)
@@ -1353,46 +1362,45 @@ void paged_decode(int kind, const float *q, float *out, int64_t B, int64_t H, in
                 hadamard(qrot + bq * d, d);
             }
         }
+        /* a task is one (part, kv head): its K/V rows are read once for the head's g query
+         * heads, and a batch-1 step still has hkv tasks per part to spread over the threads */
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < ntasks; task++) {
-            int64_t lo = 0, hi = B; /* the sequence b with first[b] <= task < first[b + 1] */
+        for (int64_t task = 0; task < ntasks * hkv; task++) {
+            const int64_t part = task / hkv, h = task % hkv;
+            int64_t lo = 0, hi = B; /* the sequence b with first[b] <= part < first[b + 1] */
             while (hi - lo > 1) {
                 const int64_t mid = (lo + hi) / 2;
-                if (first[mid] <= task)
+                if (first[mid] <= part)
                     lo = mid;
                 else
                     hi = mid;
             }
             const int64_t b = lo, L = seq_lens[b];
             const int64_t start = window > 0 && L > window ? L - window : 0;
-            const int64_t t0 = start + (task - first[b]) * ATT_PART;
+            const int64_t t0 = start + (part - first[b]) * ATT_PART;
             const int64_t n = L - t0 < ATT_PART ? L - t0 : ATT_PART;
             const int64_t *table = tables + b * max_blocks;
             for (int64_t t = 0; t < n; t++) {
                 const int64_t pos = t0 + t;
                 const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
-                for (int64_t h = 0; h < hkv; h++) {
-                    const int64_t idx = slot * hkv + h;
-                    float *kr = kf + (h * n + t) * d, *vr = vf + (h * n + t) * d;
-                    if (kind == KV_INT4)
-                        key4_load_fast(book + h * (d / 8), c->k, c->k_scale, idx, d, kr);
-                    else
-                        kv_load_fast(kind, c->k, c->k_scale, NULL, idx, d, kr);
-                    kv_load_fast(kind, c->v, c->v_scale, c->v_offset, idx, d, vr);
-                }
+                const int64_t idx = slot * hkv + h;
+                if (kind == KV_INT4)
+                    key4_load_fast(book + h * (d / 8), c->k, c->k_scale, idx, d, kf + t * d);
+                else
+                    kv_load_fast(kind, c->k, c->k_scale, NULL, idx, d, kf + t * d);
+                kv_load_fast(kind, c->v, c->v_scale, c->v_offset, idx, d, vf + t * d);
             }
-            for (int64_t qh = 0; qh < H; qh++) {
-                const int64_t r = task * H + qh, h = qh / g;
+            for (int64_t qh = h * g; qh < (h + 1) * g; qh++) {
+                const int64_t r = part * H + qh;
                 if (n <= 0) { /* an empty context attends to nothing */
                     pm[r] = -INFINITY;
                     pl[r] = 0.f;
                     memset(pacc + r * d, 0, sizeof(float) * d);
                     continue;
                 }
-                att_scores((rotate_q ? qrot : q) + (b * H + qh) * d, kf + h * n * d, n, d, scale,
-                           s);
+                att_scores((rotate_q ? qrot : q) + (b * H + qh) * d, kf, n, d, scale, s);
                 pm[r] = att_softmax_part(s, n, pl + r);
-                att_weighted_sum(s, vf + h * n * d, n, d, pacc + r * d);
+                att_weighted_sum(s, vf, n, d, pacc + r * d);
             }
         }
         /* (implicit barrier) merge each sequence's parts, in order */
