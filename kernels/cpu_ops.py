@@ -205,14 +205,19 @@ def int8_activations() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def fast_bf16() -> bool:
-    """Whether this CPU multiplies bf16 matrices in hardware (AMX or AVX512-BF16), which torch's
-    oneDNN GEMM uses: 4-5x the fp32 GEMM's rate at prefill sizes on such a Xeon (128 x 2048 x
-    8192: 218 against 43 GMAC/s on one core). Elsewhere bf16 GEMMs are emulated and slower."""
+    """Whether prefill-sized matmuls multiply in bf16 (torch's oneDNN GEMM): where the CPU has
+    AMX, at 4-5x the fp32 GEMM's rate (128 x 2048 x 8192: 218 against 43 GMAC/s on one core).
+    AVX512-BF16 alone is not enough: on such a Xeon without AMX the bf16 GEMM ran at 0.64x
+    the fp32 one (2 threads, 82 against 128 GFLOP/s at the same size, 0.76x at 512 rows).
+    QSERVE_CPU_BF16=1 or 0 decides instead of the CPU's flags."""
+    forced = os.environ.get("QSERVE_CPU_BF16")
+    if forced in ("0", "1"):
+        return forced == "1"
     try:
         flags = Path("/proc/cpuinfo").read_text().split()
     except OSError:
         return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
+    return "amx_bf16" in flags
 
 
 def has_int8_path() -> bool:

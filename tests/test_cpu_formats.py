@@ -12,6 +12,8 @@ from __future__ import annotations
 import functools
 import os
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch.nn import functional as F
@@ -106,6 +108,17 @@ def int8_rounded(x: torch.Tensor) -> torch.Tensor:
     return (q.double() * (amax / 127.0).double()).view(M, K)
 
 
+@pytest.fixture
+def bf16_prefill(monkeypatch):
+    """The bf16 prefill path switched on whatever the CPU (it is the path AMX machines take;
+    its results do not depend on the hardware, only its speed does)."""
+    monkeypatch.setenv("QSERVE_CPU_BF16", "1")
+    cpu_ops.fast_bf16.cache_clear()
+    yield
+    monkeypatch.undo()
+    cpu_ops.fast_bf16.cache_clear()
+
+
 @pytest.mark.skipif(not cpu_ops.has_int8_path(), reason="no int8-activation kernels (AVX2)")
 @pytest.mark.parametrize("M", ROWS)
 @pytest.mark.parametrize("fmt,N,K", [c for c in GRID if c[0] in GGML])
@@ -115,6 +128,17 @@ def test_weight_matmul_int8_activations_match_reference(fmt, N, K, M):
     products per chunk (scales, and the min / offset terms before they cancel) add roundings of
     terms no larger than the largest sum |w| |x|: (K + 2) u of it. Against x itself the error
     is the rounding's, at most (d / 2) sum |w| per chunk (d the chunk's step)."""
+    _check_int8_activations(fmt, N, K, M)
+
+
+@pytest.mark.skipif(not cpu_ops.has_int8_path(), reason="no int8-activation kernels (AVX2)")
+@pytest.mark.parametrize("fmt,N,K", [c for c in GRID if c[0] in GGML])
+def test_bf16_prefill_matches_reference(fmt, N, K, bf16_prefill):
+    """The prefill branch of the test above with the bf16 GEMM on, as on an AMX machine."""
+    _check_int8_activations(fmt, N, K, 40)
+
+
+def _check_int8_activations(fmt: str, N: int, K: int, M: int) -> None:
     qt, w, x, _ = _case(fmt, N, K, M)
     out = cpu_ops.weight_matmul(x, qt, int8_activations=True).double()
     if M > cpu_ops.FUSED_MAX_ROWS:  # prefill: dequantize + GEMM
@@ -167,9 +191,21 @@ def _read_back(qt: QuantizedTensor, M: int, **kw) -> torch.Tensor:
     return cols.T
 
 
-@pytest.mark.skipif(not cpu_ops.fast_bf16(), reason="no bf16 GEMM in hardware (AMX/AVX512-BF16)")
+def test_bf16_prefill_is_chosen_by_amx_or_the_variable(monkeypatch):
+    """AVX512-BF16 without AMX multiplies bf16 slower than fp32, so only AMX picks bf16;
+    QSERVE_CPU_BF16 overrides either way."""
+    for value, want in (("1", True), ("0", False)):
+        monkeypatch.setenv("QSERVE_CPU_BF16", value)
+        cpu_ops.fast_bf16.cache_clear()
+        assert cpu_ops.fast_bf16() is want
+    monkeypatch.delenv("QSERVE_CPU_BF16")
+    cpu_ops.fast_bf16.cache_clear()
+    flags = Path("/proc/cpuinfo").read_text().split()
+    assert cpu_ops.fast_bf16() is ("amx_bf16" in flags)
+
+
 @pytest.mark.parametrize("fmt", GGML + DENSE + ["int4", "int8"])
-def test_prefill_weights_are_the_reference_in_bf16(fmt):
+def test_prefill_weights_are_the_reference_in_bf16(fmt, bf16_prefill):
     """The bf16 prefill path (int8_activations, more than FUSED_MAX_ROWS rows) multiplies the
     reference's weights rounded to nearest-even bf16, as torch rounds: identity rows read them
     back exactly (one product by 1.0 each)."""
