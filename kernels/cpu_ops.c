@@ -1561,6 +1561,181 @@ int wdequant_bf16(const wdesc *W, uint16_t *out, int nthreads)
     return 0;
 }
 
+#ifdef HAVE_ZMM_PATH
+/* ---- prefill without AMX: an int8 GEMM (AVX-512 VNNI) -----------------------------------------
+ * y (M, N) = x W^T for prefill-sized M, both sides rounded to int8 per 32 inputs:
+ *   x: per row m and chunk c, q_x = rne(x * 127 / amax), d_x = amax / 127 (quantize_activations)
+ *   W: the same rounding, per row n and chunk c, of its dequantized fp32 row (a second rounding
+ *      of the weights, as the bf16 path's on AMX machines: ~1/17 of a 4-bit step at most),
+ *      stored as u = q_w + 128 for vpdpbusd's unsigned operand
+ *   y[m, n] = sum_c d_x[m, c] d_w[n, c] (sum_k u q_x - 128 S_x[m, c]),  S_x = sum of the q_x
+ * A thread takes 16 weight rows at a time and lays them out in its own buffer (in L1/L2, so
+ * memory sees only the weights' own reads), one 64-byte vector per 4 inputs:
+ *
+ *   tile[c][j]:  lane r (4 bytes) = row n0 + r, inputs 32c + 4j .. 32c + 4j + 3
+ *
+ * so one vpdpbusd with 4 activation bytes broadcast adds 4 products into each of the 16 rows'
+ * lanes, and 8 of them are a chunk's exact integer dot for 16 rows, converted and scaled once:
+ * 8 vpdpbusd per 4 float ops, where the row kernels (which read each weight once per step, and
+ * so suit decode) spend 3 float ops per vpdpbusd. A row's result depends on its own
+ * activations only: batch-invariant like the rest. */
+#define GT 16 /* weight rows per tile: one zmm lane each */
+
+/* Activations for the GEMM, 8 rows (a group, zero-padded) at a time, per chunk one record:
+ *   x4[j][i]  (8 x 8 int32)  inputs 4j .. 4j + 3 of row i, the 4 bytes vpdpbusd broadcasts
+ *   d[i]      (8 floats)     the chunk's step d_x of row i
+ *   nsum[i]   (8 int32)      -128 S_x of row i: starts the integer sum, undoing the +128
+ * so the kernel reads one record after another from one pointer. */
+#define GM 8 /* activation rows per group */
+#define GREC (8 * GM + 2 * GM) /* 32-bit words per (group, chunk) record */
+
+static void gemm_pack_acts(const qacts *a, int64_t M, int64_t nchunk, int64_t Kp, int32_t *xg,
+                           int nthreads)
+{
+    const int64_t groups = (M + GM - 1) / GM;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t c = 0; c < nchunk; c++) {
+            int32_t *rec = xg + (g * nchunk + c) * GREC;
+            for (int i = 0; i < GM; i++) {
+                const int64_t m = g * GM + i;
+                int32_t sum = 0;
+                float d = 0.f;
+                for (int j = 0; j < 8; j++) {
+                    int32_t x4 = 0;
+                    if (m < M) {
+                        const int8_t *q = a->q + m * Kp + c * CHUNK + 4 * j;
+                        memcpy(&x4, q, 4);
+                        sum += q[0] + q[1] + q[2] + q[3];
+                    }
+                    rec[j * GM + i] = x4;
+                }
+                if (m < M)
+                    d = a->drow[m * nchunk + c];
+                memcpy(rec + 8 * GM + i, &d, 4);
+                rec[9 * GM + i] = -128 * sum;
+            }
+        }
+}
+
+/* 16 weight rows (tile, dw: the layout above) against activation group g: out[i] holds row
+ * g * GM + i's 16 results. */
+static inline void gemm_tile_i8(const uint8_t *tile, const float *dw, const int32_t *xg,
+                                int64_t nchunk, __m512 *out)
+{
+    __m512 f[GM];
+    for (int i = 0; i < GM; i++)
+        f[i] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < nchunk; c++) {
+        const int32_t *rec = xg + c * GREC;
+        const uint8_t *tc = tile + c * 8 * 64;
+        __m512i acc[GM];
+        for (int i = 0; i < GM; i++)
+            acc[i] = _mm512_set1_epi32(rec[9 * GM + i]);
+        for (int j = 0; j < 8; j++) {
+            const __m512i w = _mm512_load_si512(tc + j * 64);
+            for (int i = 0; i < GM; i++)
+                acc[i] = _mm512_dpbusd_epi32(acc[i], w, _mm512_set1_epi32(rec[j * GM + i]));
+        }
+        const __m512 dwv = _mm512_loadu_ps(dw + c * GT);
+        const float *d = (const float *)(rec + 8 * GM);
+        for (int i = 0; i < GM; i++)
+            f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i]),
+                                   _mm512_mul_ps(dwv, _mm512_set1_ps(d[i])), f[i]);
+    }
+    for (int i = 0; i < GM; i++)
+        out[i] = f[i];
+}
+
+/* Rows n0 .. n0 + 15 of W (those below N), rounded to int8 per 32 inputs into tile / dw (the
+ * layout above); row is a (Kp,) fp32 buffer. Rows past N read as zeros with scale 0. */
+static void gemm_pack_tile(const wdesc *W, int64_t n0, int64_t nchunk, float *row, uint8_t *tile,
+                           float *dw)
+{
+    const int64_t Kp = nchunk * CHUNK;
+    const __m512 sign = _mm512_set1_ps(-0.f);
+    for (int r = 0; r < GT; r++) {
+        const int64_t n = n0 + r;
+        if (n < W->N) {
+            dequant_row(W, n, row);
+            for (int64_t k = W->K; k < Kp; k++)
+                row[k] = 0.f;
+        }
+        for (int64_t c = 0; c < nchunk; c++) {
+            uint8_t u[CHUNK];
+            float d = 0.f;
+            if (n < W->N) {
+                const __m512 x0 = _mm512_loadu_ps(row + c * CHUNK);
+                const __m512 x1 = _mm512_loadu_ps(row + c * CHUNK + 16);
+                const float amax = _mm512_reduce_max_ps(
+                    _mm512_max_ps(_mm512_andnot_ps(sign, x0), _mm512_andnot_ps(sign, x1)));
+                d = amax / 127.f;
+                const __m512 id = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+                /* rne as quantize_activations rounds; +128 for the unsigned operand */
+                const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, id));
+                const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, id));
+                const __m512i b = _mm512_set1_epi32(128);
+                _mm_storeu_si128((__m128i *)u, _mm512_cvtepi32_epi8(_mm512_add_epi32(q0, b)));
+                _mm_storeu_si128((__m128i *)(u + 16), _mm512_cvtepi32_epi8(_mm512_add_epi32(q1, b)));
+            } else
+                memset(u, 128, sizeof u);
+            dw[c * GT + r] = d;
+            for (int j = 0; j < 8; j++)
+                memcpy(tile + (c * 8 + j) * 64 + r * 4, u + 4 * j, 4);
+        }
+    }
+}
+
+/* y (M, N) row stride ldy = x (M, K) W^T (+ bias) through the int8 GEMM; 0, or -1 for a kind
+ * this build does not know or a dense one (f32 / f16 / bf16 keep their float GEMM). */
+int wgemm_i8(const wdesc *W, const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy,
+             int nthreads)
+{
+    if (!wkind_known(W->kind) || W->kind == KIND_F32 || W->kind == KIND_F16 ||
+        W->kind == KIND_BF16)
+        return -1;
+    const int64_t nchunk = (W->K + CHUNK - 1) / CHUNK, Kp = nchunk * CHUNK;
+    const qacts a = quantize_activations(x, M, W->K, ldx, Kp, ACT_PLAIN, 0, nthreads);
+    const int64_t groups = (M + GM - 1) / GM;
+    int32_t *xg = aligned_alloc(64, sizeof(int32_t) * (size_t)(groups * nchunk * GREC));
+    gemm_pack_acts(&a, M, nchunk, Kp, xg, nthreads);
+    free_activations(a);
+#pragma omp parallel num_threads(nthreads)
+    {
+        uint8_t *tile = aligned_alloc(64, (size_t)(Kp * GT));
+        float *dw = malloc(sizeof(float) * (size_t)(nchunk * GT));
+        float *row = malloc(sizeof(float) * (size_t)Kp);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t n0 = 0; n0 < W->N; n0 += GT) {
+            gemm_pack_tile(W, n0, nchunk, row, tile, dw);
+            const int64_t nr = W->N - n0 < GT ? W->N - n0 : GT;
+            const __mmask16 k = (__mmask16)((1u << nr) - 1);
+            const __m512 bias = W->bias ? _mm512_maskz_loadu_ps(k, W->bias + n0)
+                                        : _mm512_setzero_ps();
+            for (int64_t g = 0; g < groups; g++) {
+                __m512 out[GM];
+                gemm_tile_i8(tile, dw, xg + g * nchunk * GREC, nchunk, out);
+                for (int i = 0; i < GM && g * GM + i < M; i++)
+                    _mm512_mask_storeu_ps(y + (g * GM + i) * ldy + n0, k,
+                                          _mm512_add_ps(out[i], bias));
+            }
+        }
+        free(tile);
+        free(dw);
+        free(row);
+    }
+    free(xg);
+    return 0;
+}
+#else
+int wgemm_i8(const wdesc *W, const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy,
+             int nthreads)
+{
+    (void)W, (void)x, (void)M, (void)ldx, (void)y, (void)ldy, (void)nthreads;
+    return -1;
+}
+#endif
+
 /* Whether this build has the int8-activation kernels (AVX2); without them i8 is ignored. */
 int has_int8_path(void)
 {

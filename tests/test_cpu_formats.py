@@ -104,7 +104,11 @@ def int8_rounded(x: torch.Tensor) -> torch.Tensor:
     M, K = x.shape
     xc = x.view(M, -1, 32)
     amax = xc.abs().amax(-1, keepdim=True)
-    q = torch.round(xc * torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax)))
+    # a correctly rounded 127 / amax, as C divides: torch's `127.0 / amax` is 127 times the
+    # rounded reciprocal, an ulp off at times, which flips exact ties (x = amax / 2, common in
+    # weights on a small integer grid)
+    inv = torch.full_like(amax, 127.0) / amax
+    q = torch.round(xc * torch.where(amax > 0, inv, torch.zeros_like(amax)))
     return (q.double() * (amax / 127.0).double()).view(M, K)
 
 
@@ -142,6 +146,9 @@ def _check_int8_activations(fmt: str, N: int, K: int, M: int) -> None:
     qt, w, x, _ = _case(fmt, N, K, M)
     out = cpu_ops.weight_matmul(x, qt, int8_activations=True).double()
     if M > cpu_ops.FUSED_MAX_ROWS:  # prefill: dequantize + GEMM
+        if cpu_ops.int8_gemm() and fmt not in DENSE:
+            _check_int8_gemm(out, x, w)
+            return
         if not cpu_ops.fast_bf16():  # fp32 activations
             assert torch.equal(out, cpu_ops.weight_matmul(x, qt).double())
             return
@@ -159,6 +166,42 @@ def _check_int8_activations(fmt: str, N: int, K: int, M: int) -> None:
     step = x.double().abs().view(M, -1, 32).amax(-1) / 127  # (M, K / 32)
     bound = (step / 2) @ w.abs().view(N, -1, 32).sum(-1).T  # (M, N)
     assert ((out - x.double() @ w.T).abs() <= bound + slack).all()
+
+
+def _padded_int8_rounded(x: torch.Tensor) -> torch.Tensor:
+    """int8_rounded for any K: the chunks a K that is not a multiple of 32 ends in are padded
+    with zeros, as the kernels pad them."""
+    M, K = x.shape
+    Kp = -(-K // 32) * 32
+    return int8_rounded(F.pad(x.float(), (0, Kp - K)))[:, :K]
+
+
+def _check_int8_gemm(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """The int8 GEMM (prefill without AMX) rounds x and the reference weights w alike, to int8
+    per 32 inputs (int8_rounded), and sums their products exactly in integers per chunk; its few
+    fp32 products and adds per chunk (and the bias's) cost at most (K + 2) u of sum |wr| |xr|.
+    Against x and w themselves each side's rounding adds at most half its step per input:
+    |x w - xr wr| <= sum |x - xr| |w| + sum |xr| |w - wr|."""
+    K = x.shape[1]
+    xr, wr = _padded_int8_rounded(x), _padded_int8_rounded(w)
+    slack = (K + 2) * U * (xr.abs() @ wr.abs().T).max()
+    assert ((out - xr @ wr.T).abs() <= slack).all()
+    bound = (x.double() - xr).abs() @ w.abs().T + xr.abs() @ (w - wr).abs().T
+    assert ((out - x.double() @ w.T).abs() <= bound + slack).all()
+
+
+@pytest.mark.skipif(not cpu_ops.int8_gemm(), reason="int8 GEMM: AVX-512 VNNI kernels, no AMX")
+@pytest.mark.parametrize("fmt,N,K", [("int4", 83, 77), ("int4", 17, 512), ("int8", 83, 77),
+                                     ("int8", 769, 96)])
+def test_int8_gemm_qserve_formats(fmt, N, K):
+    """qserve's int4 / int8 (a padded last group, odd sizes) through the int8 GEMM, with a bias:
+    the bias is added once, after the sums."""
+    qt = _mixed_formats_weight(fmt, N, K)
+    w = qt.dequantize().double()
+    g = torch.Generator().manual_seed(N + K)
+    x, bias = torch.randn(45, K, generator=g), torch.randn(N, generator=g)
+    out = cpu_ops.weight_matmul(x, qt, bias, int8_activations=True).double()
+    _check_int8_gemm(out - bias.double(), x, w)
 
 
 @pytest.mark.parametrize("fmt", GGML + DENSE + ["int4", "int8"])
@@ -226,6 +269,12 @@ def test_matmul_rows_do_not_depend_on_the_batch(fmt, i8):
     for i in (0, 5, 8, 30, 31):
         assert torch.equal(cpu_ops.weight_matmul(x[i:i + 1].clone(), qt, int8_activations=i8),
                            full[i:i + 1]), i
+    # prefill-sized calls (the int8 GEMM with i8 where the CPU has it): rows grouped 8 at a
+    # time from another start give the same bits
+    xs = torch.randn(45, K, generator=torch.Generator().manual_seed(12))
+    big = cpu_ops.weight_matmul(xs, qt, int8_activations=i8)
+    assert torch.equal(cpu_ops.weight_matmul(xs[3:40].clone(), qt, int8_activations=i8),
+                       big[3:40])
 
 
 def _mixed_formats_weight(fmt: str, N: int, K: int) -> QuantizedTensor:

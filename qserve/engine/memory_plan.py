@@ -130,10 +130,13 @@ def scratch_bytes(tensors: list[tuple[str, str, int, tuple[int, ...]]], arch: Mo
     FUSED_MAX_ROWS rows dequantizes its packed matrix, one stacked segment at a time (the
     parts of a fused projection in one format stack into one), into a buffer kept at the
     largest size seen; the output matrix counts when more than that many logit rows are
-    taken in one step."""
+    taken in one step. The int8 GEMM (cpu_ops.int8_gemm: AVX-512 VNNI, no AMX) keeps no such
+    buffer: it rounds 16 weight rows at a time into a per-thread tile of at most 16 x K bytes."""
     from qserve.kernels import cpu_ops
     from qserve.models import registry
 
+    if cpu_ops.int8_activations() and cpu_ops.int8_gemm():
+        return 0
     itemsize = 2 if cpu_ops.int8_activations() and cpu_ops.fast_bf16() else 4
     dense = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}[dtype]
     packed = {name: (fmt, shape) for name, fmt, _, shape in tensors
