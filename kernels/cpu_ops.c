@@ -1323,10 +1323,10 @@ static void att_weighted_sum(const float *p, const float *v, int64_t n, int d, f
  * FlashDecoding-style: each task is ATT_PART positions of one sequence's context and one kv
  * head, so one long sequence (or one short one, with its hkv tasks) still keeps every thread
  * busy. A task reads those positions' K and V rows of its kv head, converts them to fp32 once
- * for the g = H / hkv query heads that share it, and keeps per query head the max score m, the sum l of
- * exp(score - m) and the exp-weighted sum of values; a second pass merges a sequence's parts
- * in order. int8 K and V and int4 V hold y = H x (int4 keys are not rotated: their codebook
- * works on raw channels), and H is symmetric orthonormal, so q . x = (H q) . y and
+ * for the g = H / hkv query heads that share it, and keeps per query head the max score m,
+ * the sum l of exp(score - m) and the exp-weighted sum of values; a second pass merges a
+ * sequence's parts in order. int8 K and V and int4 V hold y = H x (int4 keys are not rotated:
+ * their codebook works on raw channels), and H is symmetric orthonormal, so q . x = (H q) . y and
  * sum p x = H (sum p y): rotate the queries (int8) and the output (int8, int4), never the
  * context. */
 void paged_decode(int kind, const float *q, float *out, int64_t B, int64_t H, int64_t hkv, int d,
@@ -1676,7 +1676,8 @@ static void gemm_pack_tile(const wdesc *W, int64_t n0, int64_t nchunk, float *ro
                 const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, id));
                 const __m512i b = _mm512_set1_epi32(128);
                 _mm_storeu_si128((__m128i *)u, _mm512_cvtepi32_epi8(_mm512_add_epi32(q0, b)));
-                _mm_storeu_si128((__m128i *)(u + 16), _mm512_cvtepi32_epi8(_mm512_add_epi32(q1, b)));
+                _mm_storeu_si128((__m128i *)(u + 16),
+                                 _mm512_cvtepi32_epi8(_mm512_add_epi32(q1, b)));
             } else
                 memset(u, 128, sizeof u);
             dw[c * GT + r] = d;

@@ -199,7 +199,8 @@ def _p(t: torch.Tensor | None) -> int | None:
 def int8_activations() -> bool:
     """Whether packed matmuls may approximate their activations: decode-sized ones quantize
     them to int8 per 32 inputs (llama.cpp's CPU scheme: about 2x fewer instructions per
-    weight), prefill-sized ones multiply in bf16 where the CPU does that fast (fast_bf16).
+    weight), prefill-sized ones multiply in bf16 where the CPU does that fast (fast_bf16), or
+    round the weights to int8 per 32 inputs too for an integer GEMM (int8_gemm).
     QSERVE_CPU_ACTIVATIONS=fp32 keeps fp32 (bit-for-bit closer to the reference path)."""
     return os.environ.get("QSERVE_CPU_ACTIVATIONS", "int8") != "fp32"
 
