@@ -300,6 +300,32 @@ static inline int hsum_epi32(__m256i v)
     return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
 }
 
+/* 32 fp32 values v -> their int8 codes per the int8-activation scheme, in order, as 32 bytes;
+ * *d = the step amax / 127, q = the codes as int32 (8 a vector, for their sums). Activations
+ * (quantize_activations) and the int8 GEMM's weights are rounded by this one function:
+ *     q = round-to-nearest-even(x * (127 / amax)), the quotient correctly rounded in fp32
+ * (_mm256_cvtps_epi32 rounds as nearbyintf does in the default rounding mode). */
+static inline __m256i chunk_to_i8(const float *v, float *d, __m256i q[4])
+{
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 x8[4], mx = _mm256_setzero_ps();
+    for (int u = 0; u < 4; u++) {
+        x8[u] = _mm256_loadu_ps(v + 8 * u);
+        mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, x8[u]));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    const float id = amax > 0.f ? 127.f / amax : 0.f;
+    *d = amax / 127.f;
+    for (int u = 0; u < 4; u++)
+        q[u] = _mm256_cvtps_epi32(_mm256_mul_ps(x8[u], _mm256_set1_ps(id)));
+    /* 32 int32 in [-127, 127] -> 32 int8 in order (the packs interleave 128-bit lanes) */
+    return _mm256_permutevar8x32_epi32(
+        _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])),
+        _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
 static qacts quantize_activations(const float *x, int64_t M, int64_t K, int64_t ldx, int64_t Kp,
                                   int layout, int sums16, int nthreads)
 {
@@ -316,31 +342,13 @@ static qacts quantize_activations(const float *x, int64_t M, int64_t K, int64_t 
                rows ? malloc(sizeof(float) * (size_t)(M * nchunk)) : NULL,
                rows ? malloc(sizeof(float) * (size_t)(M * nchunk)) : NULL};
     float *xp = pack_activations(x, M, K, ldx, Kp, layout == ACT_NIBBLE || layout == ACT_QUADS);
-    const __m256 sign = _mm256_set1_ps(-0.f);
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     const __m256i flip = _mm256_set1_epi8((char)0x80);
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (M >= 4)
     for (int64_t m = 0; m < M; m++)
         for (int64_t c = 0; c < nchunk; c++) {
-            /* q = round-to-nearest-even(x * 127 / amax): _mm256_cvtps_epi32 rounds as
-             * nearbyintf does in the default rounding mode */
-            const float *v = xp + m * Kp + c * CHUNK;
-            __m256 x8[4], mx = _mm256_setzero_ps();
-            for (int u = 0; u < 4; u++) {
-                x8[u] = _mm256_loadu_ps(v + 8 * u);
-                mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, x8[u]));
-            }
-            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-            const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-            const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
             __m256i q[4];
-            for (int u = 0; u < 4; u++)
-                q[u] = _mm256_cvtps_epi32(_mm256_mul_ps(x8[u], _mm256_set1_ps(id)));
-            /* 32 int32 in [-127, 127] -> 32 int8 in order (the packs interleave 128-bit lanes) */
-            const __m256i q16 = _mm256_permutevar8x32_epi32(
-                _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])),
-                order);
+            float d;
+            const __m256i q16 = chunk_to_i8(xp + m * Kp + c * CHUNK, &d, q);
             int8_t *dst = a.q + m * Kp;
             if (layout == ACT_QUADS && c < nchunk / 4 * 4) { /* halves 64 bytes apart */
                 int8_t *even = dst + (c & ~(int64_t)3) * CHUNK + (c & 3) * (CHUNK / 2);
@@ -1653,7 +1661,6 @@ static void gemm_pack_tile(const wdesc *W, int64_t n0, int64_t nchunk, float *ro
                            float *dw)
 {
     const int64_t Kp = nchunk * CHUNK;
-    const __m512 sign = _mm512_set1_ps(-0.f);
     for (int r = 0; r < GT; r++) {
         const int64_t n = n0 + r;
         if (n < W->N) {
@@ -1664,20 +1671,11 @@ static void gemm_pack_tile(const wdesc *W, int64_t n0, int64_t nchunk, float *ro
         for (int64_t c = 0; c < nchunk; c++) {
             uint8_t u[CHUNK];
             float d = 0.f;
-            if (n < W->N) {
-                const __m512 x0 = _mm512_loadu_ps(row + c * CHUNK);
-                const __m512 x1 = _mm512_loadu_ps(row + c * CHUNK + 16);
-                const float amax = _mm512_reduce_max_ps(
-                    _mm512_max_ps(_mm512_andnot_ps(sign, x0), _mm512_andnot_ps(sign, x1)));
-                d = amax / 127.f;
-                const __m512 id = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
-                /* rne as quantize_activations rounds; +128 for the unsigned operand */
-                const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, id));
-                const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, id));
-                const __m512i b = _mm512_set1_epi32(128);
-                _mm_storeu_si128((__m128i *)u, _mm512_cvtepi32_epi8(_mm512_add_epi32(q0, b)));
-                _mm_storeu_si128((__m128i *)(u + 16),
-                                 _mm512_cvtepi32_epi8(_mm512_add_epi32(q1, b)));
+            if (n < W->N) { /* the activations' rounding; +128 for the unsigned operand */
+                __m256i q[4];
+                _mm256_storeu_si256((__m256i *)u,
+                                    _mm256_xor_si256(chunk_to_i8(row + c * CHUNK, &d, q),
+                                                     _mm256_set1_epi8((char)0x80)));
             } else
                 memset(u, 128, sizeof u);
             dw[c * GT + r] = d;

@@ -123,6 +123,20 @@ def bf16_prefill(monkeypatch):
     cpu_ops.fast_bf16.cache_clear()
 
 
+VNNI = cpu_ops.kernel_isa() == "avx512-vnni"
+
+
+@pytest.fixture
+def gemm_prefill(monkeypatch):
+    """The int8 GEMM prefill path on an AVX-512 VNNI build even where AMX would pick bf16."""
+    monkeypatch.setenv("QSERVE_CPU_BF16", "0")
+    cpu_ops.fast_bf16.cache_clear()
+    assert cpu_ops.int8_gemm()
+    yield
+    monkeypatch.undo()
+    cpu_ops.fast_bf16.cache_clear()
+
+
 @pytest.mark.skipif(not cpu_ops.has_int8_path(), reason="no int8-activation kernels (AVX2)")
 @pytest.mark.parametrize("M", ROWS)
 @pytest.mark.parametrize("fmt,N,K", [c for c in GRID if c[0] in GGML])
@@ -139,6 +153,13 @@ def test_weight_matmul_int8_activations_match_reference(fmt, N, K, M):
 @pytest.mark.parametrize("fmt,N,K", [c for c in GRID if c[0] in GGML])
 def test_bf16_prefill_matches_reference(fmt, N, K, bf16_prefill):
     """The prefill branch of the test above with the bf16 GEMM on, as on an AMX machine."""
+    _check_int8_activations(fmt, N, K, 40)
+
+
+@pytest.mark.skipif(not VNNI, reason="the int8 GEMM is built with the AVX-512 VNNI kernels")
+@pytest.mark.parametrize("fmt,N,K", [c for c in GRID if c[0] in GGML])
+def test_int8_gemm_prefill_matches_reference(fmt, N, K, gemm_prefill):
+    """The prefill branch with the int8 GEMM on, as on a VNNI machine without AMX."""
     _check_int8_activations(fmt, N, K, 40)
 
 
@@ -190,10 +211,10 @@ def _check_int8_gemm(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> Non
     assert ((out - x.double() @ w.T).abs() <= bound + slack).all()
 
 
-@pytest.mark.skipif(not cpu_ops.int8_gemm(), reason="int8 GEMM: AVX-512 VNNI kernels, no AMX")
+@pytest.mark.skipif(not VNNI, reason="the int8 GEMM is built with the AVX-512 VNNI kernels")
 @pytest.mark.parametrize("fmt,N,K", [("int4", 83, 77), ("int4", 17, 512), ("int8", 83, 77),
                                      ("int8", 769, 96)])
-def test_int8_gemm_qserve_formats(fmt, N, K):
+def test_int8_gemm_qserve_formats(fmt, N, K, gemm_prefill):
     """qserve's int4 / int8 (a padded last group, odd sizes) through the int8 GEMM, with a bias:
     the bias is added once, after the sums."""
     qt = _mixed_formats_weight(fmt, N, K)
