@@ -236,6 +236,148 @@ static void deq_q6_k(const uint8_t *b, float *y)
 static void deq_q6_k(const uint8_t *b, float *y) { deq_q6_k_scalar(b, y); }
 #endif
 
+/* ---- block codes: one block -> its unsigned codes and per-16 scales, for the int8 GEMM -------
+ * The GEMM (wgemm_i8 in cpu_ops.c) multiplies the weights' own integer codes, not a rounding of
+ * their values: per block, u[i] the code of input i as an unsigned byte in input order, and per
+ * 16 inputs a scale s and an offset o with
+ *
+ *     w_i = s (u_i - z) + o      (z the type's zero point, ggml_type.z: an integer)
+ *
+ * which is the reference's value exactly (the same products d sc, dmin m, exact in fp32), so
+ * nothing is rounded a second time. Types with one scale per 32 inputs give equal halves. */
+static void codes_q5(const uint8_t *b, uint8_t *u, float *s, float *o, const int asym)
+{
+    const float d = ld_half(b), m = asym ? ld_half(b + 2) : 0.f;
+    uint32_t qh;
+    memcpy(&qh, b + (asym ? 4 : 2), 4);
+    const uint8_t *qs = b + (asym ? 8 : 6);
+    for (int l = 0; l < 16; l++) {
+        u[l] = (uint8_t)((qs[l] & 15) | ((qh >> l) & 1) << 4);
+        u[l + 16] = (uint8_t)((qs[l] >> 4) | ((qh >> (l + 16)) & 1) << 4);
+    }
+    s[0] = s[1] = d;
+    o[0] = o[1] = m;
+}
+static void codes_q5_0(const uint8_t *b, uint8_t *u, float *s, float *o)
+{
+    codes_q5(b, u, s, o, 0);
+}
+static void codes_q5_1(const uint8_t *b, uint8_t *u, float *s, float *o)
+{
+    codes_q5(b, u, s, o, 1);
+}
+
+static void codes_q2_k(const uint8_t *b, uint8_t *u, float *s, float *o)
+{
+    const uint8_t *sm = b, *qs = b + 16;
+    const float d = ld_half(b + 80), dmin = ld_half(b + 82);
+    for (int h = 0; h < 2; h++)
+        for (int t = 0; t < 4; t++)
+            for (int l = 0; l < 32; l++)
+                u[128 * h + 32 * t + l] = (qs[32 * h + l] >> (2 * t)) & 3;
+    for (int j = 0; j < 16; j++) { /* sub-block j = inputs 16j .. 16j + 15 */
+        s[j] = d * (float)(sm[j] & 15);
+        o[j] = -(dmin * (float)(sm[j] >> 4));
+    }
+}
+
+static void codes_q3_k(const uint8_t *b, uint8_t *u, float *s, float *o)
+{
+    const uint8_t *hm = b, *qs = b + 32;
+    const float d = ld_half(b + 108);
+    uint32_t w[4];
+    uint8_t sc[16];
+    k3_words(b + 96, w);
+    memcpy(sc, w, 16);
+    for (int h = 0; h < 2; h++)
+        for (int t = 0; t < 4; t++)
+            for (int l = 0; l < 32; l++)
+                u[128 * h + 32 * t + l] = (uint8_t)(((qs[32 * h + l] >> (2 * t)) & 3)
+                                                    | ((hm[l] >> (4 * h + t)) & 1) << 2);
+    for (int j = 0; j < 16; j++) {
+        s[j] = d * (float)(sc[j] - 32);
+        o[j] = 0.f;
+    }
+}
+
+static void codes_k4(const uint8_t *b, uint8_t *u, float *s, float *o, const int five)
+{
+    const float d = ld_half(b), dmin = ld_half(b + 2);
+    uint32_t w[4];
+    uint8_t sm[16];
+    k4_words(b + 4, w);
+    memcpy(sm, w, 16);
+    const uint8_t *qs = b + (five ? 48 : 16);
+#ifdef HAVE_I8_PATH
+    const __m256i m4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
+    __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
+    for (int p = 0; p < 4; p++) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * p));
+        __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+        if (five) {
+            lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(qh, one), 4));
+            hi = _mm256_or_si256(hi, _mm256_slli_epi16(
+                                         _mm256_and_si256(_mm256_srli_epi16(qh, 1), one), 4));
+            qh = _mm256_srli_epi16(qh, 2);
+        }
+        _mm256_storeu_si256((__m256i *)(u + 64 * p), lo);
+        _mm256_storeu_si256((__m256i *)(u + 64 * p + 32), hi);
+    }
+#else
+    const uint8_t *qh = b + 16;
+    for (int j = 0; j < 8; j++)
+        for (int l = 0; l < 32; l++)
+            u[32 * j + l] = (uint8_t)(((qs[32 * (j / 2) + l] >> (4 * (j & 1))) & 15)
+                                      | (five ? ((qh[l] >> j) & 1) << 4 : 0));
+#endif
+    for (int j = 0; j < 8; j++) {
+        s[2 * j] = s[2 * j + 1] = d * (float)sm[j];
+        o[2 * j] = o[2 * j + 1] = -(dmin * (float)sm[8 + j]);
+    }
+}
+static void codes_q4_k(const uint8_t *b, uint8_t *u, float *s, float *o)
+{
+    codes_k4(b, u, s, o, 0);
+}
+static void codes_q5_k(const uint8_t *b, uint8_t *u, float *s, float *o)
+{
+    codes_k4(b, u, s, o, 1);
+}
+
+static void codes_q6_k(const uint8_t *b, uint8_t *u, float *s, float *o)
+{
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *sc = (const int8_t *)(b + 192);
+    const float d = ld_half(b + 208);
+#ifdef HAVE_I8_PATH
+    const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
+    for (int h = 0; h < 2; h++) {
+        const __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
+        const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32));
+        const __m256i hb = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
+#define Q6(lo, hi) _mm256_or_si256(_mm256_and_si256(lo, m4), _mm256_and_si256(hi, m30))
+        uint8_t *uh = u + 128 * h;
+        _mm256_storeu_si256((__m256i *)uh, Q6(l0, _mm256_slli_epi16(hb, 4)));
+        _mm256_storeu_si256((__m256i *)(uh + 32), Q6(l1, _mm256_slli_epi16(hb, 2)));
+        _mm256_storeu_si256((__m256i *)(uh + 64), Q6(_mm256_srli_epi16(l0, 4), hb));
+        _mm256_storeu_si256((__m256i *)(uh + 96),
+                            Q6(_mm256_srli_epi16(l1, 4), _mm256_srli_epi16(hb, 2)));
+#undef Q6
+    }
+#else
+    for (int h = 0; h < 2; h++)
+        for (int t = 0; t < 4; t++)
+            for (int l = 0; l < 32; l++)
+                u[128 * h + 32 * t + l] = (uint8_t)(
+                    ((ql[64 * h + 32 * (t & 1) + l] >> (4 * (t >> 1))) & 15)
+                    | ((qh[32 * h + l] >> (2 * t)) & 3) << 4);
+#endif
+    for (int j = 0; j < 16; j++) {
+        s[j] = d * (float)sc[j];
+        o[j] = 0.f;
+    }
+}
+
 /* ---- int8-activation row kernels -------------------------------------------------------------
  * As q4_row_i8, against the same activations (quantize_activations: int8 codes with one step d_x
  * per 32 inputs). A weight row's codes are unpacked once per 32-input chunk and multiplied with
@@ -625,19 +767,24 @@ typedef struct {
     int block, block_bytes;
     int sums16; /* needs the activations' per-16 sums (q2_k's 16-input mins) */
     void (*dequant)(const uint8_t *blk, float *y); /* one block -> block floats */
+    /* one block -> its codes and per-16 scales / offsets (the int8 GEMM; block codes above) */
+    void (*codes)(const uint8_t *blk, uint8_t *u, float *s, float *o);
+    int z;      /* the codes' zero point */
+    int halves; /* 2: a scale per 16 inputs; 1: per 32 (equal halves) */
+    int asym;   /* whether o is ever nonzero */
 #ifdef HAVE_I8_PATH
     rows_i8_fn rows_i8; /* one weight row against up to MTI int8 activation rows */
 #endif
 } ggml_type;
 
 static const ggml_type GGML_TYPES[] = {
-    {KIND_Q5_0, 32, 22, 0, deq_q5_0 I8(q5_0_rows_i8)},
-    {KIND_Q5_1, 32, 24, 0, deq_q5_1 I8(q5_1_rows_i8)},
-    {KIND_Q2_K, QK_K, 84, 1, deq_q2_k I8(q2_k_rows_i8)},
-    {KIND_Q3_K, QK_K, 110, 0, deq_q3_k I8(q3_k_rows_i8)},
-    {KIND_Q4_K, QK_K, 144, 0, deq_q4_k I8(q4_k_rows_i8)},
-    {KIND_Q5_K, QK_K, 176, 0, deq_q5_k I8(q5_k_rows_i8)},
-    {KIND_Q6_K, QK_K, 210, 0, deq_q6_k I8(q6_k_rows_i8)},
+    {KIND_Q5_0, 32, 22, 0, deq_q5_0, codes_q5_0, 16, 1, 0 I8(q5_0_rows_i8)},
+    {KIND_Q5_1, 32, 24, 0, deq_q5_1, codes_q5_1, 0, 1, 1 I8(q5_1_rows_i8)},
+    {KIND_Q2_K, QK_K, 84, 1, deq_q2_k, codes_q2_k, 0, 2, 1 I8(q2_k_rows_i8)},
+    {KIND_Q3_K, QK_K, 110, 0, deq_q3_k, codes_q3_k, 4, 2, 0 I8(q3_k_rows_i8)},
+    {KIND_Q4_K, QK_K, 144, 0, deq_q4_k, codes_q4_k, 0, 1, 1 I8(q4_k_rows_i8)},
+    {KIND_Q5_K, QK_K, 176, 0, deq_q5_k, codes_q5_k, 0, 1, 1 I8(q5_k_rows_i8)},
+    {KIND_Q6_K, QK_K, 210, 0, deq_q6_k, codes_q6_k, 32, 2, 0 I8(q6_k_rows_i8)},
 };
 #undef I8
 

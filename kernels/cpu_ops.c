@@ -1475,9 +1475,18 @@ void f32_matmul(const float *x, int64_t M, int64_t K, int64_t ldx, const float *
  * y (M, N), row stride ldy, = x (M, K), row stride ldx, times W^T (+ W's bias). i8: quantize the
  * activations to int8 (int4/int8/GGML kinds; dense kinds keep fp32). Returns 0, or -1 for a kind
  * this build does not know. */
+int gemm_min_rows(const wdesc *W);
+int wgemm_i8(const wdesc *W, const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy,
+             int nthreads);
+
 int wmatmul(const wdesc *W, const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy, int i8,
             int nthreads)
 {
+    if (i8) { /* decode batches of many rows: the int8 GEMM */
+        const int rows = gemm_min_rows(W);
+        if (rows > 0 && M >= rows && wgemm_i8(W, x, M, ldx, y, ldy, nthreads) == 0)
+            return 0;
+    }
     switch (W->kind) {
     case KIND_F32:
         f32_matmul(x, M, W->K, ldx, W->w, W->N, W->bias, y, ldy, nthreads);
@@ -1570,35 +1579,121 @@ int wdequant_bf16(const wdesc *W, uint16_t *out, int nthreads)
 }
 
 #ifdef HAVE_ZMM_PATH
-/* ---- prefill without AMX: an int8 GEMM (AVX-512 VNNI) -----------------------------------------
- * y (M, N) = x W^T for prefill-sized M, both sides rounded to int8 per 32 inputs:
- *   x: per row m and chunk c, q_x = rne(x * 127 / amax), d_x = amax / 127 (quantize_activations)
- *   W: the same rounding, per row n and chunk c, of its dequantized fp32 row (a second rounding
- *      of the weights, as the bf16 path's on AMX machines: ~1/17 of a 4-bit step at most),
- *      stored as u = q_w + 128 for vpdpbusd's unsigned operand
- *   y[m, n] = sum_c d_x[m, c] d_w[n, c] (sum_k u q_x - 128 S_x[m, c]),  S_x = sum of the q_x
- * A thread takes 16 weight rows at a time and lays them out in its own buffer (in L1/L2, so
- * memory sees only the weights' own reads), one 64-byte vector per 4 inputs:
+/* ---- the int8 GEMM (AVX-512 VNNI): prefill without AMX, and decode batches -------------------
+ * y (M, N) = x W^T on the weights' own integer codes, for M of at least gemm_min_rows:
+ *   x: per row m and chunk c (32 inputs), q_x = rne(x * 127 / amax), d_x = amax / 127
+ *      (quantize_activations, as for the row kernels); S_x,h the sum of the q_x of half h
+ *   W: per row n and 16 inputs h, its format's codes u (unsigned bytes), scale s, offset o and
+ *      zero point z, w = s (u - z) + o exactly (gemm_codes_row: the block codes of
+ *      kernels/cpu_formats.c, int4 / int8 here), so no weight is rounded a second time
+ *   y[m, n] = sum_c,h  d_x s (sum_{i in h} u q_x - z S_x,h)  +  o d_x S_x,h
+ * The integer sums are exact (int32). A thread takes 16 weight rows at a time and lays their
+ * codes out in its own buffer (in L1/L2, so memory sees only the weights' own reads), one
+ * 64-byte vector per 4 inputs:
  *
  *   tile[c][j]:  lane r (4 bytes) = row n0 + r, inputs 32c + 4j .. 32c + 4j + 3
  *
  * so one vpdpbusd with 4 activation bytes broadcast adds 4 products into each of the 16 rows'
- * lanes, and 8 of them are a chunk's exact integer dot for 16 rows, converted and scaled once:
- * 8 vpdpbusd per 4 float ops, where the row kernels (which read each weight once per step, and
- * so suit decode) spend 3 float ops per vpdpbusd. A row's result depends on its own
- * activations only: batch-invariant like the rest. */
+ * lanes, and 8 of them are a chunk's exact integer dot for 16 rows (4 a half for the types with
+ * a scale per 16 inputs), converted and scaled once: 8 vpdpbusd per 3-4 float ops (6-8 with two
+ * halves), where the row kernels spend ~3 float ops per vpdpbusd. Laying out the codes costs
+ * about as much as a few activation rows' products, so from gemm_min_rows rows on it beats the
+ * row kernels (which read each weight once and suit small batches). A row's result depends on
+ * its own activations only, never on the rows beside it. */
 #define GT 16 /* weight rows per tile: one zmm lane each */
 
 /* Activations for the GEMM, 8 rows (a group, zero-padded) at a time, per chunk one record:
- *   x4[j][i]  (8 x 8 int32)  inputs 4j .. 4j + 3 of row i, the 4 bytes vpdpbusd broadcasts
- *   d[i]      (8 floats)     the chunk's step d_x of row i
- *   nsum[i]   (8 int32)      -128 S_x of row i: starts the integer sum, undoing the +128
+ *   x4[j][i]  (8 x 8 int32)   inputs 4j .. 4j + 3 of row i, the 4 bytes vpdpbusd broadcasts
+ *   d[i]      (8 floats)      the chunk's step d_x of row i
+ *   iz[h][i]  (2 x 8 int32)   -z S_x,h of row i: starts half h's integer sum (with one scale
+ *                             per 32 inputs, iz[0] is the whole chunk's)
+ *   ds[h][i]  (2 x 8 floats)  d_x S_x,h, split alike, for the offsets
  * so the kernel reads one record after another from one pointer. */
 #define GM 8 /* activation rows per group */
-#define GREC (8 * GM + 2 * GM) /* 32-bit words per (group, chunk) record */
+#define GREC (13 * GM) /* 32-bit words per (group, chunk) record */
 
-static void gemm_pack_acts(const qacts *a, int64_t M, int64_t nchunk, int64_t Kp, int32_t *xg,
-                           int nthreads)
+typedef struct {
+    int z;      /* the codes' zero point */
+    int halves; /* 2: a scale per 16 inputs; 1: per 32 */
+    int asym;   /* offsets */
+} gemm_traits;
+
+/* W's codes' traits; 0, or -1 where the GEMM does not take W (dense kinds; an int8 matrix whose
+ * groups cut 16-input halves). */
+static int gemm_traits_of(const wdesc *W, gemm_traits *t)
+{
+    switch (W->kind) {
+    case KIND_INT4:
+        if (W->group_size % 16)
+            return -1;
+        *t = (gemm_traits){W->offsets ? 0 : 8, 1, W->offsets != NULL};
+        return 0;
+    case KIND_INT8:
+        if (W->group_size % 16 && W->group_size < W->Kp)
+            return -1;
+        *t = (gemm_traits){128, 1, 0};
+        return 0;
+    default: {
+        const ggml_type *g = ggml_type_of(W->kind);
+        if (!g)
+            return -1;
+        *t = (gemm_traits){g->z, g->halves, g->asym};
+        return 0;
+    }
+    }
+}
+
+/* Row n of W as codes u (Kp,), scales s and offsets o (Kp / 16,): w = s (u - z) + o per 16
+ * inputs. Inputs past K (the activations' zero padding) get code 0 or a whole group's. */
+static void gemm_codes_row(const wdesc *W, int64_t n, int64_t Kp, uint8_t *u, float *s, float *o)
+{
+    const int64_t nh = Kp / 16;
+    if (W->kind == KIND_INT4 || W->kind == KIND_INT8) {
+        const int64_t gs = W->group_size, G = W->Kp / gs;
+        const half *sc = W->scales + n * G, *of = W->offsets ? W->offsets + n * G : NULL;
+        if (W->kind == KIND_INT4) { /* W->Kp >= Kp: both whole chunks covering K */
+            const uint8_t *row = (const uint8_t *)W->w + n * (W->Kp / 2);
+            const __m128i m4 = _mm_set1_epi8(15);
+            for (int64_t j = 0; j < Kp / 2; j += 16) {
+                const __m128i b = _mm_loadu_si128((const __m128i *)(row + j));
+                const __m128i lo = _mm_and_si128(b, m4);
+                const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), m4);
+                _mm_storeu_si128((__m128i *)(u + 2 * j), _mm_unpacklo_epi8(lo, hi));
+                _mm_storeu_si128((__m128i *)(u + 2 * j + 16), _mm_unpackhi_epi8(lo, hi));
+            }
+        } else { /* u = q + 128; W->Kp may be below Kp (any K), past it q = 0 */
+            const int8_t *row = (const int8_t *)W->w + n * W->Kp;
+            const int64_t k1 = W->Kp < Kp ? W->Kp : Kp;
+            int64_t k = 0;
+            for (; k + 32 <= k1; k += 32)
+                _mm256_storeu_si256((__m256i *)(u + k),
+                                    _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(row + k)),
+                                                     _mm256_set1_epi8((char)0x80)));
+            for (; k < k1; k++)
+                u[k] = (uint8_t)(row[k] ^ 0x80);
+            memset(u + k1, 128, (size_t)(Kp - k1));
+        }
+        int64_t h = 0;
+        for (int64_t g = 0; g < G && h < nh; g++) { /* gs % 16 == 0, or one group (int8) */
+            const float sg = (float)sc[g], og = of ? (float)of[g] : 0.f;
+            for (int64_t e = (g + 1) * gs; h < nh && 16 * h < e; h++) {
+                s[h] = sg;
+                o[h] = og;
+            }
+        }
+        for (; h < nh; h++)
+            s[h] = o[h] = 0.f;
+        return;
+    }
+    const ggml_type *t = ggml_type_of(W->kind);
+    const uint8_t *row = (const uint8_t *)W->w + n * W->row_bytes;
+    for (int64_t b = 0; b < W->K / t->block; b++)
+        t->codes(row + b * t->block_bytes, u + b * t->block, s + b * t->block / 16,
+                 o + b * t->block / 16);
+}
+
+static void gemm_pack_acts(const qacts *a, int64_t M, int64_t nchunk, int64_t Kp,
+                           const gemm_traits *t, int32_t *xg, int nthreads)
 {
     const int64_t groups = (M + GM - 1) / GM;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
@@ -1607,121 +1702,178 @@ static void gemm_pack_acts(const qacts *a, int64_t M, int64_t nchunk, int64_t Kp
             int32_t *rec = xg + (g * nchunk + c) * GREC;
             for (int i = 0; i < GM; i++) {
                 const int64_t m = g * GM + i;
-                int32_t sum = 0;
+                int32_t S[2] = {0, 0};
                 float d = 0.f;
                 for (int j = 0; j < 8; j++) {
                     int32_t x4 = 0;
                     if (m < M) {
                         const int8_t *q = a->q + m * Kp + c * CHUNK + 4 * j;
                         memcpy(&x4, q, 4);
-                        sum += q[0] + q[1] + q[2] + q[3];
+                        S[j / 4] += q[0] + q[1] + q[2] + q[3];
                     }
                     rec[j * GM + i] = x4;
                 }
                 if (m < M)
                     d = a->drow[m * nchunk + c];
+                if (t->halves == 1) {
+                    S[0] += S[1];
+                    S[1] = 0;
+                }
+                float ds[2] = {d * (float)S[0], d * (float)S[1]};
                 memcpy(rec + 8 * GM + i, &d, 4);
-                rec[9 * GM + i] = -128 * sum;
+                for (int h = 0; h < 2; h++) {
+                    rec[(9 + h) * GM + i] = -t->z * S[h];
+                    memcpy(rec + (11 + h) * GM + i, ds + h, 4);
+                }
             }
         }
 }
 
-/* 16 weight rows (tile, dw: the layout above) against activation group g: out[i] holds row
- * g * GM + i's 16 results. */
-static inline void gemm_tile_i8(const uint8_t *tile, const float *dw, const int32_t *xg,
-                                int64_t nchunk, __m512 *out)
+/* 16 weight rows (tile, sw, ow: the layout above, scales and offsets (Kp / 16, 16)) against
+ * activation group xg: out[i] holds row i's 16 results. */
+static inline __attribute__((always_inline)) void
+gemm_tile_i8(const uint8_t *tile, const float *sw, const float *ow, const int32_t *xg,
+             int64_t nchunk, const int halves, const int asym, __m512 *out)
 {
     __m512 f[GM];
     for (int i = 0; i < GM; i++)
         f[i] = _mm512_setzero_ps();
     for (int64_t c = 0; c < nchunk; c++) {
-        const int32_t *rec = xg + c * GREC;
+        const int32_t *rec = xg + c * GREC, *iz = rec + 9 * GM;
+        const float *d = (const float *)(rec + 8 * GM), *ds = (const float *)(rec + 11 * GM);
         const uint8_t *tc = tile + c * 8 * 64;
-        __m512i acc[GM];
-        for (int i = 0; i < GM; i++)
-            acc[i] = _mm512_set1_epi32(rec[9 * GM + i]);
-        for (int j = 0; j < 8; j++) {
-            const __m512i w = _mm512_load_si512(tc + j * 64);
+        const __m512 s0 = _mm512_load_ps(sw + 32 * c);
+        if (halves == 1) {
+            __m512i acc[GM];
             for (int i = 0; i < GM; i++)
-                acc[i] = _mm512_dpbusd_epi32(acc[i], w, _mm512_set1_epi32(rec[j * GM + i]));
+                acc[i] = _mm512_set1_epi32(iz[i]);
+            for (int j = 0; j < 8; j++) {
+                const __m512i w = _mm512_load_si512(tc + j * 64);
+                for (int i = 0; i < GM; i++)
+                    acc[i] = _mm512_dpbusd_epi32(acc[i], w, _mm512_set1_epi32(rec[j * GM + i]));
+            }
+            for (int i = 0; i < GM; i++)
+                f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i]),
+                                       _mm512_mul_ps(s0, _mm512_set1_ps(d[i])), f[i]);
+        } else {
+            __m512i a0[GM], a1[GM];
+            for (int i = 0; i < GM; i++) {
+                a0[i] = _mm512_set1_epi32(iz[i]);
+                a1[i] = _mm512_set1_epi32(iz[GM + i]);
+            }
+            for (int j = 0; j < 4; j++) {
+                const __m512i w0 = _mm512_load_si512(tc + j * 64);
+                const __m512i w1 = _mm512_load_si512(tc + (j + 4) * 64);
+                for (int i = 0; i < GM; i++) {
+                    a0[i] = _mm512_dpbusd_epi32(a0[i], w0, _mm512_set1_epi32(rec[j * GM + i]));
+                    a1[i] = _mm512_dpbusd_epi32(a1[i], w1,
+                                                _mm512_set1_epi32(rec[(j + 4) * GM + i]));
+                }
+            }
+            const __m512 s1 = _mm512_load_ps(sw + 32 * c + 16);
+            for (int i = 0; i < GM; i++) {
+                const __m512 dv = _mm512_set1_ps(d[i]);
+                f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0[i]), _mm512_mul_ps(s0, dv), f[i]);
+                f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1[i]), _mm512_mul_ps(s1, dv), f[i]);
+            }
         }
-        const __m512 dwv = _mm512_loadu_ps(dw + c * GT);
-        const float *d = (const float *)(rec + 8 * GM);
-        for (int i = 0; i < GM; i++)
-            f[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i]),
-                                   _mm512_mul_ps(dwv, _mm512_set1_ps(d[i])), f[i]);
+        if (asym) {
+            const __m512 o0 = _mm512_load_ps(ow + 32 * c);
+            for (int i = 0; i < GM; i++)
+                f[i] = _mm512_fmadd_ps(o0, _mm512_set1_ps(ds[i]), f[i]);
+            if (halves == 2) {
+                const __m512 o1 = _mm512_load_ps(ow + 32 * c + 16);
+                for (int i = 0; i < GM; i++)
+                    f[i] = _mm512_fmadd_ps(o1, _mm512_set1_ps(ds[GM + i]), f[i]);
+            }
+        }
     }
     for (int i = 0; i < GM; i++)
         out[i] = f[i];
 }
 
-/* Rows n0 .. n0 + 15 of W (those below N), rounded to int8 per 32 inputs into tile / dw (the
- * layout above); row is a (Kp,) fp32 buffer. Rows past N read as zeros with scale 0. */
-static void gemm_pack_tile(const wdesc *W, int64_t n0, int64_t nchunk, float *row, uint8_t *tile,
-                           float *dw)
+/* Rows n0 .. n0 + 15 of W (those below N) as codes into tile and their scales and offsets into
+ * sw, ow (the layout above), through row-major buffers u (16, Kp) and so (2, 16, Kp / 16).
+ * Rows past N read as code 0 with scale 0. */
+static void gemm_pack_tile(const wdesc *W, int64_t n0, int64_t nchunk, uint8_t *u, float *so,
+                           uint8_t *tile, float *sw, float *ow)
 {
-    const int64_t Kp = nchunk * CHUNK;
+    const int64_t Kp = nchunk * CHUNK, nh = Kp / 16;
     for (int r = 0; r < GT; r++) {
-        const int64_t n = n0 + r;
-        if (n < W->N) {
-            dequant_row(W, n, row);
-            for (int64_t k = W->K; k < Kp; k++)
-                row[k] = 0.f;
+        if (n0 + r < W->N)
+            gemm_codes_row(W, n0 + r, Kp, u + r * Kp, so + r * nh, so + (GT + r) * nh);
+        else {
+            memset(u + r * Kp, 0, (size_t)Kp);
+            memset(so + r * nh, 0, sizeof(float) * (size_t)nh);
+            memset(so + (GT + r) * nh, 0, sizeof(float) * (size_t)nh);
         }
-        for (int64_t c = 0; c < nchunk; c++) {
-            uint8_t u[CHUNK];
-            float d = 0.f;
-            if (n < W->N) { /* the activations' rounding; +128 for the unsigned operand */
-                __m256i q[4];
-                _mm256_storeu_si256((__m256i *)u,
-                                    _mm256_xor_si256(chunk_to_i8(row + c * CHUNK, &d, q),
-                                                     _mm256_set1_epi8((char)0x80)));
-            } else
-                memset(u, 128, sizeof u);
-            dw[c * GT + r] = d;
-            for (int j = 0; j < 8; j++)
-                memcpy(tile + (c * 8 + j) * 64 + r * 4, u + 4 * j, 4);
-        }
+    }
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i rb = _mm512_mullo_epi32(lanes, _mm512_set1_epi32((int)Kp)); /* bytes */
+    const __m512i rh = _mm512_mullo_epi32(lanes, _mm512_set1_epi32((int)nh)); /* floats */
+    for (int64_t q = 0; q < Kp / 4; q++)
+        _mm512_store_si512(tile + q * 64, _mm512_i32gather_epi32(rb, u + 4 * q, 1));
+    for (int64_t h = 0; h < nh; h++) {
+        _mm512_store_ps(sw + h * GT, _mm512_i32gather_ps(rh, so + h, 4));
+        _mm512_store_ps(ow + h * GT, _mm512_i32gather_ps(rh, so + GT * nh + h, 4));
     }
 }
 
-/* y (M, N) row stride ldy = x (M, K) W^T (+ bias) through the int8 GEMM; 0, or -1 for a kind
- * this build does not know or a dense one (f32 / f16 / bf16 keep their float GEMM). */
+/* One tile against every activation group, into y. */
+static void gemm_tile_rows(const wdesc *W, const gemm_traits *t, const uint8_t *tile,
+                           const float *sw, const float *ow, const int32_t *xg, int64_t nchunk,
+                           int64_t M, int64_t n0, float *y, int64_t ldy)
+{
+    const int64_t groups = (M + GM - 1) / GM;
+    const int64_t nr = W->N - n0 < GT ? W->N - n0 : GT;
+    const __mmask16 k = (__mmask16)((1u << nr) - 1);
+    const __m512 bias = W->bias ? _mm512_maskz_loadu_ps(k, W->bias + n0) : _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m512 out[GM];
+        const int32_t *xr = xg + g * nchunk * GREC;
+        if (t->halves == 1 && !t->asym)
+            gemm_tile_i8(tile, sw, ow, xr, nchunk, 1, 0, out);
+        else if (t->halves == 1)
+            gemm_tile_i8(tile, sw, ow, xr, nchunk, 1, 1, out);
+        else if (!t->asym)
+            gemm_tile_i8(tile, sw, ow, xr, nchunk, 2, 0, out);
+        else
+            gemm_tile_i8(tile, sw, ow, xr, nchunk, 2, 1, out);
+        for (int i = 0; i < GM && g * GM + i < M; i++)
+            _mm512_mask_storeu_ps(y + (g * GM + i) * ldy + n0, k, _mm512_add_ps(out[i], bias));
+    }
+}
+
+/* y (M, N) row stride ldy = x (M, K) W^T (+ bias) through the int8 GEMM; 0, or -1 for a kind it
+ * does not take (f32 / f16 / bf16 keep their float GEMM; gemm_traits_of). */
 int wgemm_i8(const wdesc *W, const float *x, int64_t M, int64_t ldx, float *y, int64_t ldy,
              int nthreads)
 {
-    if (!wkind_known(W->kind) || W->kind == KIND_F32 || W->kind == KIND_F16 ||
-        W->kind == KIND_BF16)
+    gemm_traits t;
+    if (gemm_traits_of(W, &t))
         return -1;
-    const int64_t nchunk = (W->K + CHUNK - 1) / CHUNK, Kp = nchunk * CHUNK;
+    const int64_t nchunk = (W->K + CHUNK - 1) / CHUNK, Kp = nchunk * CHUNK, nh = Kp / 16;
     const qacts a = quantize_activations(x, M, W->K, ldx, Kp, ACT_PLAIN, 0, nthreads);
     const int64_t groups = (M + GM - 1) / GM;
     int32_t *xg = aligned_alloc(64, sizeof(int32_t) * (size_t)(groups * nchunk * GREC));
-    gemm_pack_acts(&a, M, nchunk, Kp, xg, nthreads);
+    gemm_pack_acts(&a, M, nchunk, Kp, &t, xg, nthreads);
     free_activations(a);
 #pragma omp parallel num_threads(nthreads)
     {
+        uint8_t *u = aligned_alloc(64, (size_t)(Kp * GT));
         uint8_t *tile = aligned_alloc(64, (size_t)(Kp * GT));
-        float *dw = malloc(sizeof(float) * (size_t)(nchunk * GT));
-        float *row = malloc(sizeof(float) * (size_t)Kp);
+        float *so = malloc(sizeof(float) * (size_t)(2 * GT * nh));
+        float *sw = aligned_alloc(64, sizeof(float) * (size_t)(2 * GT * nh));
+        float *ow = sw + GT * nh;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t n0 = 0; n0 < W->N; n0 += GT) {
-            gemm_pack_tile(W, n0, nchunk, row, tile, dw);
-            const int64_t nr = W->N - n0 < GT ? W->N - n0 : GT;
-            const __mmask16 k = (__mmask16)((1u << nr) - 1);
-            const __m512 bias = W->bias ? _mm512_maskz_loadu_ps(k, W->bias + n0)
-                                        : _mm512_setzero_ps();
-            for (int64_t g = 0; g < groups; g++) {
-                __m512 out[GM];
-                gemm_tile_i8(tile, dw, xg + g * nchunk * GREC, nchunk, out);
-                for (int i = 0; i < GM && g * GM + i < M; i++)
-                    _mm512_mask_storeu_ps(y + (g * GM + i) * ldy + n0, k,
-                                          _mm512_add_ps(out[i], bias));
-            }
+            gemm_pack_tile(W, n0, nchunk, u, so, tile, sw, ow);
+            gemm_tile_rows(W, &t, tile, sw, ow, xg, nchunk, M, n0, y, ldy);
         }
+        free(u);
         free(tile);
-        free(dw);
-        free(row);
+        free(so);
+        free(sw);
     }
     free(xg);
     return 0;
@@ -1734,6 +1886,38 @@ int wgemm_i8(const wdesc *W, const float *x, int64_t M, int64_t ldx, float *y, i
     return -1;
 }
 #endif
+
+/* From how many activation rows wmatmul with int8 activations runs the int8 GEMM on W instead of
+ * the row kernels; 0: never (no GEMM in this build, or not for W). Each kind's crossover, 1B
+ * shapes, 2 threads, Xeon with AVX-512 VNNI: q6_k's GEMM (per-16 scales, where the row kernels
+ * are slowest) was 1.7x the row kernels' speed at 8 rows, q4_k's even at 12 and 2.1x at 32,
+ * int8's 1.1x at 16, int4's (the fastest row kernels) 0.7x at 16, 1.4x at 24-32.
+ * set_gemm_rows(n >= 0) puts n for every kind (kernels/cpu_ops.py: QSERVE_CPU_GEMM_ROWS). */
+static int gemm_rows_forced = -1;
+
+void set_gemm_rows(int rows)
+{
+    gemm_rows_forced = rows;
+}
+
+int gemm_min_rows(const wdesc *W)
+{
+#ifdef HAVE_ZMM_PATH
+    gemm_traits t;
+    if (gemm_traits_of(W, &t))
+        return 0;
+    if (gemm_rows_forced >= 0)
+        return gemm_rows_forced;
+    if (W->kind == KIND_INT4)
+        return 20;
+    if (W->kind == KIND_INT8)
+        return 16;
+    return t.halves == 2 ? 8 : 12;
+#else
+    (void)W, (void)gemm_rows_forced;
+    return 0;
+#endif
+}
 
 /* Whether this build has the int8-activation kernels (AVX2); without them i8 is ignored. */
 int has_int8_path(void)

@@ -95,6 +95,8 @@ _SIGNATURES = {  # name: (argtypes, restype)
     "wdequant_bf16": ([_WDESC, _ptr, _int], _int),
     "wgemm_i8": ([_WDESC, _ptr, _i64, _i64, _ptr, _i64, _int], _int),
     "wkind_known": ([_i64], _int),
+    "gemm_min_rows": ([_WDESC], _int),
+    "set_gemm_rows": ([_int], None),
     "has_int8_path": ([], _int),
     "kernel_isa": ([], _int),
     "kv_write": ([_int, _ptr, _ptr, _ptr, _i64, _i64, _int, _ptr, _int], None),
@@ -172,6 +174,7 @@ def lib() -> ctypes.CDLL | None:
                 fn = getattr(handle, name)
                 fn.argtypes, fn.restype = argtypes, restype
             _lib = handle
+            set_gemm_rows(_env_gemm_rows())
         except Exception as e:  # any failure leaves the reference path, which is always correct
             _error = str(e)
             log.warning("CPU kernels unavailable, using the pure-torch path: %s", e)
@@ -199,8 +202,9 @@ def _p(t: torch.Tensor | None) -> int | None:
 def int8_activations() -> bool:
     """Whether packed matmuls may approximate their activations: decode-sized ones quantize
     them to int8 per 32 inputs (llama.cpp's CPU scheme: about 2x fewer instructions per
-    weight), prefill-sized ones multiply in bf16 where the CPU does that fast (fast_bf16), or
-    round the weights to int8 per 32 inputs too for an integer GEMM (int8_gemm).
+    weight; with many rows through the int8 GEMM on the weights' own codes, gemm_min_rows),
+    prefill-sized ones multiply in bf16 where the CPU does that fast (fast_bf16), or quantize
+    them alike for the int8 GEMM (int8_gemm).
     QSERVE_CPU_ACTIVATIONS=fp32 keeps fp32 (bit-for-bit closer to the reference path)."""
     return os.environ.get("QSERVE_CPU_ACTIVATIONS", "int8") != "fp32"
 
@@ -227,6 +231,38 @@ def int8_gemm() -> bool:
     AVX-512 VNNI kernels, where fast_bf16 does not pick bf16): at 1B shapes 3.3-3.5x the
     dequantize-then-fp32-GEMM path on such a Xeon without AMX (128-512 rows, 2 threads)."""
     return kernel_isa() == "avx512-vnni" and not fast_bf16()
+
+
+def _env_gemm_rows() -> int:
+    """QSERVE_CPU_GEMM_ROWS: unset, each kind's own crossover (-1); n >= 1, the int8 GEMM from
+    n rows for every kind; 0, never at decode sizes (up to FUSED_MAX_ROWS rows)."""
+    raw = os.environ.get("QSERVE_CPU_GEMM_ROWS", "").strip()
+    if not raw:
+        return -1
+    try:
+        rows = int(raw)
+    except ValueError:
+        rows = -2
+    if rows < 0:
+        log.warning("QSERVE_CPU_GEMM_ROWS=%r is not a row count (0 or more); ignored", raw)
+        return -1
+    return rows
+
+
+def set_gemm_rows(rows: int | None) -> None:
+    """From how many rows int8-activation matmuls of up to FUSED_MAX_ROWS rows (decode batches)
+    run the int8 GEMM instead of the row kernels, for every kind: None restores each kind's
+    own crossover, 0 keeps the row kernels (then a row's result at decode never depends on its
+    batch's size)."""
+    if _lib is not None:
+        _lib.set_gemm_rows(-1 if rows is None else int(rows))
+
+
+def gemm_min_rows(qt: QuantizedTensor) -> int:
+    """The fewest rows from which `weight_matmul(..., int8_activations=True)` runs qt through
+    the int8 GEMM at decode sizes; 0 where it never does (no AVX-512 VNNI, a dense format)."""
+    L = lib()
+    return 0 if L is None else int(L.gemm_min_rows(ctypes.byref(_desc(qt))))
 
 
 def has_int8_path() -> bool:
@@ -368,10 +404,11 @@ def weight_matmul(x: torch.Tensor, qt: QuantizedTensor, bias: torch.Tensor | Non
         bias: fp32 (N,), contiguous, or None.
         int8_activations: approximate activations: up to FUSED_MAX_ROWS rows, x quantized to
             int8 per 32 inputs for the packed formats' integer dot products, as llama.cpp
-            does (dense formats ignore it); more rows (prefill), x and the dequantized W in
-            bf16 with fp32 accumulation where the CPU multiplies bf16 fast (fast_bf16), else
-            where the kernels are AVX-512 VNNI both rounded to int8 per 32 inputs for an
-            integer GEMM (wgemm_i8 in cpu_ops.c; packed formats only).
+            does (dense formats ignore it), in the row kernels, or from gemm_min_rows(qt)
+            rows on in the int8 GEMM (wgemm_i8 in cpu_ops.c: the same x against the
+            weights' own codes, AVX-512 VNNI); more rows (prefill), x and the dequantized W
+            in bf16 with fp32 accumulation where the CPU multiplies bf16 fast (fast_bf16),
+            else the int8 GEMM where the kernels are AVX-512 VNNI (int8_gemm).
         out: where to write, an (M, N) fp32 view with stride(1) == 1, e.g. a column slice
             y[:, n0:n1] of a wider output that several segments fill.
     Returns:

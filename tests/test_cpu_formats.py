@@ -198,29 +198,33 @@ def _padded_int8_rounded(x: torch.Tensor) -> torch.Tensor:
 
 
 def _check_int8_gemm(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
-    """The int8 GEMM (prefill without AMX) rounds x and the reference weights w alike, to int8
-    per 32 inputs (int8_rounded), and sums their products exactly in integers per chunk; its few
-    fp32 products and adds per chunk (and the bias's) cost at most (K + 2) u of sum |wr| |xr|.
-    Against x and w themselves each side's rounding adds at most half its step per input:
-    |x w - xr wr| <= sum |x - xr| |w| + sum |xr| |w - wr|."""
+    """The int8 GEMM multiplies the weights' own codes (the reference weights w exactly, no
+    second rounding) by x rounded to int8 per 32 inputs (int8_rounded, as the row kernels): a
+    chunk's products sum exactly in integers, its few fp32 products and adds (and the bias's)
+    cost at most (K + 2) u of the largest sum |w| |xr|. Against x itself the rounding adds at
+    most half its step per input: |x w - xr w| <= sum |x - xr| |w|."""
     K = x.shape[1]
-    xr, wr = _padded_int8_rounded(x), _padded_int8_rounded(w)
-    slack = (K + 2) * U * (xr.abs() @ wr.abs().T).max()
-    assert ((out - xr @ wr.T).abs() <= slack).all()
-    bound = (x.double() - xr).abs() @ w.abs().T + xr.abs() @ (w - wr).abs().T
+    xr = _padded_int8_rounded(x)
+    slack = (K + 2) * U * (xr.abs() @ w.abs().T).max()
+    assert ((out - xr @ w.T).abs() <= slack).all()
+    bound = (x.double() - xr).abs() @ w.abs().T
     assert ((out - x.double() @ w.T).abs() <= bound + slack).all()
 
 
 @pytest.mark.skipif(not VNNI, reason="the int8 GEMM is built with the AVX-512 VNNI kernels")
-@pytest.mark.parametrize("fmt,N,K", [("int4", 83, 77), ("int4", 17, 512), ("int8", 83, 77),
-                                     ("int8", 769, 96)])
-def test_int8_gemm_qserve_formats(fmt, N, K, gemm_prefill):
-    """qserve's int4 / int8 (a padded last group, odd sizes) through the int8 GEMM, with a bias:
-    the bias is added once, after the sums."""
+@pytest.mark.parametrize("fmt,N,K", [("int4", 83, 77), ("int4", 17, 512), ("int4-sym", 83, 77),
+                                     ("int8", 83, 77), ("int8", 769, 96),
+                                     ("int8-channel", 40, 77)])
+@pytest.mark.parametrize("M", [24, 45])
+def test_int8_gemm_qserve_formats(fmt, N, K, M, gemm_prefill):
+    """qserve's int4 / int8 (a padded last group, odd sizes) through the int8 GEMM, with a bias,
+    at a decode batch's size (from gemm_min_rows) and a prefill's: the bias is added once,
+    after the sums."""
     qt = _mixed_formats_weight(fmt, N, K)
+    assert 0 < cpu_ops.gemm_min_rows(qt) <= M
     w = qt.dequantize().double()
     g = torch.Generator().manual_seed(N + K)
-    x, bias = torch.randn(45, K, generator=g), torch.randn(N, generator=g)
+    x, bias = torch.randn(M, K, generator=g), torch.randn(N, generator=g)
     out = cpu_ops.weight_matmul(x, qt, bias, int8_activations=True).double()
     _check_int8_gemm(out - bias.double(), x, w)
 
@@ -281,15 +285,35 @@ def test_prefill_weights_are_the_reference_in_bf16(fmt, bf16_prefill):
 @pytest.mark.parametrize("fmt", GGML + DENSE + ["int4", "int8", "f32"])
 @pytest.mark.parametrize("i8", [False, True])
 def test_matmul_rows_do_not_depend_on_the_batch(fmt, i8):
-    """Each output row is bit-identical whether its activation row comes alone or among 32 (as
-    for int4/int8 in test_cpu_ops.py): greedy outputs stay batch-invariant."""
+    """Each output row is bit-identical whatever rows come beside it, within one kernel's range
+    of batch sizes: alone or among 32 (as for int4/int8 in test_cpu_ops.py) where the row
+    kernels take every decode size; with int8 activations on a VNNI build, from
+    gemm_min_rows rows on the int8 GEMM takes a batch, so there a row is the same among
+    gemm_min_rows rows as among 32, and the same alone as among gemm_min_rows - 1; and with
+    set_gemm_rows(0) alone as among 32 again (greedy outputs stay batch-invariant)."""
     K, M = 512, cpu_ops.FUSED_MAX_ROWS
     qt = _mixed_formats_weight(fmt, 203, K)
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(11))
-    full = cpu_ops.weight_matmul(x, qt, int8_activations=i8)
+
+    def rows(lo: int, hi: int) -> torch.Tensor:
+        return cpu_ops.weight_matmul(x[lo:hi].clone(), qt, int8_activations=i8)
+
+    full = rows(0, M)
+    start = cpu_ops.gemm_min_rows(qt) if i8 else 0
+    assert 0 <= start <= M and (start > 0) == (i8 and VNNI and fmt not in DENSE + ["f32"])
+    if start:  # the GEMM's range, then the row kernels' below it
+        assert torch.equal(rows(M - start, M), full[M - start:])
+        few = rows(0, start - 1)
+        for i in (0, start // 2, start - 2):
+            assert torch.equal(rows(i, i + 1), few[i:i + 1]), i
+        cpu_ops.set_gemm_rows(0)
+        try:
+            full = rows(0, M)
+        finally:
+            cpu_ops.set_gemm_rows(None)
+        assert cpu_ops.gemm_min_rows(qt) == start
     for i in (0, 5, 8, 30, 31):
-        assert torch.equal(cpu_ops.weight_matmul(x[i:i + 1].clone(), qt, int8_activations=i8),
-                           full[i:i + 1]), i
+        assert torch.equal(rows(i, i + 1), full[i:i + 1]), i
     # prefill-sized calls (the int8 GEMM with i8 where the CPU has it): rows grouped 8 at a
     # time from another start give the same bits
     xs = torch.randn(45, K, generator=torch.Generator().manual_seed(12))
@@ -303,8 +327,10 @@ def _mixed_formats_weight(fmt: str, N: int, K: int) -> QuantizedTensor:
     from qserve.quant.schemes import WeightScheme, quantize
 
     w = torch.randn(N, K, generator=torch.Generator().manual_seed(N + K))
-    if fmt == "int4":
-        return quantize(w, WeightScheme(4, 32, False))
+    if fmt in ("int4", "int4-sym"):  # asymmetric g32 (Q4_1's repack), symmetric (Q4_0's)
+        return quantize(w, WeightScheme(4, 32, fmt == "int4-sym"))
+    if fmt == "int8-channel":  # one scale per output row, any K
+        return quantize(w, WeightScheme(8, None, True))
     if fmt == "int8":
         return quantize(w, WeightScheme(8, 32, True))
     if fmt == "f32":
