@@ -153,31 +153,20 @@ static inline void deq32(__m256i c, const int sgn, float dl, float off, float *y
     }
 }
 
-/* deq_k4 with AVX2: the same products (d sc and dmin m exact in fp32, then one fma each, which
- * is what the scalar loop compiles to), so the same floats bit for bit */
+static void codes_k4(const uint8_t *b, uint8_t *u, float *s, float *o, const int five);
+static void codes_q6_k(const uint8_t *b, uint8_t *u, float *s, float *o);
+
+/* deq_k4 with AVX2, through the block's codes (codes_k4): the same products (d sc and dmin m
+ * exact in fp32, then one fma each, which is what the scalar loop compiles to), so the same
+ * floats bit for bit */
 static void deq_k4_simd(const uint8_t *b, float *y, const int five)
 {
-    const float d = ld_half(b), dmin = ld_half(b + 2);
-    uint32_t w[4];
-    uint8_t sm[16];
-    k4_words(b + 4, w);
-    memcpy(sm, w, 16);
-    const uint8_t *qs = b + (five ? 48 : 16);
-    const __m256i m4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
-    __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
-    for (int p = 0; p < 4; p++) {
-        const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * p));
-        __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-        if (five) {
-            lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(qh, one), 4));
-            hi = _mm256_or_si256(hi, _mm256_slli_epi16(
-                                         _mm256_and_si256(_mm256_srli_epi16(qh, 1), one), 4));
-            qh = _mm256_srli_epi16(qh, 2);
-        }
-        const int j = 2 * p;
-        deq32(lo, 0, d * (float)sm[j], -(dmin * (float)sm[8 + j]), y + 32 * j);
-        deq32(hi, 0, d * (float)sm[j + 1], -(dmin * (float)sm[9 + j]), y + 32 * j + 32);
-    }
+    uint8_t u[QK_K] __attribute__((aligned(32)));
+    float s[QK_K / 16], o[QK_K / 16];
+    codes_k4(b, u, s, o, five);
+    for (int j = 0; j < 8; j++)
+        deq32(_mm256_load_si256((const __m256i *)(u + 32 * j)), 0, s[2 * j], o[2 * j],
+              y + 32 * j);
 }
 static void deq_q4_k(const uint8_t *b, float *y) { deq_k4_simd(b, y, 0); }
 static void deq_q5_k(const uint8_t *b, float *y) { deq_k4_simd(b, y, 1); }
@@ -204,32 +193,18 @@ static __attribute__((unused)) void deq_q6_k_scalar(const uint8_t *b, float *y)
 }
 
 #ifdef HAVE_I8_PATH
-/* deq_q6_k_scalar with AVX2 (d sc exact in fp32 times q - 32: the same floats) */
+/* deq_q6_k_scalar with AVX2, through the block's codes (codes_q6_k): u s - 32 s in one fma is
+ * d sc (q - 32) rounded once, as the scalar product is (32 s is exact), so the same floats */
 static void deq_q6_k(const uint8_t *b, float *y)
 {
-    const uint8_t *ql = b, *qh = b + 128;
-    const int8_t *sc = (const int8_t *)(b + 192);
-    const float d = ld_half(b + 208);
-    const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30), z = _mm256_set1_epi8(32);
-    for (int h = 0; h < 2; h++) {
-        const __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
-        const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32));
-        const __m256i hb = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
-#define Q6(lo, hi) \
-    _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(lo, m4), _mm256_and_si256(hi, m30)), z)
-        const __m256i q[4] = {Q6(l0, _mm256_slli_epi16(hb, 4)), Q6(l1, _mm256_slli_epi16(hb, 2)),
-                              Q6(_mm256_srli_epi16(l0, 4), hb),
-                              Q6(_mm256_srli_epi16(l1, 4), _mm256_srli_epi16(hb, 2))};
-#undef Q6
-        for (int t = 0; t < 4; t++) { /* two 16-input sub-blocks, each its own scale */
-            float *yt = y + 128 * h + 32 * t;
-            const float d0 = d * (float)sc[8 * h + 2 * t], d1 = d * (float)sc[8 * h + 2 * t + 1];
-            const __m128i lo = _mm256_castsi256_si128(q[t]), hi = _mm256_extracti128_si256(q[t], 1);
-            const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-            for (int i = 0; i < 4; i++)
-                _mm256_storeu_ps(yt + 8 * i, _mm256_mul_ps(_mm256_cvtepi32_ps(
-                    _mm256_cvtepi8_epi32(parts[i])), _mm256_set1_ps(i < 2 ? d0 : d1)));
-        }
+    uint8_t u[QK_K] __attribute__((aligned(32)));
+    float s[QK_K / 16], o[QK_K / 16];
+    codes_q6_k(b, u, s, o);
+    for (int j = 0; j < QK_K / 16; j++) {
+        const __m128i c = _mm_load_si128((const __m128i *)(u + 16 * j));
+        const __m256 vs = _mm256_set1_ps(s[j]), vo = _mm256_set1_ps(-32.f * s[j]);
+        _mm256_storeu_ps(y + 16 * j, _mm256_fmadd_ps(u8_to_ps(c), vs, vo));
+        _mm256_storeu_ps(y + 16 * j + 8, _mm256_fmadd_ps(u8_to_ps(_mm_srli_si128(c, 8)), vs, vo));
     }
 }
 #else
