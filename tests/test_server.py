@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import signal
 import socket
@@ -41,14 +42,15 @@ class Server:
     """A `python -m qserve serve` process; its stdout and stderr go to `log`. It is launched
     at once and waited for in `ready()`, so two servers can load their models side by side."""
 
-    def __init__(self, log_path, *flags: str):
+    def __init__(self, log_path, *flags: str, env: dict[str, str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "qserve", "serve", "--port", str(self.port), *SERVER_FLAGS,
-             *flags], stdout=self._log, stderr=subprocess.STDOUT)
+             *flags], stdout=self._log, stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})})
 
     def ready(self) -> "Server":
         deadline = time.monotonic() + 240
@@ -88,7 +90,13 @@ def servers(tmp_path_factory):
     """The module's server (with an API key), and a small one for back-pressure: one running
     sequence, one waiting request."""
     logs = tmp_path_factory.mktemp("serve")
-    main = Server(logs / "server.log", "--api-key", KEY)
+    # With int8 activations (the CPU default) a matmul's path depends on its row count (row
+    # kernels, the int8 GEMM from 8-32 rows on), and rounding the activations to int8 turns
+    # those paths' last-bit differences into different roundings a few layers on: a greedy
+    # near-tie can flip with the batch, as in vLLM and llama.cpp. The main server keeps fp32
+    # activations, whose paths differ only in the last bits, so a stream's text must equal
+    # the same prompt's alone: the concurrency tests check that streams never mix.
+    main = Server(logs / "server.log", "--api-key", KEY, env={"QSERVE_CPU_ACTIVATIONS": "fp32"})
     small = Server(logs / "small.log", "--max-num-seqs", "1", "--max-waiting", "1")
     yield main, small
     for srv in (small, main):
