@@ -2,7 +2,8 @@
 tests/test_families.py and tests/test_moe.py (plus Llama, Mistral with a window shorter than
 the prompts, and Qwen2 with its q/k/v biases): int4 and int8 weight recipes, int8 and int4
 KV caches, prefix sharing, preemption by recompute and by swap, speculative decoding,
-`qserve chat`'s REPL and `qserve serve`'s app.
+CUDA-graph decode's buffers (where the family can be captured), `qserve chat`'s REPL and
+`qserve serve`'s app.
 
 What each check holds fixed:
 - a weight recipe: greedy tokens (fp32 activations) equal transformers' on the recipe's
@@ -173,6 +174,40 @@ def test_engine_features_keep_greedy_tokens(family, options, checkpoints):
         assert stats["spec_accepted_tokens"] > 0
     else:
         assert stats["swap_outs" if options["preemption_mode"] == "swap" else "recomputes"] > 0
+
+
+# The families whose decode steps no CUDA graph can capture, and the module that says so
+# (engine/cuda_graph.py uncapturable): a mixture reads its routing on the host, and Gemma 2's
+# soft-capped attention sizes each context from the metadata's host list.
+GRAPH_BLOCKERS = {"gemma2": "Attention", "mixtral": "SparseMoE", "qwen3_moe": "SparseMoE"}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_cuda_graph_decode_only_where_it_can_be_captured(family, checkpoints, monkeypatch):
+    """Decode steps through CUDA-graph decode's seam (its persistent buffers, every context
+    padded to its bucket; on the CPU a "replay" runs the forward pass over them) keep each
+    prompt's solo greedy tokens, and a family that cannot be captured never gets graphs: its
+    decode steps run eagerly (Gemma 2 through the seam gave other greedy tokens)."""
+    from qserve.engine import model_runner
+    from qserve.engine.cuda_graph import uncapturable
+    from test_cuda_path import _CpuGraphs
+
+    class EveryBatch(_CpuGraphs):  # a bucket per batch size: padding rows are CUDA-only
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.buckets = list(range(1, self.buffers.max_batch + 1))
+
+    monkeypatch.setattr(model_runner, "cuda_graphs_enabled", lambda device: True)
+    monkeypatch.setattr(model_runner, "DecodeGraphs", EveryBatch)
+    llm = LLM(str(checkpoints[family]), max_num_seqs=8, **ENGINE)
+    got = tuple(tuple(o.outputs[0].token_ids) for o in llm.generate(prompts(), GREEDY))
+    assert got == solo(checkpoints[family])
+    graphs = llm.engine.runner.graphs
+    assert uncapturable(llm.engine.model) == GRAPH_BLOCKERS.get(family)
+    if family in GRAPH_BLOCKERS:
+        assert graphs is None
+    else:
+        assert graphs.graphs and all(g.replays for g in graphs.graphs.values())
 
 
 MESSAGE = "kalo mine tura"

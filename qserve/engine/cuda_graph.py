@@ -20,9 +20,10 @@ and vLLM do), the step is one copy and one replay:
                 a sequence's end adds exactly nothing, so a graph serves every length up to
                 its bucket, and the partials stay sized for it, not for max_model_len
 
-The model runner uses it only on CUDA with the Triton kernels, for decode steps without block
-copies or layer-wise staging; a bucket that fails to capture falls back to eager launches.
-Not yet run on a GPU (README: the GPU figures are unmeasured).
+The model runner uses it only on CUDA with the Triton kernels, for models whose every module
+can be captured (`uncapturable`), for decode steps without block copies or layer-wise staging;
+a bucket that fails to capture falls back to eager launches. Not yet run on a GPU (README: the
+GPU figures are unmeasured).
 """
 from __future__ import annotations
 
@@ -45,6 +46,18 @@ def enabled(device: torch.device) -> bool:
     from qserve.kernels.dispatch import _triton_available
 
     return _triton_available()
+
+
+def uncapturable(model: torch.nn.Module) -> str | None:
+    """The class of a module of `model` whose decode step a CUDA graph cannot capture, or
+    None. A module says `cuda_graph_safe = False` when its forward reads a device value
+    on the host (a capture cannot sync: a mixture's routing) or sizes its work from the
+    metadata's host lists, which a graph fixes at its context bucket (the soft-capped
+    attention's reference path would attend to the whole bucket)."""
+    for module in model.modules():
+        if not getattr(module, "cuda_graph_safe", True):
+            return type(module).__name__
+    return None
 
 
 def batch_buckets(max_batch: int) -> list[int]:

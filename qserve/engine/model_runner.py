@@ -5,25 +5,29 @@ block tables; it never sees queues.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from qserve.engine.block_manager import BlockManager
 from qserve.engine.cache_engine import CacheEngine
-from qserve.engine.cuda_graph import DecodeGraphs, enabled as cuda_graphs_enabled
+from qserve.engine.cuda_graph import DecodeGraphs, enabled as cuda_graphs_enabled, uncapturable
 from qserve.engine.layerwise import StepLayers
 from qserve.engine.scheduler import SchedulerOutput, StagingPlan
 from qserve.kernels.paged_attention import PagedAttentionMetadata
-from qserve.models.llama import LlamaForCausalLM
+from qserve.models.base import CausalLM
+
+log = logging.getLogger(__name__)
 
 
 class ModelRunner:
     EXPAND_MAX = 17  # run_speculative: longest query still run as one-token rows (K <= 16)
 
-    def __init__(self, model: LlamaForCausalLM, cache_engine: CacheEngine,
+    def __init__(self, model: CausalLM, cache_engine: CacheEngine,
                  block_manager: BlockManager, device: torch.device,
                  staging: StagingPlan | None = None, max_num_seqs: int | None = None):
         """max_num_seqs: the most sequences a step decodes; given on CUDA, decode steps run
-        as CUDA graphs (engine/cuda_graph.py) up to that batch."""
+        as CUDA graphs (engine/cuda_graph.py) up to that batch, for a model they can capture."""
         self.model = model
         self.staging = staging
         self.cache_engine = cache_engine
@@ -34,9 +38,13 @@ class ModelRunner:
         self.sliding_window = model.arch.sliding_window
         self.graphs = None
         if max_num_seqs and cuda_graphs_enabled(device):
-            self.graphs = DecodeGraphs(model, self.layer_caches, device, max_num_seqs,
-                                       model.rope.max_positions, self.block_size,
-                                       self.sliding_window)
+            blocker = uncapturable(model)
+            if blocker is None:
+                self.graphs = DecodeGraphs(model, self.layer_caches, device, max_num_seqs,
+                                           model.rope.max_positions, self.block_size,
+                                           self.sliding_window)
+            else:
+                log.info("decode steps run without CUDA graphs: %s cannot be captured", blocker)
 
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor,
                                                       PagedAttentionMetadata, list[int]]:

@@ -32,6 +32,10 @@ class SparseMoE(nn.Module):
     """The router `gate` (a linear, hidden -> E) and E expert modules, each (n, hidden) ->
     (n, hidden)."""
 
+    # the experts to run are read on the host each step, a sync no CUDA graph can capture
+    # (engine/cuda_graph.py uncapturable): a mixture's decode steps run eagerly
+    cuda_graph_safe = False
+
     def __init__(self, gate: nn.Module, experts: list[nn.Module], top_k: int,
                  norm_topk_prob: bool):
         super().__init__()

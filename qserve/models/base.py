@@ -88,6 +88,9 @@ class Attention(nn.Module):
         self.scale = (arch.query_pre_attn_scalar or self.head_dim) ** -0.5
         self.window = arch.layer_window(layer)
         self.softcap = arch.attn_logit_softcapping
+        # the soft-capped path sizes each sequence's context from the metadata's host list,
+        # which a CUDA graph would fix at its context bucket (engine/cuda_graph.py uncapturable)
+        self.cuda_graph_safe = self.softcap is None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: dict[str, torch.Tensor],
                 meta: PagedAttentionMetadata) -> torch.Tensor:
