@@ -207,6 +207,28 @@ def test_serve_without_replicas_never_imports_ray():
     assert r.returncode == 2 and r.stderr.startswith("error: --ray-address"), r.stderr
 
 
+def test_single_process_serve_builds_its_server_without_ray(default_model_path):
+    """`qserve serve` without --replicas, through the CLI up to the uvicorn server with the
+    default model's engine and app built (not run): Ray is still not imported."""
+    code = ("import sys\n"
+            "from qserve import cli\n"
+            "from qserve.server import api\n"
+            "built = []\n"
+            "api.serve = lambda *a: built.append(api.make_server(*a))\n"
+            "try:\n"
+            "    cli.main(['serve', '--port', '0', '--kv-cache-memory', '16MiB',\n"
+            "              '--max-model-len', '256'])\n"
+            "except SystemExit as e:  # the CLI always exits\n"
+            "    assert e.code == 0, e.code\n"
+            "assert len(built) == 1 and built[0].config.app is not None\n"
+            "ray = sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.'))\n"
+            "assert not ray, ray[:5]\n"
+            "print('checked')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and r.stdout == "checked\n", r.stderr[-1500:]
+
+
 def test_cluster_flags_are_checked_before_anything_starts():
     _ray()
     from qserve.errors import ConfigError
