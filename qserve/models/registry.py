@@ -46,6 +46,13 @@ def hf_architecture(model_type: str) -> str:
     return names[family.model_types.index(model_type)] if len(names) > 1 else names[0]
 
 
+def gguf_architecture(model_type: str) -> str:
+    """The GGUF general.architecture llama.cpp's converter writes a model_type as: its own
+    name where its family lists it, else the family's first (Mistral, Mixtral: llama)."""
+    names = model_class(model_type).gguf_architectures
+    return model_type if model_type in names else names[0]
+
+
 def gguf_family(name: str, experts: int = 0) -> tuple[type[CausalLM], str]:
     """A GGUF general.architecture and its `{name}.expert_count` (0: none) -> (family, the
     model_type it stands for). A name two families share (llama: Llama and Mixtral) goes to

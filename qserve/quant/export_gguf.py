@@ -37,10 +37,10 @@ import torch
 
 from qserve.errors import QServeError
 from qserve.formats import QuantizedTensor, unpack_int4
+from qserve.models.registry import gguf_architecture, model_class
 
-GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-             "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3", "mixtral": "llama",
-             "qwen3_moe": "qwen3moe"}
+# The llama.cpp architectures written (a family's is models/registry.py gguf_architecture),
+# with the rope scalings llama.cpp reads for each
 ROPE_SCALINGS = {"llama": ("default", "linear", "llama3"), "qwen2": ("default", "linear"),
                  "qwen3": ("default", "linear"), "qwen3moe": ("default", "linear"),
                  "phi3": ("default", "longrope"), "gemma2": ("default",),
@@ -53,9 +53,10 @@ LOSSLESS_RECIPES = ("w4g32 (int4 g32 asym -> Q4_1), int4 g32 symmetric (-> Q4_0)
 def check_plans(arch, plans) -> None:
     """Raise QServeError unless every planned layer has an exact GGML type and llama.cpp
     reads the architecture as qserve runs it."""
-    if arch.architecture not in GGUF_ARCH:
-        raise QServeError(f"GGUF export supports {', '.join(GGUF_ARCH)} models, not "
-                          f"{arch.architecture!r}")
+    name = gguf_architecture(arch.architecture)
+    if name not in ROPE_SCALINGS:
+        raise QServeError(f"GGUF export writes {', '.join(ROPE_SCALINGS)} models, not "
+                          f"{arch.architecture!r} (llama.cpp's {name!r})")
     problem = _unexpressed(arch)
     if problem:
         raise QServeError(f"GGUF export: {problem}, which llama.cpp would run differently; "
@@ -70,14 +71,12 @@ def check_plans(arch, plans) -> None:
 
 def _unexpressed(arch) -> str | None:
     """What of `arch` a GGUF of its llama.cpp architecture cannot say (None: nothing)."""
-    name = GGUF_ARCH[arch.architecture]
+    name = gguf_architecture(arch.architecture)
     kind = (arch.rope_scaling or {}).get("rope_type", "default")
     if kind not in ROPE_SCALINGS[name]:
         return (f"rope scaling {kind!r} on {name} (written: "
                 f"{', '.join(ROPE_SCALINGS[name])})")
     if name.startswith("gemma"):
-        from qserve.models.registry import model_class
-
         # llama.cpp scales scores by hidden / heads at the 27B's depth, else by head_dim
         big = arch.num_layers == model_class(arch.architecture).gguf_27b_layers
         derived = arch.hidden_size // arch.num_heads if big else arch.head_dim
@@ -161,10 +160,9 @@ def export(out: Path, loaded, tensors: dict, plans, atomic_dir=None) -> None:
     import gguf
 
     from qserve.loader.gguf_loader import hf_names, llama3_rope_divisors, unpermute_rows
-    from qserve.models.registry import model_class
 
     arch = loaded.arch
-    name = GGUF_ARCH[arch.architecture]
+    name = gguf_architecture(arch.architecture)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     writer = gguf.GGUFWriter(str(tmp), name)
     try:
@@ -251,8 +249,6 @@ def _metadata(writer, arch, name: str, plans, source: Path) -> None:
 def _gemma_metadata(writer, arch, name: str) -> None:
     """Soft-caps, the window, which layers slide (only where they differ from llama.cpp's
     fixed pattern for the architecture) and Gemma 3's local rope base."""
-    from qserve.models.registry import model_class
-
     if arch.attn_logit_softcapping:
         writer.add_attn_logit_softcapping(arch.attn_logit_softcapping)
     if arch.final_logit_softcapping:
