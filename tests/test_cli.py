@@ -62,6 +62,32 @@ def test_unknown_model_alias():
     assert_user_error(invoke("pull", "no-such-model"), "no-such-model")
 
 
+@pytest.mark.parametrize("source", ["config.json", "gguf"])
+def test_unsupported_architecture_is_one_line(source, tmp_path):
+    """A model of an architecture qserve does not run is refused before any weight is read,
+    in one line that lists the architectures it runs (a GGUF's llama.cpp names)."""
+    from qserve.models.registry import FAMILIES, supported
+
+    if source == "config.json":
+        (tmp_path / "config.json").write_text(json.dumps(
+            {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"]}))
+        model = tmp_path
+        needle = f"model_type 'deepseek_v3' is not supported; qserve runs {', '.join(supported())}"
+    else:
+        import gguf
+
+        model = tmp_path / "gpt2.gguf"
+        writer = gguf.GGUFWriter(str(model), "gpt2")  # the header alone: no tensor is needed
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        names = dict.fromkeys(n for f in FAMILIES for n in f.gguf_architectures)
+        needle = f"architecture 'gpt2' is not supported; qserve reads {', '.join(names)} GGUFs"
+    line = assert_user_error(invoke("generate", "hi", "--model", str(model)), needle)
+    assert str(model) in line
+
+
 def test_empty_prompt():
     assert_user_error(invoke("generate", ""), "empty")
 

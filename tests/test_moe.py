@@ -10,6 +10,7 @@ Q4_0 GGUF made by llama-quantize against transformers running that file's dequan
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -348,23 +349,47 @@ def test_missing_expert_is_named(name, dropped, checkpoints, tmp_path):
         load_model(tmp_path)
 
 
-def test_gguf_missing_expert_is_named(ggufs, tmp_path):
-    """A GGUF whose stacked experts hold fewer experts than its expert_count names the slice
-    that is missing."""
+@pytest.mark.parametrize("name, bad, shape, message", [
+    ("mixtral", "model.layers.1.block_sparse_moe.experts.2.w3.weight", (64, 96),
+     r"has shape \(64, 96\), expected \(96, 64\) from the model's config$"),  # transposed
+    ("qwen3_moe", "model.layers.0.mlp.gate.weight", (7, 64),  # a router for 7 of 8 experts
+     r"has shape \(7, 64\), expected \(8, 64\) from the model's config$"),
+])
+def test_moe_tensor_of_the_wrong_shape_is_named(name, bad, shape, message, checkpoints, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from qserve.loader import load_model
+
+    shutil.copytree(checkpoints[name], tmp_path, dirs_exist_ok=True)
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors[bad] = torch.zeros(shape)
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ModelLoadError, match=rf": tensor {bad} {message}"):
+        load_model(tmp_path)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    # one expert more than the stacked tensors hold: the missing slice is named
+    ("expert_count", 9, r"missing tensor blk\.0\.ffn_\w+_exps\.weight\[8\]$"),
+    # experts narrower than the stored ones: the first that disagrees is named
+    ("expert_feed_forward_length", 48, r"tensor model\.layers\.0\.mlp\.experts\.0\.gate_proj"
+                                       r"\.weight has shape \(64, 64\), expected \(48, 64\)"),
+])
+def test_gguf_expert_that_disagrees_with_the_metadata_is_named(key, value, message, ggufs,
+                                                                tmp_path):
+    """A Qwen3-MoE GGUF rewritten with one `qwen3moe.` key changed, tensors as they were."""
     from gguf import GGUFReader, GGUFWriter
 
     from qserve.loader import load_model
 
     reader = GGUFReader(ggufs["qwen3_moe-f32"])
-    out = tmp_path / "short.gguf"
+    out = tmp_path / "bad.gguf"
     writer = GGUFWriter(str(out), "qwen3moe")
     for field in reader.fields.values():
         if field.name.startswith("GGUF.") or field.name == "general.architecture":
             continue
-        value = field.contents()
-        if field.name == "qwen3moe.expert_count":
-            value = 9  # one more than the tensors hold
-        writer.add_key_value(field.name, value, field.types[0],
+        v = value if field.name == f"qwen3moe.{key}" else field.contents()
+        writer.add_key_value(field.name, v, field.types[0],
                              field.types[-1] if len(field.types) > 1 else None)
     for t in reader.tensors:
         writer.add_tensor(t.name, t.data, raw_shape=list(reversed([int(d) for d in t.shape])),
@@ -373,7 +398,7 @@ def test_gguf_missing_expert_is_named(ggufs, tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ModelLoadError, match=r"missing tensor blk\.0\.ffn_\w+_exps\.weight\[8\]$"):
+    with pytest.raises(ModelLoadError, match=f"^{re.escape(str(out))}: {message}"):
         load_model(out)
 
 
