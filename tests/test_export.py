@@ -150,13 +150,19 @@ def test_gguf_refuses_what_no_ggml_type_holds(name, tiny, tmp_path):
     assert not (tmp_path / "x.gguf").exists()
 
 
-def test_cli_format_refusal_is_one_line(tiny, tmp_path):
+@pytest.mark.parametrize("fmt, out, takes", [
+    ("gguf", "x.gguf", "GGUF export takes w4g32"),
+    ("compressed-tensors", "ct", "compressed-tensors export takes w8 (int8 per channel), "
+                                 "int8 with group_size 32/64/128, and int4 with symmetric: "
+                                 "true (w4g64-sym"),
+])
+def test_cli_format_refusal_is_one_line(fmt, out, takes, tiny, tmp_path):
     env = {"QSERVE_HOME": str(tmp_path / "home"), "PATH": "/usr/bin:/bin"}
     r = subprocess.run([sys.executable, "-m", "qserve", "quantize", str(tiny), "-o",
-                        str(tmp_path / "x.gguf"), "--format", "gguf", "-r", "w4g64"],
+                        str(tmp_path / out), "--format", fmt, "-r", "w4g64"],
                        capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
     assert r.returncode == 2 and r.stderr.startswith("error: ") and r.stderr.count("\n") == 1
-    assert "GGUF export takes w4g32" in r.stderr and not (tmp_path / "x.gguf").exists()
+    assert takes in r.stderr and not (tmp_path / out).exists(), r.stderr
 
 
 def _llama_server() -> Path | None:
