@@ -252,6 +252,34 @@ def test_cluster_flags_are_checked_before_anything_starts():
     assert r.returncode == 2 and r.stderr.startswith("error: autoscaling needs"), r.stderr
 
 
+def test_cli_flags_become_the_replicas_ray_placement_and_autoscaling(monkeypatch):
+    """serve --replicas' flags, through the CLI, reach the Serve deployment's options: Ray's
+    num_cpus / num_gpus per replica, the autoscaling bounds and target, and --max-num-seqs
+    as the replica's max_ongoing_requests (nothing is deployed)."""
+    _ray()
+    from click.testing import CliRunner
+
+    from qserve import cli
+    from qserve.server import cluster as C
+
+    built = []
+    monkeypatch.setattr(C, "run", lambda *a: built.append(C.build(*a)))
+    r = CliRunner().invoke(cli.main, [
+        "serve", "--replicas", "2", "--replica-cpus", "3", "--replica-gpus", "0.5",
+        "--min-replicas", "1", "--max-replicas", "4", "--target-ongoing-requests", "6",
+        "--max-num-seqs", "12"])
+    assert r.exit_code == 0 and len(built) == 1, r.output
+    ingress = built[0]._bound_deployment  # Ray's Application keeps its deployment privately
+    replica = ingress.init_args[0]._bound_deployment
+    assert ingress.ray_actor_options == {"num_cpus": 0} and ingress.num_replicas == 1
+    assert replica.ray_actor_options == {"num_cpus": 3, "num_gpus": 0.5}
+    assert replica.max_ongoing_requests == 12
+    auto = replica._deployment_config.autoscaling_config
+    assert (auto.min_replicas, auto.initial_replicas, auto.max_replicas,
+            auto.target_ongoing_requests) == (1, 2, 4, 6)
+    assert replica.init_args[1]["device"] == "cuda"  # --device auto with a GPU of its own
+
+
 def test_metrics_aggregate_per_replica_and_summed():
     _ray()
     from qserve.server.cluster import aggregate_metrics
