@@ -437,16 +437,19 @@ def test_a_killed_replica_loses_only_its_own_requests_and_is_replaced(cluster):
     started = threading.Event()  # a stream on the victim has its first chunk
 
     def run(i: int) -> None:
+        # the last 4 (one per system prompt, so some on the victim) do not stream: the
+        # victim dies before they answer anything, and they are sent to the other replica
+        stream = i < 12
         try:
             raw = client.chat.completions.with_raw_response.create(
-                model=MODEL, stream=True, max_tokens=48, temperature=0,
+                model=MODEL, stream=stream, max_tokens=48, temperature=0,
                 extra_body={"ignore_eos": True},
                 messages=[{"role": "system", "content": SYSTEMS[i % 4]},
                           {"role": "user", "content": f"Tell me a long story, {i}."}])
             replica = raw.headers["x-qserve-replica"]
             reason = None
-            for chunk in raw.parse():
-                if replica == victim:
+            for chunk in raw.parse() if stream else [raw.parse()]:
+                if stream and replica == victim:
                     started.set()
                 reason = next((c.finish_reason for c in chunk.choices if c.finish_reason),
                               reason)
@@ -472,9 +475,13 @@ def test_a_killed_replica_loses_only_its_own_requests_and_is_replaced(cluster):
     # every request that went to the surviving replica finished all its tokens
     survivors = [o for o in outcomes if o[1] != victim]
     assert survivors and all(o[0] == "ok" and o[2] == "length" for o in survivors), outcomes
-    # the victim's in-flight requests ended with a clean 503, naming it
+    # the victim's streams in flight ended with a clean 503, naming it
     lost = [o for o in outcomes if o[0] == "error"]
     assert lost and all(o[1] == victim and o[2] == 503 for o in lost), outcomes
+    # the ones not streaming had answered nothing when the victim died: each is sent once
+    # more, to the other replica, and finishes
+    assert all(o[0] == "ok" and o[1] != victim and o[2] == "length"
+               for o in outcomes[12:]), outcomes
 
     # Ray replaces it; the deployment serves on two replicas again
     after = _wait_healthy(httpx, url, 2, deadline_s=240, not_ids=[victim])
