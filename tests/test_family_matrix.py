@@ -126,6 +126,41 @@ def first_logprobs(path: Path, kv_dtype: str) -> tuple[tuple[tuple[int, ...], di
                  for o in llm.generate(prompts(), params))
 
 
+# The families whose layers AWQ folds its scales into (quant/awq.py folds_into)
+AWQ_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_awq_scales_fold_exactly_or_are_refused(family, checkpoints, tmp_path):
+    """AWQ's scales, before any rounding, leave the model's function as it was (x / s folded
+    into the producer, W * s) in every family whose layout it knows; the others refuse the
+    recipe in one line before anything is loaded or written (on Gemma the fold had moved the
+    final hidden states by as much as their own size, and Phi-3 raised a KeyError)."""
+    from qserve.errors import ConfigError
+    from qserve.loader import load_model
+    from qserve.models.build import build_model, prefill
+    from qserve.quant import awq
+    from qserve.quant.quantize import quantize
+
+    if family not in AWQ_FAMILIES:
+        with pytest.raises(ConfigError, match=r"^AWQ does not calibrate .* yet.*; use a "
+                                              r"round-to-nearest recipe such as w4g64$"):
+            quantize(str(checkpoints[family]), tmp_path / "q", "w4g64-awq")
+        assert not (tmp_path / "q").exists()
+        return
+    loaded = load_model(checkpoints[family])
+    weights = {k: v.float() for k, v in loaded.weights.items()}
+    ids = list(prompt())
+    # rounding to quarters makes the search pick scales other than 1 (alpha > 0)
+    scaled, alphas = awq.calibrate(loaded.arch, weights, ids,
+                                   lambda name, w: (w * 4).round() / 4, n_grid=4)
+    assert all(a > 0 for a in alphas.values())
+    want = prefill(build_model(loaded.arch, weights, len(ids)), ids)
+    got = prefill(build_model(loaded.arch, scaled, len(ids)), ids)
+    # fp32, the same products in another association: rounding only (4e-6 of values near 4)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("kv_dtype, tolerance", [("int8", 0.1), ("int4", 1.5)])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_kv_cache_dtypes(family, kv_dtype, tolerance, checkpoints):

@@ -37,12 +37,9 @@ def calibrate(arch, weights: dict[str, torch.Tensor], ids: list[int], fake_quant
         the new weights (same names; untouched tensors shared) and the chosen alpha per group,
         keyed "<layer prefix>.<qkv|o|gate_up|down>".
     """
-    from qserve.errors import ConfigError
     from qserve.models.build import build_model, prefill
 
-    if arch.num_experts:  # the groups below are the dense MLP's
-        raise ConfigError(f"AWQ does not calibrate a mixture of experts ({arch.architecture}) "
-                          f"yet; use a round-to-nearest recipe such as w4g64")
+    check(arch)
     w = {k: v.float() for k, v in weights.items()}
     inputs = _capture_inputs(build_model(arch, w, len(ids)), ids, prefill)
     alphas = {}
@@ -69,6 +66,38 @@ def calibrate(arch, weights: dict[str, torch.Tensor], ids: list[int], fake_quant
         if progress is not None:
             progress(i)
     return w, alphas
+
+
+def check(arch) -> None:
+    """Raise ConfigError, in one line, unless AWQ can calibrate `arch`."""
+    from qserve.errors import ConfigError
+
+    if arch.num_experts:  # the groups below are the dense MLP's
+        raise ConfigError(f"AWQ does not calibrate a mixture of experts ({arch.architecture}) "
+                          f"yet; use a round-to-nearest recipe such as w4g64")
+    if not folds_into(arch):
+        raise ConfigError(f"AWQ does not calibrate {arch.architecture} yet (its scales fold "
+                          f"into Llama-style norms and separate q/k/v and gate/up tensors); use "
+                          f"a round-to-nearest recipe such as w4g64")
+
+
+def folds_into(arch) -> bool:
+    """Whether every layer of `arch`'s model is what the folding above assumes: base.py's
+    pre-norm DecoderLayer, whose post_attention_layernorm feeds the MLP, with norms that
+    multiply (w * norm(x)), and q/k/v, gate/up as tensors of their own. Not Gemma (its norms
+    scale by 1 + w, and its post_attention_layernorm follows attention), nor Phi-3 (q/k/v
+    and gate/up stored fused)."""
+    from qserve.models.base import MLP, DecoderLayer, RMSNorm
+    from qserve.models.registry import meta_model
+
+    model = meta_model(arch)
+    shapes = model.checkpoint_shapes()
+    return all(type(layer) is DecoderLayer and type(layer.mlp) is MLP
+               and type(layer.input_layernorm) is type(layer.post_attention_layernorm) is RMSNorm
+               and all(f"model.layers.{i}.{n}.weight" in shapes for n in (
+                   "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
+                   "mlp.up_proj"))
+               for i, layer in enumerate(model.layers))
 
 
 def _search(x_all: torch.Tensor, x: torch.Tensor, W: list[torch.Tensor], names: list[str],

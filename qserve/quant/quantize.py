@@ -265,8 +265,10 @@ def quantize(src: str | None, out: str | Path, recipe: str | Path | None = None,
         exporter.check_plans(arch, plans)
     text = None
     if r.method == "awq":
+        from qserve.quant.awq import check
         from qserve.quant.calibration import read_text
 
+        check(arch)  # before anything is loaded
         text = read_text(calib_text)
     elif calib_text is not None:
         raise QServeError(f"--calib-text applies to AWQ recipes; recipe {r.name!r} uses method "
