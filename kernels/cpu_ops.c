@@ -16,9 +16,12 @@
  * (qserve/formats/qtensor.py):
  *   int4  qweight uint8 (N, Kp / 2): byte j of a row holds input 2j (low nibble) and 2j + 1
  *         (high nibble); w = q * scale + offset (asymmetric) or (q - 8) * scale (symmetric)
+ *   int4z the same codes, w = (q - zero) * scale with integer zero points (AWQ / GPTQ): the
+ *         kernels take it as int4 with offset -zero * scale, computed in fp32, where it is
+ *         exact (an 8-bit zero times an fp16 scale), so the weights are the reference's
  *   int8  qweight int8 (N, Kp): w = q * scale
- *   scales, offsets fp16 (N, Kp / group_size)
- * Kp is a multiple of 32 for int4 (group sizes 32/64/128); int8 may have any Kp.
+ *   scales, offsets fp16 (N, Kp / group_size); int4z zeros uint8 (N, Kp / group_size)
+ * Kp is a multiple of 32 for int4/int4z (group sizes 32/64/128); int8 may have any Kp.
  */
 #include <math.h>
 #include <stdint.h>
@@ -38,7 +41,7 @@ typedef _Float16 half;
 
 /* Weight kinds: qserve/formats/registry.py KIND_* and GGML_KIND_BASE + the GGML type id. */
 enum {
-    KIND_F32 = 0, KIND_INT4 = 1, KIND_INT8 = 2, KIND_F16 = 3, KIND_BF16 = 4,
+    KIND_F32 = 0, KIND_INT4 = 1, KIND_INT8 = 2, KIND_F16 = 3, KIND_BF16 = 4, KIND_INT4Z = 5,
     KIND_Q5_0 = 16 + 6, KIND_Q5_1 = 16 + 7, KIND_Q2_K = 16 + 10, KIND_Q3_K = 16 + 11,
     KIND_Q4_K = 16 + 12, KIND_Q5_K = 16 + 13, KIND_Q6_K = 16 + 14,
 };
@@ -47,12 +50,15 @@ enum {
 typedef struct {
     int64_t kind;
     const void *w;       /* f32/f16/bf16 (N, K); int4/int8 qweight; GGML rows (N, row_bytes) */
-    const half *scales;  /* int4/int8 (N, Kp / group_size), else NULL */
-    const half *offsets; /* int4 asymmetric, else NULL */
+    const half *scales;  /* int4/int4z/int8 (N, Kp / group_size), else NULL */
+    union {
+        const half *offsets; /* int4 asymmetric, else NULL */
+        const uint8_t *zeros; /* int4z: the zero points, shaped as the scales */
+    };
     const float *bias;   /* (N,) or NULL */
     int64_t N, K;
-    int64_t Kp;          /* int4/int8: K padded to whole groups; others K */
-    int64_t group_size;  /* int4/int8: inputs per scale; GGML: inputs per block; dense 1 */
+    int64_t Kp;          /* int4/int4z/int8: K padded to whole groups; others K */
+    int64_t group_size;  /* int4/int4z/int8: inputs per scale; GGML: per block; dense 1 */
     int64_t row_bytes;   /* bytes from one row of w to the next */
 } wdesc;
 _Static_assert(sizeof(wdesc) == 10 * sizeof(int64_t), "wdesc is WDesc's 10 8-byte fields");
@@ -92,6 +98,24 @@ static inline float *halves_to_floats(const half *h, float *out, int64_t n)
     for (; i < n; i++)
         out[i] = (float)h[i];
     return out;
+}
+
+static inline int is_int4(const wdesc *W)
+{
+    return W->kind == KIND_INT4 || W->kind == KIND_INT4Z;
+}
+
+/* The G offsets o of row n of an int4 / int4z matrix as floats into out, from the row's scales
+ * sc (floats): int4's fp16 offsets, int4z's -z s (exact in fp32); NULL when symmetric. */
+static inline const float *int4_offsets(const wdesc *W, int64_t n, int64_t G, const float *sc,
+                                        float *out)
+{
+    if (W->kind == KIND_INT4Z) {
+        for (int64_t g = 0; g < G; g++)
+            out[g] = -(float)W->zeros[n * G + g] * sc[g];
+        return out;
+    }
+    return W->offsets ? halves_to_floats(W->offsets + n * G, out, G) : NULL;
 }
 
 /* Rows of a matmul (or a dequantization) that one thread takes at a time: OpenMP hands out
@@ -508,14 +532,22 @@ static inline __m512 chunk16(const half *h, const chunk_block *b)
     return _mm512_permutexvar_ps(b->idx, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(b->kg, h + b->g0)));
 }
 
-/* One int4 row (group scales sh, offsets oh or none: symmetric; blk: chunk_blocks) against
- * activation rows m0 .. m0 + mt (ACT_QUADS codes). A step takes 4 chunks: one 64-byte load
- * holds their codes, whose low nibbles (the even inputs) and high nibbles (the odd ones) line
- * up with the activations' two 64-byte halves, so both multiply-adds add into the same lanes:
- * lanes 4k .. 4k + 3 hold chunk k's sum, converted and scaled once. */
+/* The same from fp32 group values f (int4z's offsets -z s, computed per row). */
+static inline __m512 chunk16_f32(const float *f, const chunk_block *b)
+{
+    return _mm512_permutexvar_ps(b->idx, _mm512_maskz_loadu_ps(b->kg, f + b->g0));
+}
+
+/* One int4 row (group scales sh; offsets oh in fp16, or of in fp32 (int4z), or neither:
+ * symmetric; blk: chunk_blocks) against activation rows m0 .. m0 + mt (ACT_QUADS codes). A
+ * step takes 4 chunks: one 64-byte load holds their codes, whose low nibbles (the even inputs)
+ * and high nibbles (the odd ones) line up with the activations' two 64-byte halves, so both
+ * multiply-adds add into the same lanes: lanes 4k .. 4k + 3 hold chunk k's sum, converted and
+ * scaled once. */
 static inline __attribute__((always_inline)) void
-q4_row_z(const uint8_t *row, const half *sh, const half *oh, const chunk_block *blk,
-         int64_t nchunk, const qacts *a, int64_t m0, int64_t Kp, const int mt, float *res)
+q4_row_z(const uint8_t *row, const half *sh, const half *oh, const float *of,
+         const chunk_block *blk, int64_t nchunk, const qacts *a, int64_t m0, int64_t Kp,
+         const int mt, float *res)
 {
     __m512 acc[MTI];
     float sd[MTI][16] __attribute__((aligned(64)));
@@ -528,8 +560,9 @@ q4_row_z(const uint8_t *row, const half *sh, const half *oh, const chunk_block *
         const int64_t nq = quads - c0 / 4 < 4 ? quads - c0 / 4 : 4; /* whole quads here */
         const __mmask16 k = n == 16 ? 0xffff : (__mmask16)((1u << n) - 1);
         const __m512 s16 = chunk16(sh, blk + c0 / 16);
-        const __m512 o16 = oh ? chunk16(oh, blk + c0 / 16)
-                              : _mm512_mul_ps(s16, _mm512_set1_ps(-8.f)); /* symmetric */
+        const __m512 o16 = of   ? chunk16_f32(of, blk + c0 / 16)
+                           : oh ? chunk16(oh, blk + c0 / 16)
+                                : _mm512_mul_ps(s16, _mm512_set1_ps(-8.f)); /* symmetric */
         for (int i = 0; i < mt; i++) {
             const int64_t r = (m0 + i) * nchunk + c0;
             _mm512_store_ps(sd[i], _mm512_mul_ps(s16, _mm512_maskz_loadu_ps(k, a->drow + r)));
@@ -696,7 +729,7 @@ static inline void f32_rows(const float *w, int64_t K, const float *x, const int
 static void packed_matmul(const wdesc *W, const float *x, int64_t M, int64_t ldx, float *y,
                           int64_t ldy, int i8, int nthreads)
 {
-    const int four = W->kind == KIND_INT4;
+    const int four = is_int4(W), zp = W->kind == KIND_INT4Z;
     const int64_t Kp = W->Kp, gs = W->group_size, G = Kp / gs, nchunk = Kp / CHUNK;
     const int64_t row_bytes = four ? Kp / 2 : Kp;
 #ifdef HAVE_I8_PATH
@@ -719,18 +752,20 @@ static void packed_matmul(const wdesc *W, const float *x, int64_t M, int64_t ldx
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, row_item(row_bytes))
     for (int64_t n = 0; n < W->N; n++) {
         const uint8_t *row = (const uint8_t *)W->w + n * row_bytes;
-        const half *sh = W->scales + n * G, *oh = W->offsets ? W->offsets + n * G : NULL;
+        const half *sh = W->scales + n * G;
+        const half *oh = W->kind == KIND_INT4 && W->offsets ? W->offsets + n * G : NULL;
         /* the row's fp16 scales and offsets as floats, converted 8 at a time: a scalar fp16
          * load per chunk in the row kernels cost more than the chunk's dot product (the
-         * 512-bit kernels convert them themselves, 16 chunks at a time) */
-        float sc[G], ofs[oh ? G : 1];
+         * 512-bit kernels convert fp16 ones themselves, 16 chunks at a time; int4z's offsets
+         * -z s they take as floats) */
+        float sc[G], ofs[oh || zp ? G : 1];
         const float *of = NULL;
 #ifdef HAVE_ZMM_PATH
-        if (!i8)
+        if (!i8 || zp)
 #endif
         {
             halves_to_floats(sh, sc, G);
-            of = oh ? halves_to_floats(oh, ofs, G) : NULL;
+            of = four ? int4_offsets(W, n, G, sc, ofs) : NULL;
         }
         const int64_t tile = i8 ? MTI : MT;
         for (int64_t m0 = 0; m0 < M; m0 += tile) {
@@ -739,7 +774,7 @@ static void packed_matmul(const wdesc *W, const float *x, int64_t M, int64_t ldx
 #ifdef HAVE_I8_PATH
             if (i8) {
 #ifdef HAVE_ZMM_PATH
-#define CALL(k) (four ? q4_row_z(row, sh, oh, blk, nchunk, &a, m0, Kp, k, res) \
+#define CALL(k) (four ? q4_row_z(row, sh, oh, of, blk, nchunk, &a, m0, Kp, k, res) \
                       : q8_row_z((const int8_t *)row, sh, blk, nchunk, &a, m0, Kp, k, res))
 #else
 #define CALL(k) (four ? q4_row_i8(row, sc, of, nchunk, gs / CHUNK, &a, m0, Kp, k, res) \
@@ -776,9 +811,11 @@ static void q4_dequant_row(const wdesc *W, int64_t n, float *out)
 {
     const int64_t K = W->K, gs = W->group_size, G = W->Kp / gs;
     const uint8_t *row = (const uint8_t *)W->w + n * (W->Kp / 2);
-    const half *sc = W->scales + n * G, *of = W->offsets ? W->offsets + n * G : NULL;
+    const half *sc = W->scales + n * G;
+    const half *of = W->kind == KIND_INT4 && W->offsets ? W->offsets + n * G : NULL;
+    const uint8_t *z = W->kind == KIND_INT4Z ? W->zeros + n * G : NULL;
     for (int64_t g = 0; g < G; g++) { /* a group at a time: a loop gcc vectorizes */
-        const float s = sc[g], o = of ? of[g] : -8.f * s;
+        const float s = sc[g], o = z ? -(float)z[g] * s : of ? (float)of[g] : -8.f * s;
         const int64_t j0 = g * gs / 2, j1 = (g + 1) * gs / 2;
         const int64_t full = j1 <= K / 2 ? j1 : K / 2; /* byte pairs inside K */
         for (int64_t j = j0; j < full; j++) {
@@ -1492,6 +1529,7 @@ int wmatmul(const wdesc *W, const float *x, int64_t M, int64_t ldx, float *y, in
         f32_matmul(x, M, W->K, ldx, W->w, W->N, W->bias, y, ldy, nthreads);
         return 0;
     case KIND_INT4:
+    case KIND_INT4Z:
     case KIND_INT8:
         packed_matmul(W, x, M, ldx, y, ldy, i8, nthreads);
         return 0;
@@ -1519,6 +1557,7 @@ static int dequant_row(const wdesc *W, int64_t n, float *out)
         memcpy(out, (const float *)W->w + n * W->K, sizeof(float) * (size_t)W->K);
         return 0;
     case KIND_INT4:
+    case KIND_INT4Z:
         q4_dequant_row(W, n, out);
         return 0;
     case KIND_INT8:
@@ -1624,10 +1663,13 @@ static int gemm_traits_of(const wdesc *W, gemm_traits *t)
 {
     switch (W->kind) {
     case KIND_INT4:
+    case KIND_INT4Z: { /* int4z: offsets -z s (gemm_codes_row), so codes u - 0 */
         if (W->group_size % 16)
             return -1;
-        *t = (gemm_traits){W->offsets ? 0 : 8, 1, W->offsets != NULL};
+        const int asym = W->kind == KIND_INT4Z || W->offsets != NULL;
+        *t = (gemm_traits){asym ? 0 : 8, 1, asym};
         return 0;
+    }
     case KIND_INT8:
         if (W->group_size % 16 && W->group_size < W->Kp)
             return -1;
@@ -1648,10 +1690,12 @@ static int gemm_traits_of(const wdesc *W, gemm_traits *t)
 static void gemm_codes_row(const wdesc *W, int64_t n, int64_t Kp, uint8_t *u, float *s, float *o)
 {
     const int64_t nh = Kp / 16;
-    if (W->kind == KIND_INT4 || W->kind == KIND_INT8) {
+    if (is_int4(W) || W->kind == KIND_INT8) {
         const int64_t gs = W->group_size, G = W->Kp / gs;
-        const half *sc = W->scales + n * G, *of = W->offsets ? W->offsets + n * G : NULL;
-        if (W->kind == KIND_INT4) { /* W->Kp >= Kp: both whole chunks covering K */
+        const half *sc = W->scales + n * G;
+        const half *of = W->kind == KIND_INT4 && W->offsets ? W->offsets + n * G : NULL;
+        const uint8_t *zp = W->kind == KIND_INT4Z ? W->zeros + n * G : NULL;
+        if (is_int4(W)) { /* W->Kp >= Kp: both whole chunks covering K */
             const uint8_t *row = (const uint8_t *)W->w + n * (W->Kp / 2);
             const __m128i m4 = _mm_set1_epi8(15);
             for (int64_t j = 0; j < Kp / 2; j += 16) {
@@ -1675,7 +1719,9 @@ static void gemm_codes_row(const wdesc *W, int64_t n, int64_t Kp, uint8_t *u, fl
         }
         int64_t h = 0;
         for (int64_t g = 0; g < G && h < nh; g++) { /* gs % 16 == 0, or one group (int8) */
-            const float sg = (float)sc[g], og = of ? (float)of[g] : 0.f;
+            /* int4z: o = -z s, exact in fp32, so s (u - 0) + o = s (u - z) */
+            const float sg = (float)sc[g];
+            const float og = zp ? -(float)zp[g] * sg : of ? (float)of[g] : 0.f;
             for (int64_t e = (g + 1) * gs; h < nh && 16 * h < e; h++) {
                 s[h] = sg;
                 o[h] = og;
@@ -1908,7 +1954,7 @@ int gemm_min_rows(const wdesc *W)
         return 0;
     if (gemm_rows_forced >= 0)
         return gemm_rows_forced;
-    if (W->kind == KIND_INT4)
+    if (is_int4(W))
         return 20;
     if (W->kind == KIND_INT8)
         return 16;
@@ -1945,8 +1991,8 @@ int kernel_isa(void)
 /* Whether wmatmul/wdequant know this kind (kernels/cpu_ops.py supports asks). */
 int wkind_known(int64_t kind)
 {
-    return kind == KIND_F32 || kind == KIND_INT4 || kind == KIND_INT8 || kind == KIND_F16 ||
-           kind == KIND_BF16 || ggml_type_of(kind) != NULL;
+    return kind == KIND_F32 || kind == KIND_INT4 || kind == KIND_INT4Z || kind == KIND_INT8 ||
+           kind == KIND_F16 || kind == KIND_BF16 || ggml_type_of(kind) != NULL;
 }
 
 /* ---- the fused decode step -------------------------------------------------------------------

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from qserve.formats import QuantizedTensor
-from qserve.formats.registry import KIND_INT4, KIND_INT8
+from qserve.formats.registry import KIND_INT4, KIND_INT4Z, KIND_INT8
 from qserve.kernels.kv_quant import CODEBOOK, KEY_BITS
 
 log = logging.getLogger("qserve.kernels")
@@ -64,11 +64,12 @@ class WDesc(ctypes.Structure):
 
     _fields_ = [("kind", _i64),  # qserve/formats/registry.py WeightFormat.kind
                 ("w", _ptr),  # dense (N, K), int4/int8 qweight, or GGML rows
-                ("scales", _ptr), ("offsets", _ptr),  # int4/int8 fp16 (N, G), else NULL
+                ("scales", _ptr),  # int4/int4z/int8 fp16 (N, G), else NULL
+                ("offsets", _ptr),  # int4 fp16 (N, G), int4z uint8 zero points, else NULL
                 ("bias", _ptr),  # fp32 (N,) or NULL
                 ("N", _i64), ("K", _i64),
-                ("Kp", _i64),  # int4/int8: K padded to whole groups; others K
-                ("group_size", _i64),  # int4/int8 group, GGML block, dense 1
+                ("Kp", _i64),  # int4/int4z/int8: K padded to whole groups; others K
+                ("group_size", _i64),  # int4/int4z/int8 group, GGML block, dense 1
                 ("row_bytes", _i64)]
 
 
@@ -362,7 +363,7 @@ def _threads() -> int:
 def _desc(qt: QuantizedTensor, bias: torch.Tensor | None = None) -> WDesc:
     """The WDesc of qt (N, K) with this bias (N,); the caller keeps both alive meanwhile."""
     w = qt.qweight
-    grouped = qt.fmt.kind in (KIND_INT4, KIND_INT8)
+    grouped = qt.fmt.kind in (KIND_INT4, KIND_INT4Z, KIND_INT8)
     return WDesc(qt.fmt.kind, _p(w), _p(qt.scales), _p(qt.offsets), _p(bias), w.shape[0],
                  qt.in_features, qt.padded_in, qt.group_size if grouped else qt.fmt.block,
                  w.stride(0) * w.element_size())
@@ -370,13 +371,15 @@ def _desc(qt: QuantizedTensor, bias: torch.Tensor | None = None) -> WDesc:
 
 def supports(qt: QuantizedTensor) -> bool:
     """Whether weight_matmul runs this matrix: a format the C kernels know, its tensors on the
-    CPU, contiguous and shaped as the format says (int4: groups a multiple of 32 inputs)."""
+    CPU, contiguous and shaped as the format says (int4, int4z: groups a multiple of 32
+    inputs)."""
     L = lib()
     if L is None or not L.wkind_known(qt.fmt.kind):
         return False
     if any(t.device.type != "cpu" or not t.is_contiguous() for t in qt.tensors().values()):
         return False
-    return qt.validate() is None and (qt.format != "int4" or qt.group_size % 32 == 0)
+    return qt.validate() is None and (qt.fmt.kind not in (KIND_INT4, KIND_INT4Z)
+                                      or qt.group_size % 32 == 0)
 
 
 _local = threading.local()

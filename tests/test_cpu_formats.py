@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from qserve.formats import QuantizedTensor, ggml
+from qserve.formats import QuantizedTensor, ggml, pack_int4
 from qserve.kernels import cpu_ops
 
 if cpu_ops.lib() is None and os.environ.get("QSERVE_REQUIRE_KERNELS") != "1":
@@ -57,6 +57,22 @@ def random_weight(fmt: str, N: int, K: int, seed: int = 0, std: float | None = N
     for off, d in fields.items():
         blocks[:, off:off + 2] = d.half().view(torch.uint8)
     return QuantizedTensor(fmt, blocks.view(N, -1), None, None, K)
+
+
+def random_int4z(N: int, K: int, group_size: int, seed: int = 0, std: float | None = None
+                 ) -> QuantizedTensor:
+    """An (N, K) int4z matrix as an AWQ / GPTQ checkpoint holds one: random codes, zero points
+    0..16 (16: GPTQ v1's stored -1) and fp16 scales (0.001..0.021, or about std / 6.7 each:
+    q - z has a standard deviation of 6.7), K padded to whole groups with random codes (they
+    meet zero activations)."""
+    g = torch.Generator().manual_seed(seed)
+    G = -(-K // group_size)
+    q = torch.randint(0, 16, (N, G * group_size), dtype=torch.uint8, generator=g)
+    z = torch.randint(0, 17, (N, G), dtype=torch.uint8, generator=g)
+    s = torch.rand(N, G, generator=g) * 0.02 + 0.001
+    if std is not None:
+        s = s / 0.011 * std / 6.7
+    return QuantizedTensor("int4z", pack_int4(q), s.half(), z, K)
 
 
 def _in_sizes(fmt: str) -> list[int]:
@@ -213,13 +229,16 @@ def _check_int8_gemm(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> Non
 
 @pytest.mark.skipif(not VNNI, reason="the int8 GEMM is built with the AVX-512 VNNI kernels")
 @pytest.mark.parametrize("fmt,N,K", [("int4", 83, 77), ("int4", 17, 512), ("int4-sym", 83, 77),
+                                     ("int4z", 83, 77), ("int4z-g128", 17, 512),
                                      ("int8", 83, 77), ("int8", 769, 96),
                                      ("int8-channel", 40, 77)])
 @pytest.mark.parametrize("M", [24, 45])
 def test_int8_gemm_qserve_formats(fmt, N, K, M, gemm_prefill):
-    """qserve's int4 / int8 (a padded last group, odd sizes) through the int8 GEMM, with a bias,
-    at a decode batch's size (from gemm_min_rows) and a prefill's: the bias is added once,
-    after the sums."""
+    """qserve's int4 / int4z / int8 (a padded last group, odd sizes) through the int8 GEMM, with
+    a bias, at a decode batch's size (from gemm_min_rows) and a prefill's: the bias is added
+    once, after the sums. int4z's offsets -z s are exact, so its weights are the reference's;
+    its terms before they cancel (q s and z s, at most ~3x |w| here) take a few roundings a
+    chunk, far inside _check_int8_gemm's (K + 2) u."""
     qt = _mixed_formats_weight(fmt, N, K)
     assert 0 < cpu_ops.gemm_min_rows(qt) <= M
     w = qt.dequantize().double()
@@ -229,20 +248,21 @@ def test_int8_gemm_qserve_formats(fmt, N, K, M, gemm_prefill):
     _check_int8_gemm(out - bias.double(), x, w)
 
 
-@pytest.mark.parametrize("fmt", GGML + DENSE + ["int4", "int8"])
+@pytest.mark.parametrize("fmt", GGML + DENSE + ["int4", "int4z", "int8"])
 @pytest.mark.parametrize("M", [32, 40])
 def test_weights_decode_bit_for_bit(fmt, M):
     """x = rows of the identity reads W back: each output is one weight times 1 plus zeros, exact
     in any summation order. M = 32 decodes through the fused kernel's block decoder, M = 40
     through wdequant (the prefill path): both give the reference's fp32 weights exactly (int4 /
-    int8 with 77 inputs: a padded last group, an odd count)."""
+    int4z / int8 with 77 inputs: a padded last group, an odd count; int4z's q s - z s is
+    (q - z) s exactly)."""
     qt = _decode_case(fmt, M)
     assert torch.equal(_read_back(qt, M), qt.dequantize())
 
 
 def _decode_case(fmt: str, seed: int) -> QuantizedTensor:
     """13 rows of fmt: int4 / int8 with 77 inputs, the others their largest test width."""
-    if fmt in ("int4", "int8"):
+    if fmt in ("int4", "int4z", "int8"):
         return _mixed_formats_weight(fmt, 13, 77)
     return random_weight(fmt, 13, _in_sizes(fmt)[-1], seed=seed)
 
@@ -272,7 +292,7 @@ def test_bf16_prefill_is_chosen_by_amx_or_the_variable(monkeypatch):
     assert cpu_ops.fast_bf16() is ("amx_bf16" in flags)
 
 
-@pytest.mark.parametrize("fmt", GGML + DENSE + ["int4", "int8"])
+@pytest.mark.parametrize("fmt", GGML + DENSE + ["int4", "int4z", "int8"])
 def test_prefill_weights_are_the_reference_in_bf16(fmt, bf16_prefill):
     """The bf16 prefill path (int8_activations, more than FUSED_MAX_ROWS rows) multiplies the
     reference's weights rounded to nearest-even bf16, as torch rounds: identity rows read them
@@ -282,7 +302,7 @@ def test_prefill_weights_are_the_reference_in_bf16(fmt, bf16_prefill):
     assert torch.equal(_read_back(qt, 40, int8_activations=True), want)
 
 
-@pytest.mark.parametrize("fmt", GGML + DENSE + ["int4", "int8", "f32"])
+@pytest.mark.parametrize("fmt", GGML + DENSE + ["int4", "int4z", "int8", "f32"])
 @pytest.mark.parametrize("i8", [False, True])
 def test_matmul_rows_do_not_depend_on_the_batch(fmt, i8):
     """Each output row is bit-identical whatever rows come beside it, within one kernel's range
@@ -323,9 +343,12 @@ def test_matmul_rows_do_not_depend_on_the_batch(fmt, i8):
 
 
 def _mixed_formats_weight(fmt: str, N: int, K: int) -> QuantizedTensor:
-    """random_weight, plus qserve's int4 g32 / int8 g32 and a dense f32 matrix."""
+    """random_weight, plus qserve's int4 g32 / int8 g32, int4z g32 (or g128: "int4z-g128") and
+    a dense f32 matrix."""
     from qserve.quant.schemes import WeightScheme, quantize
 
+    if fmt.startswith("int4z"):
+        return random_int4z(N, K, int(fmt.partition("-g")[2] or 32), seed=N + K)
     w = torch.randn(N, K, generator=torch.Generator().manual_seed(N + K))
     if fmt in ("int4", "int4-sym"):  # asymmetric g32 (Q4_1's repack), symmetric (Q4_0's)
         return quantize(w, WeightScheme(4, 32, fmt == "int4-sym"))
@@ -370,7 +393,7 @@ def test_weight_matmul_reads_strided_activation_rows():
 
 def test_supports():
     K = 256
-    for fmt in GGML + DENSE + ["int4", "int8", "f32"]:
+    for fmt in GGML + DENSE + ["int4", "int4z", "int8", "f32"]:
         assert cpu_ops.supports(_mixed_formats_weight(fmt, 4, K)), fmt
     q4k = random_weight("q4_k", 8, K)
     assert not cpu_ops.supports(QuantizedTensor("q4_k", q4k.qweight[::2], None, None, K))

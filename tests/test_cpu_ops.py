@@ -10,11 +10,13 @@ from torch.nn import functional as F
 
 from qserve.config import CacheConfig, ModelArchConfig
 from qserve.engine.cache_engine import KV_STORAGE, CacheEngine, cache_tensor_specs
+from qserve.formats import unpack_int4
 from qserve.kernels import cpu_ops
 from qserve.kernels.paged_attention import PagedAttentionMetadata, _decode_attention
 from qserve.quant.schemes import WeightScheme, quantize
 
 from kv_codebooks import random_key_codebook
+from test_cpu_formats import int8_rounded, random_int4z
 
 # QSERVE_REQUIRE_KERNELS=1 (CI): lib() raises on a failed build, and nothing here is skipped
 if cpu_ops.lib() is None and os.environ.get("QSERVE_REQUIRE_KERNELS") != "1":
@@ -99,6 +101,68 @@ def test_int8_activation_path_error_is_bounded(scheme, N, K, M):
     slack = 1e-5 * (w.abs() @ x.double().abs().T).T
     assert ((out.double() - ref).abs() <= bound + slack).all()
     assert not torch.equal(out.double(), ref)  # it is the int8 path, not the fp32 one
+
+
+# int4z (AWQ / GPTQ's integer zero points): each kernel takes it as int4 with offsets -z s
+# computed in fp32, where they are exact, so its weights are the reference's (q - z) s.
+INT4Z_SHAPES = [(7, 100), (83, 576), (769, 576), (64, 1536), (5, 33)]
+U = 2.0 ** -24  # fp32 unit roundoff
+
+
+@pytest.mark.parametrize("gs", [32, 64, 128])
+@pytest.mark.parametrize("N,K", INT4Z_SHAPES)
+@pytest.mark.parametrize("M", [1, 5, 32, 40])
+def test_int4z_weight_matmul_matches_reference(gs, N, K, M):
+    """fp32 activations, the row kernels (M <= 32) and wdequant + GEMM (40): every weight is the
+    reference's exactly, so only the order of the fp32 sum differs: |y - y_ref| <=
+    (K + 1) u sum_k |w_k x_k| + u |y| for any order (one rounding per add, the bias's too)."""
+    qt = random_int4z(N, K, gs, seed=N + K + gs)
+    w = qt.dequantize().double()
+    g = torch.Generator().manual_seed(M)
+    x, bias = torch.randn(M, K, generator=g), torch.randn(N, generator=g)
+    ref = x.double() @ w.T + bias.double()
+    out = cpu_ops.weight_matmul(x, qt, bias).double()
+    tol = (K + 2) * U * (x.double().abs() @ w.abs().T + bias.double().abs())
+    assert ((out - ref).abs() <= tol).all()
+
+
+@pytest.mark.skipif(not cpu_ops.has_int8_path(), reason="no int8-activation kernels (AVX2)")
+@pytest.mark.parametrize("gs", [32, 64, 128])
+@pytest.mark.parametrize("N,K", INT4Z_SHAPES)
+@pytest.mark.parametrize("M", [1, 5, 9, 24, 32])
+def test_int4z_int8_activations_match_the_rounded_reference(gs, N, K, M):
+    """int8 activations at decode sizes: the row kernels, and on AVX-512 VNNI from
+    gemm_min_rows (20) rows the int8 GEMM. Both multiply the reference weights by x rounded to
+    int8 per 32 inputs (int8_rounded, zero-padded to whole chunks): exact integer sums, then a
+    few fp32 products and adds a chunk of the terms before they cancel, q s and z s (w =
+    q s - z s), so |y - xr w| <= (K + 2) u sum_k (q + z)_k s_k |xr_k|."""
+    qt = random_int4z(N, K, gs, seed=N + K + gs)
+    w = qt.dequantize().double()
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(M))
+    Kp = -(-K // 32) * 32
+    xr = int8_rounded(F.pad(x, (0, Kp - K)))[:, :K]
+    per_input = lambda t: t.double().repeat_interleave(gs, 1)[:, :K]  # noqa: E731  (N, K)
+    terms = (unpack_int4(qt.qweight)[:, :K].double() + per_input(qt.offsets)) * per_input(
+        qt.scales)  # (q + z) s
+    out = cpu_ops.weight_matmul(x, qt, int8_activations=True).double()
+    assert ((out - xr @ w.T).abs() <= (K + 2) * U * (xr.abs() @ terms.T)).all()
+
+
+@pytest.mark.skipif(cpu_ops.kernel_isa() != "avx512-vnni",
+                    reason="the int8 GEMM is built with the AVX-512 VNNI kernels")
+@pytest.mark.parametrize("gs", [32, 128])
+@pytest.mark.parametrize("N,K", [(83, 576), (5, 33)])
+def test_int4z_int8_gemm_prefill_matches_the_rounded_reference(gs, N, K, monkeypatch):
+    """Prefill (45 rows) through the int8 GEMM, as on a VNNI machine without AMX: the bound of
+    the test above."""
+    monkeypatch.setenv("QSERVE_CPU_BF16", "0")
+    cpu_ops.fast_bf16.cache_clear()
+    try:
+        assert cpu_ops.int8_gemm()
+        test_int4z_int8_activations_match_the_rounded_reference(gs, N, K, 45)
+    finally:
+        monkeypatch.undo()
+        cpu_ops.fast_bf16.cache_clear()
 
 
 # ---- KV writes and decode attention ------------------------------------------------------------
@@ -211,8 +275,8 @@ _PROJ = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_pro
 def _tiny_model(quant: WeightScheme | None = None, bias=False, window=None,
                 formats: dict[str, str] | None = None):
     """3 layers. quant: every linear in this int4/int8 scheme. formats: projection ("q" ..
-    "down") -> a weight format of its own ("int4" = int4 g32 sym, "int8" per channel, a GGML
-    type, f16, bf16), the others fp32: the loader stacks each fused linear's parts into row
+    "down") -> a weight format of its own ("int4" = int4 g32 sym, "int8" per channel, "int4z"
+    g32, a GGML type, f16, bf16), the others fp32: the loader stacks each fused linear's parts into row
     segments, one per run of a format. With a K-quant anywhere, every input size is a whole
     number of 256-input super-blocks (hidden 256, 4 x 64 heads, intermediate 512); otherwise
     hidden 96 (6 x 16 heads), intermediate 160."""
@@ -244,6 +308,8 @@ def _tiny_model(quant: WeightScheme | None = None, bias=False, window=None,
                 m = quantize(m, quant)
             elif fmt in schemes:
                 m = quantize(m, schemes[fmt])
+            elif fmt == "int4z":
+                m = random_int4z(*shape, 32, seed=100 * i + len(w), std=shape[1] ** -0.5)
             elif fmt is not None:
                 m = random_weight(fmt, *shape, seed=100 * i + len(w), std=shape[1] ** -0.5)
             w[f"{p}{_PROJ[proj]}.weight"] = m
@@ -285,12 +351,13 @@ Q4_K_M = {"q": "q4_k", "k": "q4_k", "v": "q6_k", "o": "q4_k", "gate": "q4_k", "u
 MIXED = {"k": "q5_0", "v": "f16", "o": "q5_1", "gate": "bf16", "up": "int4", "down": "int8"}
 CASES = [(None, {}), (WeightScheme(4, 32, False), {}), (WeightScheme(8, None, True), {}),
          (WeightScheme(4, 64, True), {"bias": True}), (None, {"window": 6}),
-         (None, {"formats": Q4_K_M}), (None, {"formats": MIXED, "bias": True})]
+         (None, {"formats": Q4_K_M}), (None, {"formats": MIXED, "bias": True}),
+         (None, {"formats": {p: "int4z" for p in _PROJ}})]
 
 
 @pytest.mark.parametrize("quant,kw", CASES, ids=["fp32", "w4g32", "w8", "w4g64-qkv-bias",
                                                  "sliding-window", "q4_k_m-segments",
-                                                 "mixed-segments-bias"])
+                                                 "mixed-segments-bias", "int4z"])
 @pytest.mark.parametrize("kv", ["auto", "int8", "int4"])
 def test_fused_decode_step_matches_layer_by_layer(quant, kw, kv, monkeypatch):
     """decode_layers (fp32 activations) against the pure-torch layers, 12 steps of 3 sequences;
@@ -300,7 +367,9 @@ def test_fused_decode_step_matches_layer_by_layer(quant, kw, kv, monkeypatch):
     arch = model.arch
     if "formats" in kw:  # the loader made the segments the case is about
         qkv = model.layers[0].self_attn.qkv_proj
-        assert len(qkv.segments) == (2 if kw["formats"] is Q4_K_M else 3)
+        fmts = kw["formats"]
+        assert len(qkv.segments) == (2 if fmts is Q4_K_M else 3 if fmts is MIXED else 1)
+        assert qkv.formats[-1] == fmts.get("v", "f32")
     cache = torch.zeros(1, 4, arch.num_kv_heads, arch.head_dim)
     assert cpu_ops.CpuDecoder.build(model, [{"k": cache, "v": cache}]) is not None
     prompts = [torch.randint(0, 97, (12,), generator=torch.Generator().manual_seed(i)).tolist()

@@ -7,9 +7,13 @@ dimension, so every output row has its own scales and rows of several matrices s
                                            its low nibble and 2j + 1 in its high one
                                              symmetric   w = (q - 8) * scale
                                              asymmetric  w = q * scale + offset
+    int4z  qweight uint8 (out, in_p // 2)  as int4, w = (q - zero) * scale: AWQ / GPTQ's
+                                           asymmetric layout, the checkpoint's own integers
     int8   qweight int8  (out, in_p)       codes -128..127, w = q * scale
            scales  fp16  (out, G)          one per group; G = in_p / group_size
            offsets fp16  (out, G)          int4 asymmetric only
+                   uint8 (out, G)          int4z: the zero points (0..15; 16 where GPTQ v1
+                                           stored -1), read as such because the format says so
 
 in_p is in_features rounded up to whole groups (padded columns are sliced off).
 
@@ -51,7 +55,7 @@ class QuantizedTensor:
 
     @property
     def padded_in(self) -> int:
-        if self.format == "int4":
+        if self.format in ("int4", "int4z"):
             return self.qweight.shape[1] * 2
         if self.format == "int8":
             return self.qweight.shape[1]
@@ -59,7 +63,7 @@ class QuantizedTensor:
 
     @property
     def group_size(self) -> int:
-        """Inputs per scale group: int4/int8 from the scales' shape, GGML its block."""
+        """Inputs per scale group: int4/int4z/int8 from the scales' shape, GGML its block."""
         if self.scales is not None:
             return self.padded_in // self.scales.shape[1]
         return self.fmt.block

@@ -13,7 +13,8 @@ import torch
 import qserve.formats.ggml as ggml
 from qserve.formats.qtensor import QuantizedTensor, unpack_int4
 from qserve.formats.weight_format import (GGML_KIND_BASE, KIND_BF16, KIND_F16, KIND_F32,
-                                          KIND_INT4, KIND_INT8, WeightFormat, register)
+                                          KIND_INT4, KIND_INT4Z, KIND_INT8, WeightFormat,
+                                          register)
 
 
 def _grouped_dequantize(qt: QuantizedTensor) -> torch.Tensor:
@@ -30,8 +31,18 @@ def _grouped_dequantize(qt: QuantizedTensor) -> torch.Tensor:
     return w.view(out, -1)[:, :qt.in_features]
 
 
+def _int4z_dequantize(qt: QuantizedTensor) -> torch.Tensor:
+    """(q - z) * s in fp32, exact: q - z (8 bits for any uint8 z) times s (fp16, 11
+    significant bits) fits fp32's 24, and so do q s and -z s, so a kernel that computes
+    q s + o with o = -z s in fp32 gets these values bit for bit."""
+    out, G = qt.scales.shape
+    q = unpack_int4(qt.qweight).float().view(out, G, -1)  # (out, G, group_size)
+    w = (q - qt.offsets.float()[..., None]) * qt.scales.float()[..., None]
+    return w.view(out, -1)[:, :qt.in_features]
+
+
 def _grouped_validate(qt: QuantizedTensor) -> str | None:
-    want = torch.uint8 if qt.format == "int4" else torch.int8
+    want = torch.int8 if qt.format == "int8" else torch.uint8
     if qt.qweight.dtype != want or qt.qweight.dim() != 2:
         return f"qweight must be a 2-D {want} tensor, got {qt.qweight.dtype} {tuple(qt.qweight.shape)}"
     if qt.scales is None or qt.scales.dim() != 2 or qt.scales.dtype != torch.float16:
@@ -42,8 +53,14 @@ def _grouped_validate(qt: QuantizedTensor) -> str | None:
                 f"do not agree")
     if not qt.padded_in - qt.group_size < qt.in_features <= qt.padded_in:
         return f"packed width {qt.padded_in} does not fit {qt.in_features} inputs"
-    if qt.offsets is not None and (qt.format == "int8" or qt.offsets.shape != qt.scales.shape):
-        return "offsets must match scales (int4 asymmetric only)"
+    if qt.format == "int4z":
+        z = qt.offsets
+        if z is None or z.dtype != torch.uint8 or z.shape != qt.scales.shape:
+            return "int4z zero points (offsets) must be a uint8 tensor shaped as the scales"
+        return None
+    if qt.offsets is not None and (qt.format == "int8" or qt.offsets.shape != qt.scales.shape
+                                   or qt.offsets.dtype != torch.float16):
+        return "offsets must be fp16 and match scales (int4 asymmetric only)"
     return None
 
 
@@ -77,6 +94,9 @@ def _ggml_validate(qt: QuantizedTensor) -> str | None:
 
 register(WeightFormat("int4", KIND_INT4, 4, 0, _grouped_dequantize, _grouped_validate,
                       description="qserve int4, groups of 32/64/128, sym or asym"))
+register(WeightFormat("int4z", KIND_INT4Z, 4, 0, _int4z_dequantize, _grouped_validate,
+                      description="int4 with integer zero points, w = (q - z) * s: AWQ/GPTQ "
+                                  "asymmetric, as the checkpoint stores it"))
 register(WeightFormat("int8", KIND_INT8, 8, 0, _grouped_dequantize, _grouped_validate,
                       description="qserve int8, per channel or grouped, sym"))
 register(WeightFormat("f32", KIND_F32, 32, 1, lambda qt: qt.qweight.float(),

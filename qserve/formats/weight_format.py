@@ -9,7 +9,7 @@ import torch
 
 # C kinds (enum wkind in kernels/cpu_ops.c): dense fp32 is 0; GGML in-place types are
 # GGML_KIND_BASE + their GGML type id.
-KIND_F32, KIND_INT4, KIND_INT8, KIND_F16, KIND_BF16 = 0, 1, 2, 3, 4
+KIND_F32, KIND_INT4, KIND_INT8, KIND_F16, KIND_BF16, KIND_INT4Z = 0, 1, 2, 3, 4, 5
 GGML_KIND_BASE = 16
 
 
