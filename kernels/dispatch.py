@@ -70,7 +70,7 @@ def packed_linear(x: torch.Tensor, segments: list[QuantizedTensor],
 
 def _triton_matmul(x: torch.Tensor, qt: QuantizedTensor) -> torch.Tensor:
     """x (M, K) @ W^T for one segment on CUDA: the Triton kernel of its format."""
-    if qt.format in ("int4", "int8"):
+    if qt.format in ("int4", "int4z", "int8"):
         from qserve.kernels.triton_dequant_gemm import dequant_matmul
 
         return dequant_matmul(x, qt, None)

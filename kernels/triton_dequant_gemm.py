@@ -1,6 +1,6 @@
-"""Fused dequant-GEMM in Triton: y = x @ W^T (+ bias) with W read packed (int4 or int8) and
-dequantized in registers. The reference is `F.linear(x, qt.dequantize().to(x.dtype), bias)`
-(qserve/quant/schemes.py has the layout).
+"""Fused dequant-GEMM in Triton: y = x @ W^T (+ bias) with W read packed (int4, int4z or int8)
+and dequantized in registers. The reference is `F.linear(x, qt.dequantize().to(x.dtype), bias)`
+(qserve/formats/qtensor.py has the layouts).
 
 One kernel serves every M, with a plan that never looks at M (batch invariance: a row's
 result is bit for bit the same alone and in any batch, so greedy output does not depend on
@@ -17,7 +17,8 @@ Scales are applied per K tile, not per weight: when a tile lies inside one group
     sum_k x_k (q_k s + m) = s * (x . q) + m * sum_k x_k
 
 so the inner loop dots x with the raw codes (small integers, exact in fp16/bf16) and the
-scale costs BLOCK_N multiplies per tile. An int4 tile is two dots, x's even columns with
+scale costs BLOCK_N multiplies per tile. int4z's integer zero points z become m = -z s in
+fp32, exact (an 8-bit z times an fp16 s), so its weights q s + m are (q - z) s exactly. An int4 tile is two dots, x's even columns with
 the low nibbles and its odd columns with the high ones, so packed bytes load as contiguous
 runs and are never interleaved; the load is masked on the packed byte index (not on the
 input column), so it vectorises, and a nibble becomes a float by one bitcast (_codes). A
@@ -66,24 +67,36 @@ def _codes(nib, SYM: tl.constexpr, DOT_DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _offsets(o_ptr, offs, mask, s, ZP: tl.constexpr):
+    """The offsets m at offs (fp32): stored fp16 ones, or with ZP -z s from the zero points
+    stored there (uint8), exact in fp32. s: the scales at offs, in fp32."""
+    o = tl.load(o_ptr + offs, mask=mask, other=0)
+    if ZP:
+        return -(o.to(tl.float32) * s)
+    return o.to(tl.float32)
+
+
+@triton.jit
 def _scaled_dot(acc, x, q, cols, g, offs_n, mask_n, K, s_ptr, o_ptr, stride_sn, stride_sg, GROUP,
-                SYM: tl.constexpr, SCALE_PER_TILE: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                PRECISION: tl.constexpr):
+                SYM: tl.constexpr, ZP: tl.constexpr, SCALE_PER_TILE: tl.constexpr,
+                DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
     """acc (BM, BN) + x (BM, BK') . W where W (BK', BN) = codes q of input columns `cols`
     times their scales (plus offsets). Columns past K meet x = 0 (group padding vanishes)."""
     if SCALE_PER_TILE:  # the tile lies in group g: scale after the dot
-        s = tl.load(s_ptr + offs_n * stride_sn + g * stride_sg, mask=mask_n, other=0.0)
+        offs = offs_n * stride_sn + g * stride_sg
+        s = tl.load(s_ptr + offs, mask=mask_n, other=0.0).to(tl.float32)
         xq = tl.dot(x.to(DOT_DTYPE), q.to(DOT_DTYPE), input_precision=PRECISION)  # (BM, BN)
-        acc += xq * s.to(tl.float32)[None, :]
+        acc += xq * s[None, :]
         if not SYM:
-            m = tl.load(o_ptr + offs_n * stride_sn + g * stride_sg, mask=mask_n, other=0.0)
-            acc += tl.sum(x.to(tl.float32), axis=1)[:, None] * m.to(tl.float32)[None, :]
+            m = _offsets(o_ptr, offs, mask_n, s, ZP)
+            acc += tl.sum(x.to(tl.float32), axis=1)[:, None] * m[None, :]
     else:  # each column's own group
         g2 = (cols // GROUP)[:, None] * stride_sg + offs_n[None, :] * stride_sn
         mask = (cols < K)[:, None] & mask_n[None, :]
-        w = q * tl.load(s_ptr + g2, mask=mask, other=0.0).to(tl.float32)
+        s = tl.load(s_ptr + g2, mask=mask, other=0.0).to(tl.float32)
+        w = q * s
         if not SYM:
-            w += tl.load(o_ptr + g2, mask=mask, other=0.0).to(tl.float32)
+            w += _offsets(o_ptr, g2, mask, s, ZP)
         acc += tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE), input_precision=PRECISION)
     return acc
 
@@ -97,10 +110,10 @@ def _dequant_matmul_kernel(
     # strides
     stride_xm, stride_xk,
     stride_wn, stride_wk,  # over qweight's own columns (bytes for int4)
-    stride_sn, stride_sg,  # scales and offsets share theirs
+    stride_sn, stride_sg,  # scales and offsets (int4z: zero points) share theirs
     stride_os, stride_om, stride_on,  # out: (SPLIT_K, M, N)
     # meta-parameters
-    BITS: tl.constexpr, SYM: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BITS: tl.constexpr, SYM: tl.constexpr, ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
     SCALE_PER_TILE: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -134,7 +147,7 @@ def _dequant_matmul_kernel(
                 x = tl.load(x_ptrs, mask=mask_m[:, None] & (cols < K)[None, :], other=0.0)
                 acc = _scaled_dot(acc, x, lo if half == 0 else hi, cols, k0 // GROUP, offs_n,
                                   mask_n, K, s_ptr, o_ptr, stride_sn, stride_sg, GROUP,
-                                  SYM, SCALE_PER_TILE, DOT_DTYPE, PRECISION)
+                                  SYM, ZP, SCALE_PER_TILE, DOT_DTYPE, PRECISION)
         else:
             offs_k = k0 + tl.arange(0, BLOCK_K)
             x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
@@ -143,7 +156,7 @@ def _dequant_matmul_kernel(
             q = tl.load(w_ptrs, mask=(offs_k < K)[:, None] & mask_n[None, :], other=0)
             acc = _scaled_dot(acc, x, q.to(tl.float32), offs_k, k0 // GROUP, offs_n, mask_n, K,
                               s_ptr, o_ptr, stride_sn, stride_sg, GROUP,
-                              SYM, SCALE_PER_TILE, DOT_DTYPE, PRECISION)
+                              SYM, ZP, SCALE_PER_TILE, DOT_DTYPE, PRECISION)
 
     if HAS_BIAS:
         if pid_k == 0:
@@ -219,6 +232,7 @@ def dequant_matmul(x: torch.Tensor, qt: QuantizedTensor, bias: torch.Tensor | No
     assert K == qt.in_features, f"x has {K} columns, the weight {qt.in_features}"
     assert qt.qweight.dtype in (torch.uint8, torch.int8), qt.qweight.dtype
     assert qt.scales.shape == (N, qt.padded_in // qt.group_size), qt.scales.shape
+    assert qt.format in ("int4", "int4z", "int8"), qt.format
     assert qt.offsets is None or (qt.bits == 4 and qt.offsets.stride() == qt.scales.stride())
     assert x.device == qt.qweight.device == qt.scales.device
     assert bias is None or bias.shape == (N,), bias.shape
@@ -238,7 +252,7 @@ def dequant_matmul(x: torch.Tensor, qt: QuantizedTensor, bias: torch.Tensor | No
         BLOCK_K = BLOCK_K if scale_per_tile else 32
     split_k, per_split = split_plan(x.device, N, triton.cdiv(K, BLOCK_K), BLOCK_N, split_k)
     s = qt.scales
-    o = qt.offsets if qt.offsets is not None else s  # unread when symmetric
+    o = qt.offsets if qt.offsets is not None else s  # int4z: zero points; unread when symmetric
 
     def launch(xs: torch.Tensor, out: torch.Tensor) -> None:
         # out: (split_k, rows, N) partials, or (1, rows, N) y itself
@@ -251,7 +265,8 @@ def dequant_matmul(x: torch.Tensor, qt: QuantizedTensor, bias: torch.Tensor | No
             qt.qweight.stride(0), qt.qweight.stride(1),
             s.stride(0), s.stride(1),
             out.stride(0), out.stride(1), out.stride(2),
-            BITS=qt.bits, SYM=qt.bits == 8 or qt.offsets is None, HAS_BIAS=bias is not None,
+            BITS=qt.bits, SYM=qt.bits == 8 or qt.offsets is None, ZP=qt.format == "int4z",
+            HAS_BIAS=bias is not None,
             SCALE_PER_TILE=scale_per_tile, DOT_DTYPE=dot_dtype(x.dtype),
             PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32: no tf32 rounding
             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,

@@ -30,6 +30,7 @@ if not ON_GPU and not IMPORTED_TOO_LATE:  # too late: leave it unset, so later m
 triton = pytest.importorskip("triton")
 
 from kv_codebooks import random_key_codebook  # noqa: E402
+from qserve.formats import QuantizedTensor, pack_int4  # noqa: E402
 from qserve.kernels.kv_quant import (CODEBOOK, KEY_BITS, VALUE_BITS, kv_parts,  # noqa: E402
                                      packed_bytes, uniform_key_codebook)
 from qserve.kernels.paged_attention import (PagedAttentionMetadata, _decode_attention,  # noqa: E402
@@ -111,6 +112,53 @@ def test_dequant_matmul(M, N, K, bits, group, sym, dtype):
 
 
 GEMM_TOL = {F16: 1e-3, BF16: 8e-3, F32: 1e-5}
+
+
+# int4z (AWQ / GPTQ's integer zero points): (M, N, K, group, x dtype). K 576 pads to 640 at
+# g128 and 200 to 256 at g64 (padded codes meet x = 0); g24 has no 16-input tile, so each
+# weight is dequantized before the dot (the other path to the offsets -z s).
+INT4Z_CASES = [
+    (1, 83, 576, 128, F16),
+    (5, 70, 200, 64, BF16),
+    (17, 33, 256, 32, F32),
+    (40, 83, 200, 32, F16),
+    (4, 9, 72, 24, F32),
+]
+if ON_GPU:
+    INT4Z_CASES += [(1, 4096, 4096, 128, F16), (16, 14336, 4096, 64, BF16),
+                    (300, 5125, 576, 128, F16)]
+
+
+def _int4z(N: int, K: int, group: int) -> QuantizedTensor:
+    """Random int4z as AWQ / GPTQ store it: codes, zero points 0..16 (16: GPTQ v1's stored -1),
+    fp16 scales of a checkpoint's size; K padded to whole groups."""
+    G = -(-K // group)
+    q = torch.randint(0, 16, (N, G * group), dtype=torch.uint8)
+    z = torch.randint(0, 17, (N, G), dtype=torch.uint8)
+    s = (torch.rand(N, G) * 0.02 + 0.001).half()
+    return QuantizedTensor("int4z", pack_int4(q).to(DEVICE), s.to(DEVICE), z.to(DEVICE), K)
+
+
+@pytest.mark.parametrize("M,N,K,group,dtype", INT4Z_CASES)
+def test_dequant_matmul_int4z(M, N, K, group, dtype):
+    """int4z against its reference (q - z) s. The offsets -z s are exact in fp32, so the weights
+    are the reference's and the error is test_dequant_matmul's (GEMM_TOL); the q s and z s
+    terms cancel in fp32 at a few ulps each (measured in fp32: 2e-7 of a row's norm, where
+    offsets rounded to fp16, as the import did before int4z, are 3e-4 off)."""
+    torch.manual_seed(M * 1000 + N)
+    qt = _int4z(N, K, group)
+    assert qt.validate() is None
+    x = torch.randn(M, 2 * K, device=DEVICE).to(dtype)[:, ::2]  # strided rows and columns
+    bias = torch.randn(N, device=DEVICE).to(dtype)
+    ref = x.float() @ qt.dequantize().T + bias.float()
+    out = dequant_matmul(x, qt, bias)
+    assert out.shape == (M, N) and out.dtype == dtype
+    assert_rel_close(out, ref, GEMM_TOL[dtype])
+    if dtype == F32:  # the bound tells exact offsets from fp16-rounded ones
+        rounded = QuantizedTensor("int4", qt.qweight, qt.scales,
+                                  (-(qt.offsets.float() * qt.scales.float())).half(), K)
+        with pytest.raises(AssertionError, match="relative error"):
+            assert_rel_close(dequant_matmul(x, rounded, bias), ref, GEMM_TOL[F32])
 
 
 def test_dequant_matmul_split_k_and_no_bias():
