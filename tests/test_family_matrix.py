@@ -8,6 +8,7 @@ CUDA-graph decode's buffers (where the family can be captured), `qserve chat`'s 
 What each check holds fixed:
 - a weight recipe: greedy tokens (fp32 activations) equal transformers' on the recipe's
   dequantized weights, so the family's quantized layers run what the checkpoint says;
+- AWQ: its scales, unrounded, leave every family's hidden states as they were;
 - a quantized KV cache: the first token's log-probabilities near the fp32 cache's
   (test_kv_cache_dtypes says how near, and why tokens are not compared);
 - prefix hits, preemption and speculation: each prompt's greedy tokens equal its solo run
@@ -126,39 +127,75 @@ def first_logprobs(path: Path, kv_dtype: str) -> tuple[tuple[tuple[int, ...], di
                  for o in llm.generate(prompts(), params))
 
 
-# The families whose layers AWQ folds its scales into (quant/awq.py folds_into)
-AWQ_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+def as_mha(arch, weights: dict[str, torch.Tensor]):
+    """`arch` with as many kv heads as query heads, and `weights` with fresh random k/v rows
+    (and biases) of the new shapes: o_proj's inputs are then v's rows one for one, which
+    AWQ folds o's scales into (with GQA it leaves o unscaled)."""
+    import dataclasses
+
+    q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    torch.manual_seed(1)
+
+    def fresh(t: torch.Tensor) -> torch.Tensor:  # (kv, ...) -> (q, ...), t's spread
+        return torch.randn((q, *t.shape[1:])) * t.std()
+
+    out = {}
+    for name, t in weights.items():
+        if re.search(r"\.[kv]_proj\.(weight|bias)$", name):
+            t = fresh(t)
+        elif re.search(r"\.qkv_proj\.(weight|bias)$", name):  # Phi-3: rows q | k | v
+            tq, tk, tv = t.split([q, kv, kv])
+            t = torch.cat([tq, fresh(tk), fresh(tv)])
+        out[name] = t
+    return dataclasses.replace(arch, num_kv_heads=arch.num_heads), out
 
 
+@pytest.mark.parametrize("heads", ["gqa", "mha"])
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_awq_scales_fold_exactly_or_are_refused(family, checkpoints, tmp_path):
+def test_awq_scales_fold_exactly(family, heads, checkpoints):
     """AWQ's scales, before any rounding, leave the model's function as it was (x / s folded
-    into the producer, W * s) in every family whose layout it knows; the others refuse the
-    recipe in one line before anything is loaded or written (on Gemma the fold had moved the
-    final hidden states by as much as their own size, and Phi-3 raised a KeyError)."""
-    from qserve.errors import ConfigError
+    into the producer, W * s) in every family: into Gemma's (1 + w) norms, the one before the
+    MLP being pre_feedforward_layernorm (folding into its post_attention_layernorm had moved
+    the final hidden states by as much as their own size); Phi-3's fused q/k/v and gate/up
+    rows; a mixture's router and every expert sharing one scale. With as many kv heads as
+    heads ("mha") o_proj's scales fold into v's rows (and Qwen2's v bias) too."""
     from qserve.loader import load_model
     from qserve.models.build import build_model, prefill
     from qserve.quant import awq
-    from qserve.quant.quantize import quantize
 
-    if family not in AWQ_FAMILIES:
-        with pytest.raises(ConfigError, match=r"^AWQ does not calibrate .* yet.*; use a "
-                                              r"round-to-nearest recipe such as w4g64$"):
-            quantize(str(checkpoints[family]), tmp_path / "q", "w4g64-awq")
-        assert not (tmp_path / "q").exists()
-        return
     loaded = load_model(checkpoints[family])
-    weights = {k: v.float() for k, v in loaded.weights.items()}
+    arch, weights = loaded.arch, {k: v.float() for k, v in loaded.weights.items()}
+    if heads == "mha":
+        arch, weights = as_mha(arch, weights)
     ids = list(prompt())
     # rounding to quarters makes the search pick scales other than 1 (alpha > 0)
-    scaled, alphas = awq.calibrate(loaded.arch, weights, ids,
-                                   lambda name, w: (w * 4).round() / 4, n_grid=4)
-    assert all(a > 0 for a in alphas.values())
-    want = prefill(build_model(loaded.arch, weights, len(ids)), ids)
-    got = prefill(build_model(loaded.arch, scaled, len(ids)), ids)
+    scaled, alphas = awq.calibrate(arch, weights, ids, lambda name, w: (w * 4).round() / 4,
+                                   n_grid=4)
+    kinds = {key.split(".")[-1] for key, a in alphas.items() if a > 0}
+    assert kinds == {"qkv", "gate_up", "down"} | ({"o"} if heads == "mha" else set()), alphas
+    want = prefill(build_model(arch, weights, len(ids)), ids)
+    got = prefill(build_model(arch, scaled, len(ids)), ids)
     # fp32, the same products in another association: rounding only (4e-6 of values near 4)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+def test_awq_refuses_a_layer_it_does_not_know(checkpoints, tmp_path, monkeypatch):
+    """A decoder layer of a kind quant/awq.py has no groups for (a family added later) is
+    refused in one line before anything is loaded or written, not folded by guesswork."""
+    from qserve.errors import ConfigError
+    from qserve.models.base import DecoderLayer
+    from qserve.models.llama import LlamaForCausalLM
+    from qserve.quant.quantize import quantize
+
+    class OtherLayer(DecoderLayer):
+        pass
+
+    monkeypatch.setattr(LlamaForCausalLM, "decoder_layer",
+                        lambda self, arch, i: OtherLayer(arch, self.layer_rope(i), i))
+    with pytest.raises(ConfigError, match=r"^AWQ does not calibrate llama yet .*; use a "
+                                          r"round-to-nearest recipe such as w4g64$"):
+        quantize(str(checkpoints["llama"]), tmp_path / "q", "w4g64-awq")
+    assert not (tmp_path / "q").exists()
 
 
 @pytest.mark.parametrize("kv_dtype, tolerance", [("int8", 0.1), ("int4", 1.5)])

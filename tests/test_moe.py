@@ -414,16 +414,6 @@ def test_unsupported_qwen3_moe_layout_is_one_line(tmp_path):
         load_arch(tmp_path)
 
 
-def test_awq_refuses_a_mixture_in_one_line(checkpoints, tmp_path):
-    from qserve.errors import ConfigError
-    from qserve.quant.quantize import quantize
-
-    with pytest.raises(ConfigError, match=r"^AWQ does not calibrate a mixture of experts "
-                                          r"\(mixtral\) yet; use a round-to-nearest recipe"):
-        quantize(str(checkpoints["mixtral"]), tmp_path / "q", "w4g64-awq")
-    assert not (tmp_path / "q").exists()
-
-
 def _prompts() -> list[list[int]]:
     """Six prompts: three share their first 16 tokens (four blocks of 4), and one repeats
     itself, so prompt-lookup drafts get accepted."""
