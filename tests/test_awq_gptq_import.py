@@ -1,5 +1,6 @@
 """AWQ (AutoAWQ GEMM) and GPTQ (AutoGPTQ / GPTQModel, v1 and v2 zeros) checkpoints imported
-into qserve's int4 without re-rounding.
+into qserve's int4 (symmetric GPTQ) and int4z (integer zero points) without re-rounding: the
+dequantized weights equal (q - z) * s of the file exactly.
 
 The checkpoints are written here by packers of our own, from the layouts the projects document
 (AutoAWQ's WQLinear_GEMM: outputs packed 8 to an int32 in the order 0 2 4 6 1 3 5 7; GPTQ:
@@ -53,11 +54,13 @@ def gptq_tensors(q, z, s, v1: bool, g_idx=None) -> dict[str, torch.Tensor]:
 
 
 def random_quant(out: int, n_in: int, gs: int, sym: bool, v1: bool, rng):
-    """codes (out, in), zeros (out, G), fp16 scales (out, G) with random 11-bit mantissas."""
+    """codes (out, in), zeros (out, G), fp16 scales (out, G) with random 11-bit mantissas.
+    Zeros 0..15, or 1..16 in v1 (stored minus one in 4 bits: 16 is AutoGPTQ's overflowed -1)."""
     G = n_in // gs
     q = rng.integers(0, 16, (out, n_in), dtype=np.uint8)
     lo = 1 if v1 else 0
-    z = np.full((out, G), 8, np.uint8) if sym else rng.integers(lo, 16, (out, G), dtype=np.uint8)
+    z = (np.full((out, G), 8, np.uint8) if sym
+         else rng.integers(lo, 16 + lo, (out, G), dtype=np.uint8))
     s = (torch.rand(out, G, generator=torch.Generator().manual_seed(int(rng.integers(1 << 30))))
          * 0.02 + 0.001).half()
     return q, z, s
@@ -148,22 +151,17 @@ def test_dequantized_weights_equal_the_intended(case, gs, tmp_path):
     sym = CASES[case][1]
     for base, (q, z, s) in chosen.items():
         qt = loaded.weights[base + ".weight"]
-        assert qt.format == "int4" and qt.group_size == gs and (qt.offsets is None) == sym
-        # codes and scales carried over bit for bit
+        assert qt.format == ("int4" if sym else "int4z") and qt.group_size == gs, base
+        # codes, scales and zero points carried over bit for bit
         assert torch.equal(unpack_int4(qt.qweight), torch.from_numpy(q))
         assert torch.equal(qt.scales.view(torch.int16), s.view(torch.int16))
-        want = intended(q, z, s)
-        got = qt.dequantize().double()
-        if sym:  # w = (q - 8) * s: the same layout, exactly
-            assert torch.equal(got, want), base
-        else:  # offset -z * s rounded to fp16 once, nothing else
-            exact_offset = -(torch.from_numpy(z).double() * s.double())  # (out, G)
-            assert torch.equal(qt.offsets, exact_offset.half())
-            bound = s.double().repeat_interleave(gs, dim=1) / 128
-            assert ((got - want).abs() <= bound).all(), base
-            # where -z * s is an fp16 value, the weights are exact
-            fits = (qt.offsets.double() == exact_offset).repeat_interleave(gs, dim=1)
-            assert fits.any() and torch.equal(got[fits], want[fits]), base
+        if sym:  # w = (q - 8) * s: qserve's symmetric layout
+            assert qt.offsets is None
+        else:
+            assert qt.offsets.dtype == torch.uint8 and torch.equal(qt.offsets,
+                                                                   torch.from_numpy(z)), base
+        # (q - z) * s exactly: fp32 holds each product of a 5-bit integer and an fp16 scale
+        assert torch.equal(qt.dequantize().double(), intended(q, z, s)), base
 
 
 def test_awq_nibble_order_is_not_sequential(tmp_path):
@@ -243,6 +241,6 @@ def test_greedy_equals_transformers_on_the_intended_weights(case, gs, tmp_path, 
     want = hf_greedy_on(tiny_llama(1), {b: intended(*qzs) for b, qzs in chosen.items()}, ids, 16)
     llm = LLM(str(tmp_path), kv_cache_memory="8MiB", max_model_len=128, block_size=4)
     formats = {f for m in llm.engine.model.modules() for f in getattr(m, "formats", [])}
-    assert formats == {"int4"}, formats  # run packed, not dequantized
+    assert formats == {"int4" if CASES[case][1] else "int4z"}, formats  # packed, as imported
     [out] = llm.generate([ids], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     assert out.outputs[0].token_ids == want

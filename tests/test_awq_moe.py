@@ -2,8 +2,8 @@
 under the per-expert names AutoAWQ and GPTQModel write (Mixtral
 block_sparse_moe.experts.{e}.w1/w2/w3, Qwen3-MoE mlp.experts.{e}.gate_proj/up_proj/down_proj),
 the router (block_sparse_moe.gate, mlp.gate) left dense as both projects leave it. Imported
-into qserve's int4 with codes and scales as stored, compared exactly with the intended
-weights, then served."""
+into qserve's int4 / int4z with codes, scales and zero points as stored, compared exactly
+with the intended weights, then served."""
 from __future__ import annotations
 
 import json
@@ -61,25 +61,21 @@ def test_expert_weights_equal_the_intended(family, case, tmp_path):
     experts = [b for b in chosen if ".experts." in b]
     assert len(experts) == 2 * 4 * 3  # layers x experts x (gate, up, down)
     loaded = load_model(tmp_path)
-    sym = CASES[case][1]
+    fmt = "int4" if CASES[case][1] else "int4z"
     for base, (q, z, s) in chosen.items():
         qt = loaded.weights[base + ".weight"]
-        assert qt.format == "int4" and qt.group_size == 32, base
+        assert qt.format == fmt and qt.group_size == 32, base
         assert torch.equal(unpack_int4(qt.qweight), torch.from_numpy(q)), base
         assert torch.equal(qt.scales.view(torch.int16), s.view(torch.int16)), base
-        got, want = qt.dequantize().double(), intended(q, z, s)
-        if sym:  # w = (q - 8) * s: qserve's layout exactly
-            assert torch.equal(got, want), base
-        else:  # the offset -z * s rounded to fp16 once (tests/test_awq_gptq_import.py)
-            exact = -(torch.from_numpy(z).double() * s.double())
-            assert torch.equal(qt.offsets, exact.half()), base
-            fits = (qt.offsets.double() == exact).repeat_interleave(32, dim=1)
-            assert torch.equal(got[fits], want[fits]), base
+        if fmt == "int4z":
+            assert torch.equal(qt.offsets, torch.from_numpy(z)), base
+        # (q - z) * s exactly (tests/test_awq_gptq_import.py)
+        assert torch.equal(qt.dequantize().double(), intended(q, z, s)), base
     router = next(k for k in loaded.weights.keys() if ROUTER.search(k))
     assert isinstance(loaded.weights[router], torch.Tensor)  # dense, as stored
     llm = LLM(str(tmp_path), kv_cache_memory="8MiB", max_model_len=64, block_size=4)
     expert = llm.engine.model.layers[1].mlp.experts[3]
-    assert expert.gate_up_proj.formats == ["int4"] and expert.down_proj.formats == ["int4"]
+    assert expert.gate_up_proj.formats == [fmt] and expert.down_proj.formats == [fmt]
     [out] = llm.generate([[5, 9, 17, 33, 8]], SamplingParams(temperature=0, max_tokens=4,
                                                               ignore_eos=True))
     assert len(out.outputs[0].token_ids) == 4
@@ -90,8 +86,8 @@ def test_expert_weights_equal_the_intended(family, case, tmp_path):
 def test_greedy_equals_transformers_on_the_intended_weights(family, case, tmp_path,
                                                             monkeypatch):
     """qserve on the imported mixture against transformers on a copy whose linears hold the
-    intended (q - z) * s weights (fp32 activations on both sides, so the only difference is
-    the summation order; AWQ's offsets are rounded once, below what moves a greedy token)."""
+    intended (q - z) * s weights (fp32 activations on both sides: the weights are the same,
+    so the only difference is the summation order)."""
     from safetensors.torch import load_file, save_file
 
     from test_families import transformers_greedy

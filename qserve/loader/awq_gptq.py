@@ -1,4 +1,5 @@
-"""AWQ and GPTQ checkpoints (Hugging Face directories) -> qserve int4, codes and scales as stored.
+"""AWQ and GPTQ checkpoints (Hugging Face directories) -> qserve int4 / int4z, codes, scales and
+zero points as stored.
 
 config.json "quantization_config" names the method; the packed linears are stored as
 
@@ -14,10 +15,10 @@ config.json "quantization_config" names the method; the packed linears are store
 
     w[o, i] = (q[o, i] - z[o, g]) * s[o, g]        g = i // group_size (GPTQ: g_idx[i])
 
-qserve int4 (formats/qtensor.py) takes the codes and scales unchanged. GPTQ sym=true (every
-zero 8) is qserve's symmetric layout, w = (q - 8) * s, bit for bit. Otherwise the zero becomes
-an fp16 offset -z * s: exact when z * s fits fp16's 11 significant bits, else rounded once,
-by at most 1/128 of the group's scale (half an fp16 ulp of z * s, z <= 16).
+qserve takes the codes and scales unchanged (formats/qtensor.py). GPTQ sym=true (every zero 8)
+is qserve's symmetric int4, w = (q - 8) * s; otherwise the integer zero points are kept as
+they are in int4z, w = (q - z) * s (z 0..15, or 16 where GPTQ v1 stored -1). Either way the
+dequantized weights are the checkpoint's, bit for bit.
 
 A mixture of experts is read the same way, linear by linear: AutoAWQ and GPTQModel pack each
 expert's matrices under its own name (Mixtral block_sparse_moe.experts.{e}.w1/w2/w3, Qwen3-MoE
@@ -102,8 +103,8 @@ class _Spec:
         return specs
 
     def to_qtensor(self, base: str, t: dict[str, torch.Tensor], n_in: int) -> QuantizedTensor:
-        """The stored tensors of linear `base` -> a qserve int4 QuantizedTensor (no rounding of
-        codes or scales)."""
+        """The stored tensors of linear `base` -> an int4 (symmetric) or int4z QuantizedTensor
+        of the same codes, scales and zero points."""
         G, out = t["scales"].shape
         gs = n_in // G
         if "g_idx" in t and not torch.equal(t["g_idx"].long(), torch.arange(n_in) // gs):
@@ -125,10 +126,10 @@ class _Spec:
             if not bool((zeros == 8).all()):
                 raise ModelLoadError(f"{self.where}: {base}.qzeros are not all 8, though the "
                                      f"config says sym true")
-            offsets = None
-        else:
-            offsets = (-(zeros.double() * scales.double())).to(torch.float16)
-        qt = QuantizedTensor("int4", pack_int4(codes.contiguous()), scales, offsets, n_in)
+            qt = QuantizedTensor("int4", pack_int4(codes.contiguous()), scales, None, n_in)
+        else:  # int4z keeps its zero points where int4 keeps offsets
+            qt = QuantizedTensor("int4z", pack_int4(codes.contiguous()), scales,
+                                 zeros.to(torch.uint8), n_in)
         problem = qt.validate()
         assert problem is None, problem
         return qt
@@ -136,7 +137,7 @@ class _Spec:
 
 def read_weights(path: Path, arch: ModelArchConfig, quant: dict,
                  where: dict[str, Path], shapes: dict[str, tuple]) -> LazyWeights:
-    """The model's weights from an AWQ/GPTQ directory: each packed linear as an int4
+    """The model's weights from an AWQ/GPTQ directory: each packed linear as an int4 / int4z
     QuantizedTensor under `<name>.weight`, the rest as stored. `where` / `shapes`: every
     tensor in the directory's safetensors files -> its file / shape (from the headers)."""
     from safetensors import safe_open
