@@ -18,7 +18,7 @@ import torch
 
 from qserve import LLM, SamplingParams
 from qserve.errors import ModelLoadError
-from qserve.formats import unpack_int4
+from qserve.formats import QuantizedTensor, unpack_int4
 from qserve.loader import load_model
 
 AWQ_PACK_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ: output column packed at nibble i
@@ -162,6 +162,61 @@ def test_dequantized_weights_equal_the_intended(case, gs, tmp_path):
                                                                    torch.from_numpy(z)), base
         # (q - z) * s exactly: fp32 holds each product of a 5-bit integer and an fp16 scale
         assert torch.equal(qt.dequantize().double(), intended(q, z, s)), base
+
+
+def _packed_bytes(weights) -> dict[str, dict[str, int]]:
+    """format -> {"tensors", "bytes"} of the QuantizedTensors among weights, as held."""
+    out: dict[str, dict[str, int]] = {}
+    for w in weights.values():
+        if isinstance(w, QuantizedTensor):
+            row = out.setdefault(w.format, {"tensors": 0, "bytes": 0})
+            row["tensors"] += 1
+            row["bytes"] += w.nbytes
+    return out
+
+
+@pytest.mark.parametrize("case", ["awq", "gptq-asym-v1", "gptq-sym-v2"])
+def test_planner_counts_the_imported_linears_as_held(case, tmp_path):
+    """The memory planner (and `qserve info`) counts each packed linear from the headers alone
+    as the importer will hold it: int4 / int4z codes, fp16 scales, uint8 zero points."""
+    from qserve.engine.memory_plan import resident_weights
+
+    make(tmp_path, case, 64)
+    loaded = load_model(tmp_path)
+    held = _packed_bytes(loaded.weights)
+    assert list(held) == ["int4" if CASES[case][1] else "int4z"]
+    planned = resident_weights(tmp_path, loaded.arch, torch.float32, native=True)
+    assert {f: planned[f] for f in held} == held
+
+
+@pytest.mark.parametrize("case", ["awq", "gptq-asym-v1"])
+def test_int4z_round_trips_through_a_qserve_checkpoint(case, tmp_path):
+    """The imported weights saved as a qserve checkpoint (int4z linears, their uint8 zero
+    points stored as `<name>.offsets`) load back bit for bit, and the planner counts them
+    as held."""
+    from qserve.engine.memory_plan import resident_weights
+    from qserve.loader.checkpoint import save_checkpoint
+
+    make(tmp_path / "src", case, 32)
+    loaded = load_model(tmp_path / "src")
+    weights = dict(loaded.weights)
+    layers = {n.removesuffix(".weight"): {"format": "int4z", "bits": 4, "group_size": 32,
+                                          "symmetric": False}
+              for n, w in weights.items() if isinstance(w, QuantizedTensor)}
+    save_checkpoint(tmp_path / "ckpt", loaded.arch, loaded.tokenizer, weights,
+                    {"layers": layers})
+    back = load_model(tmp_path / "ckpt")
+    assert back.source_format == "qserve" and back.weights.keys() == weights.keys()
+    for name, w in weights.items():
+        got = back.weights[name]
+        if isinstance(w, QuantizedTensor):
+            assert got.format == "int4z" and got.offsets.dtype == torch.uint8, name
+            assert all(torch.equal(a, b) for a, b in zip(got.tensors().values(),
+                                                          w.tensors().values())), name
+        else:
+            assert torch.equal(got.float(), w.float()), name
+    planned = resident_weights(tmp_path / "ckpt", loaded.arch, torch.float32, native=True)
+    assert planned["int4z"] == _packed_bytes(weights)["int4z"]
 
 
 def test_awq_nibble_order_is_not_sequential(tmp_path):

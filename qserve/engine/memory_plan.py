@@ -205,8 +205,9 @@ def _by_format(tensors) -> dict[str, dict[str, int]]:
 
 def resident_tensors(path: Path, arch: ModelArchConfig, dtype: torch.dtype, native: bool):
     """(HF name, format, resident bytes, shape (out, in) or (n,)) of every weight the model
-    keeps, from the file's headers alone; a qserve checkpoint's packed linear is one entry
-    (its qweight, scales and offsets together)."""
+    keeps, from the file's headers alone; a packed linear is one entry: a qserve checkpoint's
+    qweight, scales and offsets (int4z: zero points) together, an AWQ / GPTQ one's as the
+    importer keeps them (awq_gptq.resident_layout)."""
     from qserve.loader.hf_loader import expected_shapes
 
     wanted = expected_shapes(arch)
@@ -234,9 +235,11 @@ def resident_tensors(path: Path, arch: ModelArchConfig, dtype: torch.dtype, nati
             else:
                 yield hf, fmt, info.nbytes, info.shape
         return
+    from qserve.loader.awq_gptq import resident_layout
     from qserve.loader.checkpoint import quantization_config
 
     quant = quantization_config(path)
+    imported = resident_layout(path) if quant is None else None  # (format, suffix -> bytes)
     packed: dict[str, list] = {}  # base name -> [format, bytes]
     for name, dt, shape in _safetensors_tensors(path):
         base, _, leaf = name.rpartition(".")
@@ -245,6 +248,10 @@ def resident_tensors(path: Path, arch: ModelArchConfig, dtype: torch.dtype, nati
             entry = packed.setdefault(base, [layer.get("format") or
                                              f"int{layer.get('bits', 8)}", 0])
             entry[1] += _ITEMSIZE.get(dt, 4) * _numel(shape)
+            continue
+        if imported is not None and leaf in imported[1]:
+            entry = packed.setdefault(base, [imported[0], 0])
+            entry[1] += imported[1][leaf] * _numel(shape)
             continue
         if name not in wanted:
             continue

@@ -29,6 +29,7 @@ qserve's groups are contiguous, so such a checkpoint is refused rather than re-r
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -133,6 +134,23 @@ class _Spec:
         problem = qt.validate()
         assert problem is None, problem
         return qt
+
+
+def resident_layout(path: Path) -> tuple[str, dict[str, int]] | None:
+    """What read_weights keeps of each packed linear of the AWQ / GPTQ directory `path`, from
+    its config.json alone (the memory planner): the format (int4 for symmetric GPTQ, else
+    int4z) and, per stored tensor suffix, resident bytes per stored value: qweight's int32
+    words as they are, scales as fp16, each qzeros word as 8 uint8 zero points (int4z), no
+    g_idx. None where `path` is not such a directory."""
+    try:
+        quant = json.loads((path / "config.json").read_text()).get("quantization_config")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(quant, dict) or quant.get("quant_method") not in METHODS:
+        return None
+    spec = _Spec(quant, path / "config.json")
+    return ("int4" if spec.sym else "int4z",
+            {"qweight": 4, "scales": 2, "qzeros": 0 if spec.sym else 8, "g_idx": 0})
 
 
 def read_weights(path: Path, arch: ModelArchConfig, quant: dict,

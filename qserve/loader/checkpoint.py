@@ -3,14 +3,17 @@
     config.json              the model's config + "quantization_config" (below)
     model.safetensors        dense tensors under HF names (`<name>.weight`); each quantized
                              linear as `<name>.qweight`, `<name>.scales` [, `<name>.offsets`]
+                             (QuantizedTensor.tensors(): int4z's `offsets` are its uint8 zero
+                             points)
     tokenizer.json, tokenizer_config.json, chat_template.jinja, generation_config.json
 
     "quantization_config": {
       "quant_method": "qserve", "format_version": 1,
       "recipe": {...},                  the recipe it was made with (recipe.py)
       "kv_dtype": "fp16",               the KV cache dtype it suggests
-      "layers": {"model.layers.0.self_attn.q_proj": {"bits": 4, "group_size": 64,
-                 "symmetric": false}, ...}      every packed linear; the rest are dense
+      "layers": {"model.layers.0.self_attn.q_proj": {"format": "int4", "bits": 4,
+                 "group_size": 64, "symmetric": false}, ...}
+                                        every packed linear; the rest are dense
     }
 
 The loader checks every tensor's presence, shape and dtype against this before using any.
@@ -84,8 +87,9 @@ def packed_specs(shape: tuple[int, int], layer: dict) -> dict[str, tuple[tuple, 
     specs = {"qweight": ((out, G * gs // 2), torch.uint8) if layer["bits"] == 4
              else ((out, G * gs), torch.int8),
              "scales": ((out, G), torch.float16)}
-    if not layer["symmetric"]:
-        specs["offsets"] = ((out, G), torch.float16)
+    if not layer["symmetric"]:  # int4z: zero points
+        zeros = layer_format(layer) == "int4z"
+        specs["offsets"] = ((out, G), torch.uint8 if zeros else torch.float16)
     return specs
 
 
