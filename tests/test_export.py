@@ -6,9 +6,10 @@ greedily exactly as qserve does on the checkpoint (qserve's CPU default: int8 ac
 32 inputs, llama.cpp's scheme for Q4_0/Q4_1/Q8_0). Skipped with the reason when native
 llama.cpp is not built (scripts/peer.py).
 
-compressed-tensors: the package's own unpacking gives back qserve's codes and scales;
-transformers with compressed-tensors on the CPU decompresses to qserve's weights rounded to
-fp16 (it dequantizes in the scale's dtype), and its greedy output equals qserve's.
+compressed-tensors: the package's own unpacking gives back qserve's codes and scales (and an
+AWQ / GPTQ import's integer zero points); transformers with compressed-tensors on the CPU
+decompresses to qserve's weights rounded to fp16 (it dequantizes in the scale's dtype), and
+its greedy output equals qserve's.
 """
 from __future__ import annotations
 
@@ -286,7 +287,6 @@ def test_compressed_tensors_export_is_read_back_by_the_package_and_transformers(
         name, checkpoint, tmp_path, monkeypatch):
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
     ckpt = checkpoint(name)
     out = tmp_path / "ct"
@@ -303,13 +303,26 @@ def test_compressed_tensors_export_is_read_back_by_the_package_and_transformers(
     cfg = json.loads((out / "config.json").read_text())["quantization_config"]
     assert cfg["ignore"] == ["lm_head"] and cfg["format"] == "pack-quantized"
 
+    want = transformers_reads_back(out, ours)
+    monkeypatch.setenv("QSERVE_CPU_ACTIVATIONS", "fp32")  # transformers' precision
+    assert qserve_greedy(ckpt, PROMPT, 16) == want
+
+
+def transformers_reads_back(out: Path, ours: dict, compressed: bool = True) -> list[int]:
+    """Check that transformers decompresses the export `out` to qserve's weights `ours`
+    rounded to fp16 (it dequantizes in the scales' dtype); return its 16 greedy tokens on the
+    model loaded compressed (decompressed at its first forward), or else on that one."""
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
     hf = AutoModelForCausalLM.from_pretrained(
         out, dtype=torch.float32, quantization_config=CompressedTensorsConfig(dequantize=True))
     sd = hf.state_dict()
-    for key, qt in ours.items():  # dequantized in fp16, the scales' dtype
+    for key, qt in ours.items():
         if isinstance(qt, QuantizedTensor):
             assert torch.equal(sd[key], qt.dequantize().half().float()), key
-    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()  # compressed
+    if compressed:
+        hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    hf.eval()
     want, x, cache = [], torch.tensor([PROMPT]), None
     with torch.no_grad():
         for _ in range(16):
@@ -317,8 +330,78 @@ def test_compressed_tensors_export_is_read_back_by_the_package_and_transformers(
             cache = res.past_key_values
             want.append(int(res.logits[0, -1].argmax()))
             x = torch.tensor([want[-1:]])
+    return want
+
+
+def export_import(src: Path, out: Path) -> dict:
+    """Export the AWQ / GPTQ directory src as it was imported (each packed linear in its own
+    int4 / int4z, the rest dense) to compressed-tensors at out; its weights as loaded."""
+    from qserve.quant import export_compressed
+    from qserve.quant.quantize import LayerPlan, linear_shapes
+    from qserve.quant.schemes import WeightScheme
+
+    loaded = load_model(src)
+    weights = dict(loaded.weights)
+    plans = []
+    for name, shape in linear_shapes(loaded.arch).items():
+        qt = weights[name + ".weight"]
+        packed = isinstance(qt, QuantizedTensor)
+        plans.append(LayerPlan(name, shape, WeightScheme(4, qt.group_size, qt.offsets is None)
+                               if packed else None, qt.group_size if packed else None))
+    export_compressed.export(out, loaded, weights, plans,
+                             atomic_dir=lambda path, write: write(path))
+    return weights
+
+
+@needs_ct
+@pytest.mark.parametrize("case, gs", [("awq", 64), ("gptq-asym-v2", 128), ("gptq-sym-v1", 32)])
+def test_compressed_tensors_export_of_an_awq_gptq_import_is_exact(case, gs, tmp_path,
+                                                                  monkeypatch):
+    """An AWQ / GPTQ import exports as it is: int4z as asymmetric pack-quantized whose zero
+    points are the file's own (the package unpacks the codes, scales and zero points), int4
+    as symmetric; transformers decompresses it to qserve's weights (in fp16) and its greedy
+    output equals qserve's on the AWQ / GPTQ directory. Loaded compressed, transformers
+    5.24 with compressed-tensors 0.20.1 refuses an asymmetric model (its meta-device layout
+    keeps the zero points unpacked, (out, G), where the package's own export packs them
+    (out / 8, G), as this one does: a model the package exports itself fails the same way),
+    so greedy runs on the decompressed load there."""
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from safetensors.torch import load_file
+
+    from test_awq_gptq_import import CASES, make
+
+    src, out = tmp_path / "src", tmp_path / "ct"
+    chosen = make(src, case, gs)
+    ours = export_import(src, out)
+    stored = load_file(str(out / "model.safetensors"))
+    for base, (q, z, s) in chosen.items():
+        shape = torch.Size(stored[base + ".weight_shape"].tolist())
+        codes = unpack_from_int32(stored[base + ".weight_packed"], 4, shape)
+        assert torch.equal(codes, torch.from_numpy(q).to(torch.int8) - 8), base
+        assert torch.equal(stored[base + ".weight_scale"], s), base
+        if CASES[case][1]:
+            assert base + ".weight_zero_point" not in stored
+        else:
+            zp = unpack_from_int32(stored[base + ".weight_zero_point"], 4,
+                                   torch.Size([shape[0], shape[1] // gs]), packed_dim=0)
+            assert torch.equal(zp, torch.from_numpy(z).to(torch.int8) - 8), base
+    [group] = json.loads((out / "config.json").read_text())["quantization_config"][
+        "config_groups"].values()
+    assert group["weights"]["symmetric"] == CASES[case][1] and group["weights"]["group_size"] == gs
+    want = transformers_reads_back(out, ours, compressed=CASES[case][1])
     monkeypatch.setenv("QSERVE_CPU_ACTIVATIONS", "fp32")  # transformers' precision
-    assert qserve_greedy(ckpt, PROMPT, 16) == want
+    assert qserve_greedy(src, PROMPT, 16) == want
+
+
+def test_compressed_tensors_refuses_a_zero_point_of_16(tmp_path):
+    """GPTQ v1 stores zero - 1 in 4 bits, so its -1 reads back as a zero of 16: no 4-bit zp."""
+    from test_awq_gptq_import import make
+
+    chosen = make(tmp_path / "src", "gptq-asym-v1", 32)
+    assert any((z == 16).any() for _, z, _ in chosen.values())
+    with pytest.raises(QServeError, match=r"zero point of 16 .* takes zero points 0\.\.15"):
+        export_import(tmp_path / "src", tmp_path / "ct")
+    assert not (tmp_path / "ct").exists()
 
 
 @pytest.mark.parametrize("name, message", [

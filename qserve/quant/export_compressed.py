@@ -6,17 +6,24 @@ compressed-tensors stores signed codes x_q and an integer zero point zp, w = (x_
 Each packed linear `<name>` becomes ("pack-quantized": 32 / bits codes per int32, code i of a
 word at bits [i * bits, (i + 1) * bits), stored as x_q + 2^(bits-1)):
 
-    <name>.weight_packed  int32 (out, in * bits / 32)
-    <name>.weight_scale   fp16  (out, G)            G = 1 for per-channel int8
-    <name>.weight_shape   int64 (2,)                [out, in]
+    <name>.weight_packed      int32 (out, in * bits / 32)
+    <name>.weight_scale       fp16  (out, G)        G = 1 for per-channel int8
+    <name>.weight_zero_point  int32 (out / 8, G)    asymmetric only: zp packed as the codes,
+                                                    but along out (packed_dim 0)
+    <name>.weight_shape       int64 (2,)            [out, in]
 
-    qserve int4 sym   w = (q - 8) * s   -> num_bits 4, x_q = q - 8, strategy group
-    qserve int8 sym   w = q * s         -> num_bits 8, x_q = q, strategy group or channel
+    qserve int4 sym   w = (q - 8) * s         -> num_bits 4, x_q = q - 8, strategy group
+    qserve int4z      w = (q - z) * s         -> num_bits 4, x_q = q - 8, zp = z - 8, asymmetric
+    qserve int8 sym   w = q * s               -> num_bits 8, x_q = q, strategy group or channel
 
 qserve's asymmetric int4 keeps an fp16 offset per group (the group's minimum), which an
 integer zero point cannot hold without re-rounding, so asymmetric recipes are refused, as are
-padded last groups, a quantized embedding, and mixed schemes. No compressed-tensors import is
-needed to write; tests read the result back with the package and transformers.
+padded last groups, a quantized embedding, and mixed schemes. int4z (an AWQ / GPTQ import) has
+the integer zero points themselves, so export() writes it exactly; a zero of 16 (GPTQ v1's
+stored -1) has no 4-bit zp and is refused. (`qserve quantize` rounds an AWQ / GPTQ source
+again with its recipe: an import's weights reach export() through the API, as in
+tests/test_export.py.) No compressed-tensors import is needed to write; tests read the result
+back with the package and transformers.
 """
 from __future__ import annotations
 
@@ -71,12 +78,14 @@ def check_replaceable(out: Path, src: Path) -> None:
 
 
 def pack_codes(x_q: torch.Tensor, bits: int) -> torch.Tensor:
-    """(out, in) signed codes -> (out, in * bits / 32) int32: code i of a word at bits
-    [i * bits, (i + 1) * bits), stored as x_q + 2^(bits - 1)."""
+    """(rows, n) signed codes -> (rows, ceil(n * bits / 32)) int32: code i of a word at bits
+    [i * bits, (i + 1) * bits), stored as x_q + 2^(bits - 1), a last word zero-filled (as the
+    package's pack_to_int32)."""
     per_word = 32 // bits
-    u = (x_q.to(torch.int64) + (1 << (bits - 1))).view(x_q.shape[0], -1, per_word)
+    u = x_q.to(torch.int64) + (1 << (bits - 1))
+    u = torch.nn.functional.pad(u, (0, -u.shape[1] % per_word)).view(u.shape[0], -1, per_word)
     shifts = torch.arange(0, 32, bits, dtype=torch.int64)
-    words = (u << shifts).sum(-1)  # (out, in / per_word), fields disjoint: sum == or
+    words = (u << shifts).sum(-1)  # (rows, n / per_word), fields disjoint: sum == or
     return (words - ((words >= 1 << 31).long() << 32)).to(torch.int32)  # as signed int32
 
 
@@ -84,24 +93,35 @@ def module_tensors(name: str, qt: QuantizedTensor) -> dict[str, torch.Tensor]:
     """One packed linear `<name>.weight` -> its compressed-tensors tensors."""
     base = name.removesuffix(".weight")
     out, n_in = qt.shape
-    assert qt.offsets is None and qt.padded_in == n_in, (name, qt.format)
+    assert qt.padded_in == n_in and (qt.format == "int4z" or qt.offsets is None), (
+        name, qt.format)
     x_q = unpack_int4(qt.qweight).to(torch.int8) - 8 if qt.bits == 4 else qt.qweight
-    return {f"{base}.weight_packed": pack_codes(x_q, qt.bits),
-            f"{base}.weight_scale": qt.scales.contiguous(),
-            f"{base}.weight_shape": torch.tensor([out, n_in], dtype=torch.int64)}
+    tensors = {f"{base}.weight_packed": pack_codes(x_q, qt.bits),
+               f"{base}.weight_scale": qt.scales.contiguous(),
+               f"{base}.weight_shape": torch.tensor([out, n_in], dtype=torch.int64)}
+    if qt.format == "int4z":
+        if int(qt.offsets.max()) > 15:
+            raise QServeError(f"{base} has a zero point of {int(qt.offsets.max())} (GPTQ v1's "
+                              f"stored -1), which compressed-tensors' 4-bit zero points cannot "
+                              f"hold; compressed-tensors export takes zero points 0..15")
+        zp = qt.offsets.to(torch.int8) - 8  # (out, G), packed along out
+        tensors[f"{base}.weight_zero_point"] = pack_codes(zp.t(), 4).t().contiguous()
+    return tensors
 
 
-def quantization_config(plans) -> dict:
-    """config.json's quantization_config: a config group per scheme. One scheme targets every
-    Linear but the dense ones (`ignore`); several (group_fallback: divisor) name their
+def quantization_config(plans, tensors: dict) -> dict:
+    """config.json's quantization_config: a config group per scheme (the plan's bits and
+    group size, symmetric unless the tensor is int4z). One scheme targets every Linear but the
+    dense ones (`ignore`); several (group_fallback: divisor, or a mixed import) name their
     linears."""
     by_scheme: dict[tuple, list[str]] = {}
     for p in plans:
         if p.scheme is not None:
-            by_scheme.setdefault((p.scheme.bits, p.group_size), []).append(p.name)
+            sym = tensors[p.name + ".weight"].format != "int4z"
+            by_scheme.setdefault((p.scheme.bits, p.group_size, sym), []).append(p.name)
     groups = {}
-    for i, ((bits, gs), names) in enumerate(by_scheme.items()):
-        weights = {"num_bits": bits, "type": "int", "symmetric": True, "dynamic": False,
+    for i, ((bits, gs, sym), names) in enumerate(by_scheme.items()):
+        weights = {"num_bits": bits, "type": "int", "symmetric": sym, "dynamic": False,
                    "strategy": "channel" if gs is None else "group", "group_size": gs,
                    "actorder": None, "observer": "minmax", "observer_kwargs": {}}
         groups[f"group_{i}"] = {"targets": ["Linear"] if len(by_scheme) == 1 else names,
@@ -126,7 +146,8 @@ def export(out: Path, loaded, tensors: dict, plans, atomic_dir) -> None:
             flat |= module_tensors(name, w)
         else:
             flat[name] = w
-    config = hf_config(loaded.arch) | {"quantization_config": quantization_config(plans)}
+    config = hf_config(loaded.arch) | {"quantization_config": quantization_config(plans,
+                                                                                  tensors)}
     assert WEIGHTS_FILE in WRITTEN
 
     def write(tmp: Path) -> None:
