@@ -402,6 +402,11 @@ def test_supports():
     int4_g16 = QuantizedTensor("int4", torch.zeros(4, 32, dtype=torch.uint8),
                                torch.ones(4, 4, dtype=torch.float16), None, 64)
     assert int4_g16.validate() is None and not cpu_ops.supports(int4_g16)
+    # the format says what the third tensor is: int4z's zero points are uint8, int4's fp16
+    z = _mixed_formats_weight("int4z", 4, K)
+    for fmt, third in (("int4z", z.offsets.half()), ("int4", z.offsets)):
+        qt = QuantizedTensor(fmt, z.qweight, z.scales, third, K)
+        assert qt.validate() is not None and not cpu_ops.supports(qt), fmt
     with cpu_ops.disabled():
         assert not cpu_ops.supports(QuantizedTensor("f32", w, None, None, 64))
 
