@@ -170,9 +170,10 @@ def _json_output(ctx, param, value: bool) -> bool:
     return value
 
 
-def _build_engine(model: str | None, engine: dict):
+def _build_engine(model: str | None, engine: dict, on=None):
     """The engine for MODEL, with a spinner on a terminal while it loads, then one status line
-    on stderr: what runs, at which precision, where, and the KV budget."""
+    on stderr: what runs, at which precision, where, and the KV budget. `on`: the EngineThread
+    to load it on (the server's, which then steps it), else this thread."""
     import time
 
     from qserve.config import engine_config
@@ -184,7 +185,7 @@ def _build_engine(model: str | None, engine: dict):
     resolve_model(model)  # a first run's download draws its own progress, not under a spinner
     t0 = time.monotonic()
     with spinner(f"loading {model or 'the default model'}"):
-        eng = make_engine(config)
+        eng = make_engine(config) if on is None else on.call(lambda: make_engine(config))
     click.echo(f"qserve: {status_line(eng)}, loaded in {time.monotonic() - t0:.1f}s", err=True)
     return eng
 
@@ -701,6 +702,7 @@ def serve(model, host, port, api_key, allowed_origins, max_request_bytes, shutdo
     from qserve.config import parse_size
     from qserve.loader.registry import DEFAULT_MODEL
     from qserve.server.api import serve as run_server
+    from qserve.server.async_engine import EngineThread
     from qserve.server.config import LOOPBACK, ServerConfig
 
     config = ServerConfig(host, port, api_key,
@@ -714,11 +716,12 @@ def serve(model, host, port, api_key, allowed_origins, max_request_bytes, shutdo
         if any(cluster[k] is not None for k in ("ray_address", "min_replicas", "max_replicas",
                                                 "target_ongoing_requests")):
             raise click.UsageError("--ray-address and the autoscaling flags need --replicas")
-        eng = _build_engine(model, dict(engine, max_waiting=max_waiting))
+        thread = EngineThread()
+        eng = _build_engine(model, dict(engine, max_waiting=max_waiting), on=thread)
         name = served_model_name or model or DEFAULT_MODEL
         click.echo(f"qserve: serving {name!r} at {_url(host, port)}/v1 (OpenAI-compatible; "
                    f"Ctrl-C stops it)", err=True)
-        run_server(eng, name, config)
+        run_server(eng, name, config, thread)
         return
     _serve_replicas(cluster, model, dict(engine, max_waiting=max_waiting),
                     served_model_name or model or DEFAULT_MODEL, config)

@@ -247,7 +247,10 @@ async def run_load(url: str, work: list[Request], clients: int, tokenizer
             i, req = queue.pop()
             results[i] = await one_request(client, url, req, tokenizer)
 
-    async with httpx.AsyncClient(timeout=None) as client:
+    # a new connection per request: llama-server (cpp-httplib) closes a keep-alive connection
+    # after a few requests or seconds, and a request sent on one it just closed fails unsent
+    limits = httpx.Limits(max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
         start = time.perf_counter()
         await asyncio.gather(*(client_loop(client) for _ in range(clients)))
         wall = time.perf_counter() - start

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -248,6 +249,42 @@ def test_sixteen_concurrent_streams(client, server):
 
     texts = asyncio.run(all16())
     assert texts == [expected[prompts[i % 4]] for i in range(16)]
+
+
+def _voluntary_switches(pid: int) -> int:
+    """Voluntary context switches of all the process's threads so far (a thread that sleeps,
+    on a lock, a futex or I/O, makes one each time)."""
+    total = 0
+    for status in Path(f"/proc/{pid}/task").glob("*/status"):
+        try:
+            text = status.read_text()
+        except OSError:  # a thread that just ended
+            continue
+        total += int(re.search(r"^voluntary_ctxt_switches:\s+(\d+)", text, re.M).group(1))
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads /proc")
+def test_decode_threads_do_not_sleep_between_barriers(server):
+    """The engine loads and steps on one thread (EngineThread): when the server loaded it on
+    the main thread and stepped it on another, libgomp held two worker pools, and on a
+    2-core machine its workers then slept and woke at every parallel region of a decode step,
+    ~160 voluntary context switches per token across the process (decode 2x slower); one
+    pool makes ~9 (the output thread, the event loop and the worker between steps)."""
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 128, "ignore_eos": True,
+            "stream": True, "temperature": 0}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=headers,
+                      timeout=120) as r:
+        lines = r.iter_lines()
+        for _ in range(8):  # past the prefill
+            next(lines)
+        before, chunks = _voluntary_switches(server.proc.pid), 0
+        for line in lines:
+            chunks += line.startswith("data: {")
+        after = _voluntary_switches(server.proc.pid)
+    assert chunks > 100
+    assert (after - before) / chunks < 40, (after - before, chunks)
 
 
 def test_disconnected_stream_frees_its_blocks(server):

@@ -26,7 +26,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from qserve.errors import QServeError, QueueFullError
 from qserve.server import protocol as P
-from qserve.server.async_engine import AsyncEngine, EngineStopped, Generation
+from qserve.server.async_engine import AsyncEngine, EngineStopped, EngineThread, Generation
 from qserve.server.config import ServerConfig
 from qserve.server.guard import RequestGuard
 from qserve.server.metrics import CONTENT_TYPE, Metrics
@@ -38,20 +38,23 @@ log = logging.getLogger("qserve.server")
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
-def serve(engine, model_name: str, config: ServerConfig | None = None) -> None:
-    """Serve `engine` (an LLMEngine) until SIGINT or SIGTERM, then return normally.
+def serve(engine, model_name: str, config: ServerConfig | None = None,
+          thread: EngineThread | None = None) -> None:
+    """Serve `engine` (an LLMEngine; `thread`: the EngineThread that loaded it) until SIGINT
+    or SIGTERM, then return normally.
 
     On a signal the server stops accepting connections and lets in-flight requests finish for
     up to `config.shutdown_timeout_s`; then each still running ends with an error.
     """
-    make_server(engine, model_name, config or ServerConfig()).run()
+    make_server(engine, model_name, config or ServerConfig(), thread).run()
 
 
-def make_server(engine, model_name: str, config: ServerConfig) -> "_Server":
+def make_server(engine, model_name: str, config: ServerConfig,
+                thread: EngineThread | None = None) -> "_Server":
     """The uvicorn server for `engine`, not started (`.run()` blocks until it stops)."""
     metrics = Metrics()
     async_engine = AsyncEngine(engine, on_finished=metrics.observe,
-                               on_aborted=metrics.observe_abort)
+                               on_aborted=metrics.observe_abort, thread=thread)
     metrics.watch(async_engine)
     app = build_app(async_engine, model_name, metrics, config)
     # uvicorn's own limit is a backstop: _Server ends the requests at shutdown_timeout_s

@@ -237,13 +237,16 @@ class QServeReplica:
         from qserve.config import engine_config
         from qserve.llm import make_engine
         from qserve.server.api import build_app
-        from qserve.server.async_engine import AsyncEngine
+        from qserve.server.async_engine import AsyncEngine, EngineThread
         from qserve.server.metrics import Metrics
 
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         metrics = Metrics()
-        self.engine = AsyncEngine(make_engine(engine_config(model, **engine)),
-                                  on_finished=metrics.observe, on_aborted=metrics.observe_abort)
+        thread = EngineThread()  # loads the engine and steps it: one OpenMP thread pool
+        config = engine_config(model, **engine)
+        self.engine = AsyncEngine(thread.call(lambda: make_engine(config)),
+                                  on_finished=metrics.observe, on_aborted=metrics.observe_abort,
+                                  thread=thread)
         metrics.watch(self.engine)
         self.app = build_app(self.engine, model_name, metrics, server)
         self.engine.start()  # the app's lifespan is not run here: the replica owns the engine
