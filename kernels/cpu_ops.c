@@ -1127,9 +1127,9 @@ static inline __m256 exp_ps(__m256 x)
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-/* The 8 dot products of q[d] with rows k[0..8) (each d long, contiguous), d % 8 == 0:
- * one accumulator per row, then a transposing horizontal-add tree. */
-static inline __m256 dots8(const float *q, const float *k, int d)
+/* The 8 dot products of q[d] with rows k[0..8) (each d long), d % 8 == 0: one accumulator
+ * per row, then a transposing horizontal-add tree. */
+static inline __m256 dots8(const float *q, const float *const *k, int d)
 {
     __m256 a[8];
     for (int r = 0; r < 8; r++)
@@ -1137,7 +1137,7 @@ static inline __m256 dots8(const float *q, const float *k, int d)
     for (int j = 0; j < d; j += 8) {
         const __m256 qv = _mm256_loadu_ps(q + j);
         for (int r = 0; r < 8; r++)
-            a[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + r * d + j), a[r]);
+            a[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[r] + j), a[r]);
     }
     const __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
     const __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
@@ -1292,17 +1292,18 @@ static inline void kv_load_fast(int kind, const void *vals, const half *scale,
     kv_load(kind, vals, scale, offset, idx, d, f);
 }
 
-/* s[t] = scale * q . k[t] for n rows k (n, d) */
-static void att_scores(const float *q, const float *k, int64_t n, int d, float scale, float *s)
+/* s[t] = scale * q . k[t] for n rows k[t] (d floats each) */
+static void att_scores(const float *q, const float *const *k, int64_t n, int d, float scale,
+                       float *s)
 {
     int64_t t = 0;
 #ifdef HAVE_ATT_SIMD
     if (d % 8 == 0)
         for (; t + 8 <= n; t += 8)
-            _mm256_storeu_ps(s + t, _mm256_mul_ps(dots8(q, k + t * d, d), _mm256_set1_ps(scale)));
+            _mm256_storeu_ps(s + t, _mm256_mul_ps(dots8(q, k + t, d), _mm256_set1_ps(scale)));
 #endif
     for (; t < n; t++)
-        s[t] = dot(q, k + t * d, d) * scale;
+        s[t] = dot(q, k[t], d) * scale;
 }
 
 /* s[t] <- exp(s[t] - max s) in place; returns the max, and the sum of the new s in *sum */
@@ -1330,8 +1331,9 @@ static float att_softmax_part(float *s, int64_t n, float *sum)
     return mx;
 }
 
-/* acc[d] = sum_t p[t] v[t] for n rows v (n, d) */
-static void att_weighted_sum(const float *p, const float *v, int64_t n, int d, float *acc)
+/* acc[d] = sum_t p[t] v[t] for n rows v[t] (d floats each) */
+static void att_weighted_sum(const float *p, const float *const *v, int64_t n, int d,
+                             float *acc)
 {
     int j0 = 0;
 #ifdef HAVE_ATT_SIMD
@@ -1339,7 +1341,7 @@ static void att_weighted_sum(const float *p, const float *v, int64_t n, int d, f
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         for (int64_t t = 0; t < n; t++) {
             const __m256 w = _mm256_broadcast_ss(p + t);
-            const float *r = v + t * d + j0;
+            const float *r = v[t] + j0;
             a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r), a0);
             a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 8), a1);
             a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(r + 16), a2);
@@ -1355,7 +1357,7 @@ static void att_weighted_sum(const float *p, const float *v, int64_t n, int d, f
         acc[j] = 0.f;
     for (int64_t t = 0; t < n; t++)
         for (int j = j0; j < d; j++)
-            acc[j] += p[t] * v[t * d + j];
+            acc[j] += p[t] * v[t][j];
 }
 
 /* Context positions per decode-attention task. Fixed, so how a sequence's context is cut (and
@@ -1400,6 +1402,12 @@ void paged_decode(int kind, const float *q, float *out, int64_t B, int64_t H, in
         float *kf = malloc(sizeof(float) * (size_t)(ATT_PART * d)); /* (n, d), one kv head */
         float *vf = malloc(sizeof(float) * (size_t)(ATT_PART * d));
         float *s = malloc(sizeof(float) * ATT_PART);
+        /* the rows a task reads: kf / vf's, or fp32 cache rows where they lie */
+        const float *krow[ATT_PART], *vrow[ATT_PART];
+        for (int t = 0; t < ATT_PART; t++) {
+            krow[t] = kf + t * d;
+            vrow[t] = vf + t * d;
+        }
         if (rotate_q) { /* each query rotated once, not once per part */
 #pragma omp for schedule(static)
             for (int64_t bq = 0; bq < B * H; bq++) {
@@ -1429,6 +1437,11 @@ void paged_decode(int kind, const float *q, float *out, int64_t B, int64_t H, in
                 const int64_t pos = t0 + t;
                 const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
                 const int64_t idx = slot * hkv + h;
+                if (kind == KV_FP32) { /* read in place: a copy cost as much as the reads */
+                    krow[t] = (const float *)c->k + idx * d;
+                    vrow[t] = (const float *)c->v + idx * d;
+                    continue;
+                }
                 if (kind == KV_INT4)
                     key4_load_fast(book + h * (d / 8), c->k, c->k_scale, idx, d, kf + t * d);
                 else
@@ -1443,9 +1456,9 @@ void paged_decode(int kind, const float *q, float *out, int64_t B, int64_t H, in
                     memset(pacc + r * d, 0, sizeof(float) * d);
                     continue;
                 }
-                att_scores((rotate_q ? qrot : q) + (b * H + qh) * d, kf, n, d, scale, s);
+                att_scores((rotate_q ? qrot : q) + (b * H + qh) * d, krow, n, d, scale, s);
                 pm[r] = att_softmax_part(s, n, pl + r);
-                att_weighted_sum(s, vf, n, d, pacc + r * d);
+                att_weighted_sum(s, vrow, n, d, pacc + r * d);
             }
         }
         /* (implicit barrier) merge each sequence's parts, in order */
