@@ -248,6 +248,29 @@ def test_int8_gemm_qserve_formats(fmt, N, K, M, gemm_prefill):
     _check_int8_gemm(out - bias.double(), x, w)
 
 
+@pytest.mark.skipif(not VNNI, reason="the int8 GEMM is built with the AVX-512 VNNI kernels")
+@pytest.mark.parametrize("fmt,N,K,M", [("q4_k", 40, 2304, 45), ("q6_k", 24, 4352, 40),
+                                       ("q5_0", 17, 2080, 24), ("int4", 33, 2080, 24),
+                                       ("int4z-g128", 16, 4224, 45), ("int8", 24, 2081, 45),
+                                       ("int8-channel", 9, 2081, 33), ("q4_k", 24, 256, 2061),
+                                       ("int4", 17, 96, 2061)])
+def test_int8_gemm_blocks(fmt, N, K, M, gemm_prefill):
+    """The int8 GEMM in blocks of 2048 inputs and 2048 rows (GEMM_KC, GEMM_MB in cpu_ops.c):
+    more than one block of inputs (whole and partial, a padded last group), and of rows; each
+    block after the first adds its sums to y, and the bias is added once. Same bound as a
+    single block (_check_int8_gemm): the blocks only regroup the fp32 adds of the chunks."""
+    if fmt in GGML:
+        qt, w, x, bias = _case(fmt, N, K, M)
+    else:
+        qt = _mixed_formats_weight(fmt, N, K)
+        w = qt.dequantize().double()
+        g = torch.Generator().manual_seed(N + K + M)
+        x, bias = torch.randn(M, K, generator=g), torch.randn(N, generator=g)
+    assert 0 < cpu_ops.gemm_min_rows(qt) <= M
+    out = cpu_ops.weight_matmul(x, qt, bias, int8_activations=True).double()
+    _check_int8_gemm(out - bias.double(), x, w)
+
+
 @pytest.mark.parametrize("fmt", GGML + DENSE + ["int4", "int4z", "int8"])
 @pytest.mark.parametrize("M", [32, 40])
 def test_weights_decode_bit_for_bit(fmt, M):
