@@ -63,7 +63,7 @@ def cut_model(loaded, layers: int):
 def write_model(out: Path, layers: int) -> None:
     from qserve.loader import load_model
     from qserve.loader.checkpoint import save_checkpoint
-    from qserve.quant.quantize import plan_layers, quantize_weights
+    from qserve.quant.quantize import layer_entries, plan_layers, quantize_weights
     from qserve.quant.recipe import load_recipe
 
     loaded = cut_model(load_model(None, native=False), layers)  # fp32, the default model
@@ -71,7 +71,7 @@ def write_model(out: Path, layers: int) -> None:
     plans = plan_layers(loaded.arch, recipe)
     tensors, _ = quantize_weights(loaded, recipe, plans)
     quant = {"recipe": recipe.to_dict(), "kv_dtype": recipe.kv_dtype,
-             "layers": {p.name: p.entry for p in plans if p.scheme is not None}}
+             "layers": layer_entries(plans, tensors)}
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".model-"))
     try:
         save_checkpoint(tmp / "m", loaded.arch, loaded.tokenizer, tensors, quant)

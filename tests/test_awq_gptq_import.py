@@ -143,23 +143,26 @@ def make(path: Path, case: str, gs: int, seed: int = 0):
     return write_checkpoint(path, tiny_llama(seed), quant | {"group_size": gs}, pack)
 
 
+def assert_as_stored(qt: QuantizedTensor, q, z, s, sym: bool, gs: int) -> None:
+    """qt holds the codes q, scales s and (int4z) zero points z bit for bit: symmetric GPTQ
+    as int4, w = (q - 8) * s (qserve's symmetric layout), the rest as int4z."""
+    assert qt.format == ("int4" if sym else "int4z") and qt.group_size == gs, qt.format
+    assert torch.equal(unpack_int4(qt.qweight), torch.from_numpy(q))
+    assert torch.equal(qt.scales.view(torch.int16), s.view(torch.int16))
+    if sym:
+        assert qt.offsets is None
+    else:
+        assert qt.offsets.dtype == torch.uint8 and torch.equal(qt.offsets, torch.from_numpy(z))
+
+
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("gs", [32, 64, 128])
 def test_dequantized_weights_equal_the_intended(case, gs, tmp_path):
     chosen = make(tmp_path, case, gs)
     loaded = load_model(tmp_path)
-    sym = CASES[case][1]
     for base, (q, z, s) in chosen.items():
         qt = loaded.weights[base + ".weight"]
-        assert qt.format == ("int4" if sym else "int4z") and qt.group_size == gs, base
-        # codes, scales and zero points carried over bit for bit
-        assert torch.equal(unpack_int4(qt.qweight), torch.from_numpy(q))
-        assert torch.equal(qt.scales.view(torch.int16), s.view(torch.int16))
-        if sym:  # w = (q - 8) * s: qserve's symmetric layout
-            assert qt.offsets is None
-        else:
-            assert qt.offsets.dtype == torch.uint8 and torch.equal(qt.offsets,
-                                                                   torch.from_numpy(z)), base
+        assert_as_stored(qt, q, z, s, CASES[case][1], gs)
         # (q - z) * s exactly: fp32 holds each product of a 5-bit integer and an fp16 scale
         assert torch.equal(qt.dequantize().double(), intended(q, z, s)), base
 
@@ -217,6 +220,72 @@ def test_int4z_round_trips_through_a_qserve_checkpoint(case, tmp_path):
             assert torch.equal(got.float(), w.float()), name
     planned = resident_weights(tmp_path / "ckpt", loaded.arch, torch.float32, native=True)
     assert planned["int4z"] == _packed_bytes(weights)["int4z"]
+
+
+def invoke(*args: str):
+    """The qserve CLI, in process."""
+    from click.testing import CliRunner
+
+    from qserve import cli
+
+    return CliRunner().invoke(cli.main, list(args))
+
+
+def assert_user_error(result, *needles: str) -> None:
+    """Exit 2 with one line, `error: ...`, holding every needle."""
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: "), \
+        result.output
+    assert all(n in lines[0] for n in needles), lines[0]
+
+
+@pytest.mark.parametrize("case", ["awq", "gptq-asym-v1", "gptq-sym-v1"])
+def test_quantize_copies_an_import_into_a_checkpoint_bit_for_bit(case, tmp_path):
+    """`qserve quantize AWQ_DIR -o OUT` (no recipe) writes the file's own codes, scales and
+    zero points (GPTQ v1's zero of 16 included) into a qserve checkpoint, and copying that
+    checkpoint again keeps them: each layers entry names its tensor's format, int4z or int4
+    (taken from the bits, an int4z entry said int4 and the copy failed validation on load)."""
+    src, ckpt, again = tmp_path / "src", tmp_path / "ckpt", tmp_path / "again"
+    chosen = make(src, case, 32)
+    _, sym, _ = CASES[case]
+    fmt = "int4" if sym else "int4z"
+    r = invoke("quantize", str(src), "-o", str(ckpt), "--json")
+    assert r.exit_code == 0, r.output
+    summary = json.loads(r.output.strip().splitlines()[-1])
+    assert summary["recipe"] == CASES[case][0]["quant_method"] + "-import"
+    copied = {row["name"]: row["scheme"] for row in summary["layers"] if row["note"] == "copied"}
+    assert copied == {base: f"{fmt} g32 {'sym' if sym else 'asym'}" for base in chosen}
+    r = invoke("quantize", str(ckpt), "-o", str(again))
+    assert r.exit_code == 0, r.output
+    source = load_model(src).weights
+    for path in (ckpt, again):
+        layers = json.loads((path / "config.json").read_text())["quantization_config"]["layers"]
+        assert layers == {base: {"format": fmt, "bits": 4, "group_size": 32, "symmetric": sym}
+                          for base in chosen}
+        weights = load_model(path).weights
+        assert weights.keys() == source.keys()
+        for name, w in weights.items():
+            base = name.removesuffix(".weight")
+            if base in chosen:
+                assert_as_stored(w, *chosen[base], sym, 32)
+            else:
+                assert torch.equal(w, source[name]), name
+
+
+def test_quantize_refuses_to_round_an_import_again(tmp_path):
+    """A recipe (or calibration text) for an already-quantized source is one line, and nothing
+    is written; only the copy (no --recipe) applies."""
+    src, ckpt = tmp_path / "src", tmp_path / "ckpt"
+    make(src, "awq", 64)
+    assert_user_error(invoke("quantize", str(src), "-o", str(tmp_path / "a"), "-r", "w4g64"),
+                      f"{src} is already a quantized AWQ checkpoint", "pass no --recipe")
+    assert_user_error(invoke("quantize", str(src), "-o", str(tmp_path / "a"),
+                             "--calib-text", str(src / "config.json")),
+                      "--calib-text applies to AWQ recipes", "copied as stored")
+    assert invoke("quantize", str(src), "-o", str(ckpt)).exit_code == 0
+    assert_user_error(invoke("quantize", str(ckpt), "-o", str(tmp_path / "a"), "-r", "w4g64"),
+                      "already a qserve checkpoint (recipe 'awq-import')", "pass no --recipe")
+    assert not (tmp_path / "a").exists()
 
 
 def test_awq_nibble_order_is_not_sequential(tmp_path):

@@ -136,17 +136,24 @@ class _Spec:
         return qt
 
 
+def quant_config(path: Path) -> dict | None:
+    """The quantization_config of the AWQ / GPTQ directory `path` (quant_method awq or gptq),
+    else None."""
+    try:
+        quant = json.loads((path / "config.json").read_text()).get("quantization_config")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return quant if isinstance(quant, dict) and quant.get("quant_method") in METHODS else None
+
+
 def resident_layout(path: Path) -> tuple[str, dict[str, int]] | None:
     """What read_weights keeps of each packed linear of the AWQ / GPTQ directory `path`, from
     its config.json alone (the memory planner): the format (int4 for symmetric GPTQ, else
     int4z) and, per stored tensor suffix, resident bytes per stored value: qweight's int32
     words as they are, scales as fp16, each qzeros word as 8 uint8 zero points (int4z), no
     g_idx. None where `path` is not such a directory."""
-    try:
-        quant = json.loads((path / "config.json").read_text()).get("quantization_config")
-    except (OSError, ValueError, AttributeError):
-        return None
-    if not isinstance(quant, dict) or quant.get("quant_method") not in METHODS:
+    quant = quant_config(path)
+    if quant is None:
         return None
     spec = _Spec(quant, path / "config.json")
     return ("int4" if spec.sym else "int4z",

@@ -19,11 +19,10 @@ word at bits [i * bits, (i + 1) * bits), stored as x_q + 2^(bits-1)):
 qserve's asymmetric int4 keeps an fp16 offset per group (the group's minimum), which an
 integer zero point cannot hold without re-rounding, so asymmetric recipes are refused, as are
 padded last groups, a quantized embedding, and mixed schemes. int4z (an AWQ / GPTQ import) has
-the integer zero points themselves, so export() writes it exactly; a zero of 16 (GPTQ v1's
-stored -1) has no 4-bit zp and is refused. (`qserve quantize` rounds an AWQ / GPTQ source
-again with its recipe: an import's weights reach export() through the API, as in
-tests/test_export.py.) No compressed-tensors import is needed to write; tests read the result
-back with the package and transformers.
+the integer zero points themselves, so export() writes it exactly (`qserve quantize AWQ_DIR
+--format compressed-tensors` copies an import's tensors as stored); a zero of 16 (GPTQ v1's
+stored -1) has no 4-bit zp and is refused. No compressed-tensors import is needed to write;
+tests read the result back with the package and transformers.
 """
 from __future__ import annotations
 
@@ -48,7 +47,7 @@ def check_plans(arch, plans) -> None:
         if p.scheme is None:
             continue
         why = None
-        if not p.scheme.sym:
+        if not p.scheme.sym and p.format != "int4z":
             why = ("an fp16 offset per group, which compressed-tensors' integer zero point "
                    "cannot hold without re-rounding")
         elif p.group_size is not None and p.shape[1] % p.group_size:

@@ -64,7 +64,8 @@ def check_plans(arch, plans) -> None:
     for p in plans:
         if p.scheme is None:
             continue
-        if (p.scheme.bits, p.scheme.sym) not in LOSSLESS or p.group_size != 32 or p.shape[1] % 32:
+        if ((p.scheme.bits, p.scheme.sym) not in LOSSLESS or p.group_size != 32
+                or p.shape[1] % 32 or p.format == "int4z"):  # Q4_1: -z s in fp16, inexact
             raise QServeError(f"{p.name} would be {p.describe()}, which no GGUF type holds "
                               f"exactly; GGUF export takes {LOSSLESS_RECIPES}")
 

@@ -5,7 +5,9 @@
     quantize_weights(...)          HF state dict -> packed state dict (+ AWQ scaling first)
     quantize(src, out, recipe)     load, plan, quantize, write to a temporary directory, rename
 
-Every linear of every layer is planned, and the token embedding when the recipe says so.
+Every linear of every layer is planned, and the token embedding when the recipe says so. A
+source that is quantized already (a qserve checkpoint, an AWQ / GPTQ directory) is copied as
+stored instead, its plans read off its own tensors: rounded weights are never rounded again.
 """
 from __future__ import annotations
 
@@ -35,17 +37,26 @@ class LayerPlan:
     scheme: WeightScheme | None  # None: kept dense
     group_size: int | None = None  # the group size used (None: per channel)
     note: str = ""
+    format: str | None = None  # a copied source tensor's own format (int4z, ...); None: rounded
 
-    @property
-    def entry(self) -> dict:
-        """Its quantization_config.layers entry."""
-        return {"format": f"int{self.scheme.bits}", "bits": self.scheme.bits,
-                "group_size": self.group_size, "symmetric": self.scheme.sym}
+    def entry(self, w: QuantizedTensor) -> dict:
+        """Its quantization_config.layers entry for the tensor written, w: the format is w's
+        (an int4z tensor has 4 bits too, so the bits cannot name it)."""
+        assert self.format in (None, w.format) and w.bits == self.scheme.bits, (self.name,
+                                                                                w.format)
+        return {"format": w.format, "bits": w.bits, "group_size": self.group_size,
+                "symmetric": self.scheme.sym}
 
     def describe(self) -> str:
         if self.scheme is None:
             return "dense"
-        return str(WeightScheme(self.scheme.bits, self.group_size, self.scheme.sym))
+        text = str(WeightScheme(self.scheme.bits, self.group_size, self.scheme.sym))
+        return text if self.format is None else f"{self.format} {text.split(' ', 1)[1]}"
+
+
+def layer_entries(plans: list[LayerPlan], tensors: dict) -> dict[str, dict]:
+    """quantization_config.layers: each packed linear's entry, its format read off its tensor."""
+    return {p.name: p.entry(tensors[p.name + ".weight"]) for p in plans if p.scheme is not None}
 
 
 EMBEDDING = "model.embed_tokens"
@@ -236,10 +247,13 @@ def quantize(src: str | None, out: str | Path, recipe: str | Path | None = None,
              fmt: str = "qserve") -> dict:
     """Quantize the model `src` with `recipe` into the checkpoint directory `out`, or with
     fmt "gguf" / "compressed-tensors" into that format (export_gguf.py, export_compressed.py:
-    recipes they cannot hold exactly are refused before any work).
+    recipes they cannot hold exactly are refused before any work; a copied source's layers
+    once loaded, before anything is written).
 
-    recipe None: gguf-native for a GGUF source whose linears are all Q4_0 / Q4_1 / Q8_0
-    (lossless), else w4g64. Returns the summary. Nothing is left at `out` unless it succeeds.
+    recipe None: a quantized source (a qserve checkpoint, an AWQ / GPTQ directory) copied as
+    stored; gguf-native for a GGUF source whose linears are all Q4_0 / Q4_1 / Q8_0 (lossless);
+    else w4g64. A recipe for a quantized source is refused unless it is a qserve checkpoint's
+    own. Returns the summary. Nothing is left at `out` unless it succeeds.
     """
     from qserve.loader import load_arch, load_model, resolve_model
 
@@ -252,17 +266,43 @@ def quantize(src: str | None, out: str | Path, recipe: str | Path | None = None,
         (exporter.check_replaceable if exporter else _check_replaceable)(out, src_path)
     arch = load_arch(src_path)
     gguf_types = _gguf_types(src_path, arch)
-    if recipe is None:
+    stored = _stored_quantization(src_path)
+    if recipe is None and stored is None:
         recipe = "gguf-native" if gguf_types and all(
             t in ("Q4_0", "Q4_1", "Q8_0") for n, t in gguf_types.items() if n != EMBEDDING
         ) else "w4g64"
-    r = load_recipe(recipe)
-    if r.method == "gguf" and gguf_types is None:
+    r = None if recipe is None else load_recipe(recipe)
+    if r is not None and r.method == "gguf" and gguf_types is None:
         raise QServeError(f"recipe {r.name!r} imports GGUF blocks, but {src_path} is not a "
                           f"GGUF file; choose an rtn or awq recipe")
-    plans = plan_layers(arch, r, gguf_types)  # ConfigError here: nothing loaded or written
+    if stored is not None:
+        record, kv_dtype = _copied_recipe(src_path, stored, r, calib_text)
+        loaded = load_model(src_path)
+        tensors, plans = _copy(loaded)
+        if exporter:
+            exporter.check_plans(arch, plans)  # nothing written yet
+        info = {}
+    else:
+        plans = plan_layers(arch, r, gguf_types)  # ConfigError here: nothing loaded or written
+        if exporter:
+            exporter.check_plans(arch, plans)
+        loaded, tensors, info = _round(src_path, arch, r, plans, calib_text, progress)
+        record, kv_dtype = r.to_dict(), r.kv_dtype
+    summary = summarize(loaded, plans, tensors) | {
+        "source": str(src_path), "out": str(out), "recipe": record.get("name"), **info}
     if exporter:
-        exporter.check_plans(arch, plans)
+        exporter.export(out, loaded, tensors, plans, atomic_dir=_write_atomically)
+        return summary | {"format": fmt}
+    quant = {"recipe": record, "kv_dtype": kv_dtype, "layers": layer_entries(plans, tensors)}
+    _write_atomically(out, lambda tmp: _save(tmp, loaded, tensors, quant))
+    return summary
+
+
+def _round(src: Path, arch, r: Recipe, plans: list[LayerPlan], calib_text, progress):
+    """Load `src` and round its weights with recipe r (AWQ: calibrated on calib_text first).
+    Returns (loaded, tensors, info)."""
+    from qserve.loader import load_model
+
     text = None
     if r.method == "awq":
         from qserve.quant.awq import check
@@ -274,24 +314,13 @@ def quantize(src: str | None, out: str | Path, recipe: str | Path | None = None,
         raise QServeError(f"--calib-text applies to AWQ recipes; recipe {r.name!r} uses method "
                           f"{r.method}, which needs no calibration")
     # the gguf method keeps the file's blocks (repacked); the others round dense weights
-    loaded = load_model(src_path, native=r.method == "gguf")
-    if loaded.quant is not None:
-        tensors, plans, info = _requantize(loaded, r, src_path)
-    else:
-        ids = None
-        if text is not None:
-            ids = loaded.tokenizer.encode(text[:CALIB_TOKENS * 20],
-                                          add_special_tokens=False)[:CALIB_TOKENS]
-        tensors, info = quantize_weights(loaded, r, plans, ids, progress)
-    summary = summarize(loaded, plans, tensors) | {
-        "source": str(src_path), "out": str(out), "recipe": r.name, **info}
-    quant = {"recipe": r.to_dict(), "kv_dtype": r.kv_dtype,
-             "layers": {p.name: p.entry for p in plans if p.scheme is not None}}
-    if exporter:
-        exporter.export(out, loaded, tensors, plans, atomic_dir=_write_atomically)
-        return summary | {"format": fmt}
-    _write_atomically(out, lambda tmp: _save(tmp, loaded, tensors, quant))
-    return summary
+    loaded = load_model(src, native=r.method == "gguf")
+    ids = None
+    if text is not None:
+        ids = loaded.tokenizer.encode(text[:CALIB_TOKENS * 20],
+                                      add_special_tokens=False)[:CALIB_TOKENS]
+    tensors, info = quantize_weights(loaded, r, plans, ids, progress)
+    return loaded, tensors, info
 
 
 def _exporter(fmt: str):
@@ -325,24 +354,66 @@ def _gguf_types(path: Path, arch) -> dict[str, str] | None:
             for g, h in hf_names(arch).items() if h.removesuffix(".weight") in linears}
 
 
-def _requantize(loaded, r: Recipe, src: Path):
-    """A qserve checkpoint as the source: only its own recipe applies (a plain copy); anything
-    else would re-round rounded weights."""
-    have = loaded.quant.get("recipe", {})
-    strip = lambda d: {k: v for k, v in d.items() if k not in ("name", "description")}  # noqa: E731
-    if strip(have) != strip(r.to_dict()):
-        raise QServeError(f"{src} is already a qserve checkpoint (recipe {have.get('name')!r}); "
-                          f"quantize its original model instead, or pass --recipe "
-                          f"{have.get('name')} to copy it")
-    shapes = linear_shapes(loaded.arch, embedding=True)
+def _stored_quantization(path: Path) -> dict | None:
+    """The quantization_config of a source that is quantized already and so is copied, never
+    rounded again: a qserve checkpoint's, an AWQ / GPTQ directory's; else None."""
+    if not path.is_dir():
+        return None
+    from qserve.loader.awq_gptq import quant_config as awq_gptq_config
+    from qserve.loader.checkpoint import quantization_config
+
+    return quantization_config(path) or awq_gptq_config(path)
+
+
+def _copied_recipe(src: Path, stored: dict, r: Recipe | None, calib_text) -> tuple[dict, str]:
+    """(the recipe record, kv_dtype) a copy of the quantized source src writes. Only a qserve
+    checkpoint's own recipe (or none) copies it; any other would re-round rounded weights."""
+    if stored["quant_method"] == "qserve":
+        have = stored.get("recipe") or {}
+        if r is not None and _unnamed(have) != _unnamed(r.to_dict()):
+            raise QServeError(f"{src} is already a qserve checkpoint (recipe "
+                              f"{have.get('name')!r}); quantize its original model instead, or "
+                              f"pass no --recipe to copy it")
+        record, kv_dtype = have, stored.get("kv_dtype")
+    else:
+        method = stored["quant_method"]
+        if r is not None:
+            raise QServeError(f"{src} is already a quantized {method.upper()} checkpoint; "
+                              f"quantize its original model instead, or pass no --recipe to copy "
+                              f"its codes, scales and zero points as stored")
+        record, kv_dtype = {"name": f"{method}-import", "kv_dtype": "auto",
+                            "description": f"{method.upper()} codes, scales and zero points, "
+                                           f"as stored",
+                            "weights": {"method": "import", "quant_method": method}}, "auto"
+    if calib_text is not None:
+        raise QServeError(f"--calib-text applies to AWQ recipes; {src} is quantized already and "
+                          f"copied as stored, which needs no calibration")
+    return record, kv_dtype
+
+
+def _unnamed(recipe: dict) -> dict:
+    """A recipe record without its name and description: what it does."""
+    return {k: v for k, v in recipe.items() if k not in ("name", "description")}
+
+
+def _copy(loaded) -> tuple[dict, list[LayerPlan]]:
+    """A quantized source's weights as stored, and a plan per linear read off its own tensors
+    (format, group size, symmetry): packed ones copied, dense ones kept (a dense embedding
+    unplanned, as plan_layers leaves it)."""
+    weights = dict(loaded.weights)
     plans = []
-    for name, shape in shapes.items():
-        e = loaded.quant["layers"].get(name)
-        if e is None and name == EMBEDDING:
+    for name, shape in linear_shapes(loaded.arch, embedding=True).items():
+        w = weights[name + ".weight"]
+        if not isinstance(w, QuantizedTensor):
+            if name != EMBEDDING:
+                plans.append(LayerPlan(name, shape, None, note="dense in the source"))
             continue
-        scheme = e and WeightScheme(e["bits"], e["group_size"], e["symmetric"])
-        plans.append(LayerPlan(name, shape, scheme, e and e["group_size"], "copied"))
-    return dict(loaded.weights), plans, {}
+        assert w.format in ("int4", "int4z", "int8"), (name, w.format)
+        per_channel = w.bits == 8 and w.scales.shape[1] == 1
+        gs = None if per_channel else w.group_size
+        plans.append(LayerPlan(name, shape, WeightScheme(w.bits, gs, w.offsets is None), gs,
+                               "copied", w.format))
+    return weights, plans
 
 
 def _check_replaceable(out: Path, src: Path) -> None:
