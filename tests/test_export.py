@@ -7,9 +7,9 @@ greedily exactly as qserve does on the checkpoint (qserve's CPU default: int8 ac
 llama.cpp is not built (scripts/peer.py).
 
 compressed-tensors: the package's own unpacking gives back qserve's codes and scales (and an
-AWQ / GPTQ import's integer zero points); transformers with compressed-tensors on the CPU
-decompresses to qserve's weights rounded to fp16 (it dequantizes in the scale's dtype), and
-its greedy output equals qserve's.
+AWQ / GPTQ directory's integer zero points, exported as stored); transformers with
+compressed-tensors on the CPU decompresses to qserve's weights rounded to fp16 (it
+dequantizes in the scale's dtype), and its greedy output equals qserve's.
 """
 from __future__ import annotations
 
@@ -333,46 +333,28 @@ def transformers_reads_back(out: Path, ours: dict, compressed: bool = True) -> l
     return want
 
 
-def export_import(src: Path, out: Path) -> dict:
-    """Export the AWQ / GPTQ directory src as it was imported (each packed linear in its own
-    int4 / int4z, the rest dense) to compressed-tensors at out; its weights as loaded."""
-    from qserve.quant import export_compressed
-    from qserve.quant.quantize import LayerPlan, linear_shapes
-    from qserve.quant.schemes import WeightScheme
-
-    loaded = load_model(src)
-    weights = dict(loaded.weights)
-    plans = []
-    for name, shape in linear_shapes(loaded.arch).items():
-        qt = weights[name + ".weight"]
-        packed = isinstance(qt, QuantizedTensor)
-        plans.append(LayerPlan(name, shape, WeightScheme(4, qt.group_size, qt.offsets is None)
-                               if packed else None, qt.group_size if packed else None))
-    export_compressed.export(out, loaded, weights, plans,
-                             atomic_dir=lambda path, write: write(path))
-    return weights
-
-
 @needs_ct
 @pytest.mark.parametrize("case, gs", [("awq", 64), ("gptq-asym-v2", 128), ("gptq-sym-v1", 32)])
-def test_compressed_tensors_export_of_an_awq_gptq_import_is_exact(case, gs, tmp_path,
-                                                                  monkeypatch):
-    """An AWQ / GPTQ import exports as it is: int4z as asymmetric pack-quantized whose zero
-    points are the file's own (the package unpacks the codes, scales and zero points), int4
-    as symmetric; transformers decompresses it to qserve's weights (in fp16) and its greedy
-    output equals qserve's on the AWQ / GPTQ directory. Loaded compressed, transformers
-    5.24 with compressed-tensors 0.20.1 refuses an asymmetric model (its meta-device layout
-    keeps the zero points unpacked, (out, G), where the package's own export packs them
-    (out / 8, G), as this one does: a model the package exports itself fails the same way),
-    so greedy runs on the decompressed load there."""
+def test_compressed_tensors_export_of_an_awq_gptq_directory_is_exact(case, gs, tmp_path,
+                                                                     monkeypatch):
+    """`qserve quantize AWQ_DIR -o OUT --format compressed-tensors` (no recipe) exports the
+    import as stored: int4z as asymmetric pack-quantized whose zero points are the file's own
+    (the package unpacks the codes, scales and zero points), int4 as symmetric, and the same
+    bytes by way of a qserve checkpoint of the import. transformers decompresses it to
+    qserve's weights (in fp16) and its greedy output equals qserve's on the AWQ / GPTQ
+    directory. Loaded compressed, transformers 5.24 with compressed-tensors 0.20.1 refuses an
+    asymmetric model (its meta-device layout keeps the zero points unpacked, (out, G), where
+    the package's own export packs them (out / 8, G), as this one does: a model the package
+    exports itself fails the same way), so greedy runs on the decompressed load there."""
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
     from safetensors.torch import load_file
 
-    from test_awq_gptq_import import CASES, make
+    from test_awq_gptq_import import CASES, invoke, make
 
     src, out = tmp_path / "src", tmp_path / "ct"
     chosen = make(src, case, gs)
-    ours = export_import(src, out)
+    r = invoke("quantize", str(src), "-o", str(out), "--format", "compressed-tensors")
+    assert r.exit_code == 0, r.output
     stored = load_file(str(out / "model.safetensors"))
     for base, (q, z, s) in chosen.items():
         shape = torch.Size(stored[base + ".weight_shape"].tolist())
@@ -385,23 +367,39 @@ def test_compressed_tensors_export_of_an_awq_gptq_import_is_exact(case, gs, tmp_
             zp = unpack_from_int32(stored[base + ".weight_zero_point"], 4,
                                    torch.Size([shape[0], shape[1] // gs]), packed_dim=0)
             assert torch.equal(zp, torch.from_numpy(z).to(torch.int8) - 8), base
-    [group] = json.loads((out / "config.json").read_text())["quantization_config"][
-        "config_groups"].values()
+    config = (out / "config.json").read_text()
+    [group] = json.loads(config)["quantization_config"]["config_groups"].values()
     assert group["weights"]["symmetric"] == CASES[case][1] and group["weights"]["group_size"] == gs
-    want = transformers_reads_back(out, ours, compressed=CASES[case][1])
+
+    ckpt, again = tmp_path / "ckpt", tmp_path / "ct-again"  # a qserve checkpoint in between
+    assert invoke("quantize", str(src), "-o", str(ckpt)).exit_code == 0
+    r = invoke("quantize", str(ckpt), "-o", str(again), "--format", "compressed-tensors")
+    assert r.exit_code == 0, r.output
+    assert (again / "config.json").read_text() == config
+    stored_again = load_file(str(again / "model.safetensors"))
+    assert stored_again.keys() == stored.keys()
+    assert all(torch.equal(stored_again[k], stored[k]) for k in stored)
+
+    want = transformers_reads_back(out, dict(load_model(src).weights), compressed=CASES[case][1])
     monkeypatch.setenv("QSERVE_CPU_ACTIVATIONS", "fp32")  # transformers' precision
     assert qserve_greedy(src, PROMPT, 16) == want
 
 
-def test_compressed_tensors_refuses_a_zero_point_of_16(tmp_path):
-    """GPTQ v1 stores zero - 1 in 4 bits, so its -1 reads back as a zero of 16: no 4-bit zp."""
-    from test_awq_gptq_import import make
+@pytest.mark.parametrize("fmt, out, message", [
+    ("compressed-tensors", "ct", "has a zero point of 16 (GPTQ v1's stored -1)"),
+    ("gguf", "x.gguf", "would be int4z g32 asym, which no GGUF type holds exactly"),
+])
+def test_an_import_a_format_cannot_hold_is_refused(fmt, out, message, tmp_path):
+    """GPTQ v1 stores zero - 1 in 4 bits, so its -1 reads back as a zero of 16: no 4-bit zp in
+    compressed-tensors; and no GGUF type holds integer zero points (Q4_1's fp16 minimum would
+    round -z s). One line, nothing written."""
+    from test_awq_gptq_import import assert_user_error, invoke, make
 
     chosen = make(tmp_path / "src", "gptq-asym-v1", 32)
     assert any((z == 16).any() for _, z, _ in chosen.values())
-    with pytest.raises(QServeError, match=r"zero point of 16 .* takes zero points 0\.\.15"):
-        export_import(tmp_path / "src", tmp_path / "ct")
-    assert not (tmp_path / "ct").exists()
+    assert_user_error(invoke("quantize", str(tmp_path / "src"), "-o", str(tmp_path / out),
+                             "--format", fmt), message)
+    assert not (tmp_path / out).exists()
 
 
 @pytest.mark.parametrize("name, message", [
