@@ -275,6 +275,36 @@ def test_llama_cpp_completes_the_tiny_export_as_qserve(name, checkpoint, tmp_pat
     assert_same_greedy(llama_cpp_greedy(out, PROMPT, 16), qserve_greedy(out, PROMPT, 16), 2)
 
 
+def test_gguf_export_of_a_symmetric_gptq_directory(tiny, tmp_path):
+    """A symmetric GPTQ g32 directory exports as stored (no recipe): its int4 is Q4_0's
+    layout, read back bit for bit, and llama.cpp completes the file as qserve does."""
+    import shutil
+
+    import gguf
+    import numpy as np
+    from transformers import AutoModelForCausalLM
+
+    from test_awq_gptq_import import (CASES, gptq_tensors, invoke, random_quant,
+                                      write_checkpoint)
+
+    rng = np.random.default_rng(0)
+
+    def pack(base, w):
+        q, z, s = random_quant(*w.shape, 32, True, True, rng)
+        return gptq_tensors(q, z, s, True), (q, z, s)
+    src, out = tmp_path / "src", tmp_path / "m.gguf"
+    write_checkpoint(src, AutoModelForCausalLM.from_pretrained(tiny),
+                     CASES["gptq-sym-v1"][0] | {"group_size": 32}, pack)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # byte-level BPE, as GGUF takes
+        shutil.copy(tiny / name, src / name)
+    r = invoke("quantize", str(src), "-o", str(out), "--format", "gguf")
+    assert r.exit_code == 0, r.output
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(out)).tensors}
+    assert types["blk.0.attn_q.weight"] == types["blk.1.ffn_down.weight"] == "Q4_0"
+    same_weights(load_model(src).weights, load_model(out).weights)
+    assert_same_greedy(llama_cpp_greedy(out, PROMPT, 16), qserve_greedy(out, PROMPT, 16), 2)
+
+
 # ---- compressed-tensors ------------------------------------------------------------------
 needs_ct = pytest.mark.skipif(importlib.util.find_spec("compressed_tensors") is None,
                               reason="compressed-tensors is not installed "
