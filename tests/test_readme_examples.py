@@ -99,6 +99,9 @@ EXAMPLES: dict[str, Run | Parse] = {
     "qserve quantize my-hf-dir -o my-w8-ct --format compressed-tensors --recipe w8":
         Parse("my-hf-dir stands for the reader's Hugging Face directory (tests/test_export.py "
               "exports one and reads it back)"),
+    "qserve quantize some-awq-dir -o awq-ct --format compressed-tensors":
+        Parse("some-awq-dir stands for the reader's AWQ / GPTQ directory (tests/test_export.py "
+              "exports AWQ and GPTQ ones through the CLI and reads them back)"),
     'qserve generate -m smol-w8 "Hello"': Run(SMALL_GEN, setup=SMOL_W8),
     "qserve chat smol-w8": Run(SMALL_CHAT, stdin="Hi\n", setup=SMOL_W8),
     "qserve eval --kv-dtype int4 --ref smollm2-135m-instruct --score-tokens 16384":
