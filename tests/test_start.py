@@ -79,7 +79,7 @@ class _Stop(Exception):
 def test_each_command_sizes_the_default_pool_for_its_work(monkeypatch, args, sized):
     seen = {}
 
-    def build(model, engine):
+    def build(model, engine, **_):
         seen.update(engine)
         raise _Stop
     monkeypatch.setattr(cli, "_build_engine", build)
