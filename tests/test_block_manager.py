@@ -167,6 +167,45 @@ def test_chunked_allocation_matches_whole(chunk):
     bm.check_invariants([a])
 
 
+def test_shared_prefix_outlives_one_off_tails():
+    """Blocks a later request hit are evicted only after every block no request reused, even
+    ones freed later: a finished user's own tail does not push out the system prompt."""
+    bm = BlockManager(num_blocks=8, block_size=BS, watermark=0.0)
+    system = list(range(8))  # 2 blocks
+    a = make_seq(system + [40, 41, 42, 43, 44])
+    compute(bm, a)  # blocks 0, 1 (system), 2, 3 (a's own)
+    b = make_seq(system + [50, 51, 52, 53, 54])
+    assert hit(bm, b) == 8
+    compute(bm, b)  # hits 0, 1; own 4, 5
+    bm.free(a)
+    bm.free(b)
+    bm.check_invariants([])
+    assert list(bm.free_shared) == [1, 0] and 1 not in bm.free_queue
+    # a one-off request, freed after the system prompt: its blocks still go first
+    c = make_seq(range(100, 108))
+    compute(bm, c)  # blocks 6, 7
+    bm.free(c)
+    d = make_seq(range(200, 224))  # 6 blocks: every one-off block, none of the prompt's
+    assert bm.allocate_slots(d, 24)
+    assert sorted(bm.block_table(d.seq_id)) == [2, 3, 4, 5, 6, 7]
+    f = make_seq(system + [60])
+    assert hit(bm, f) == 8 and bm.block_table(f.seq_id) == [0, 1]
+    bm.check_invariants([d, f])
+    # with nothing else free, the shared blocks are evicted too, oldest first (tail first)
+    bm2 = BlockManager(num_blocks=4, block_size=BS, watermark=0.0)
+    a2, b2 = make_seq(system + [1]), make_seq(system + [2])
+    compute(bm2, a2)
+    assert hit(bm2, b2) == 8
+    bm2.free(a2)
+    bm2.free(b2)
+    e = make_seq(range(300, 312))  # 3 blocks: both one-off ones, then shared block 1
+    assert bm2.allocate_slots(e, 12)
+    assert bm2.block_table(e.seq_id)[-1] == 1 and not bm2.shared[1]
+    g = make_seq(system + [3])
+    assert hit(bm2, g) == 4 and bm2.block_table(g.seq_id) == [0]  # block 0 survived
+    bm2.check_invariants([e, g])
+
+
 def test_trim_returns_blocks_of_rejected_speculative_tokens():
     bm = BlockManager(num_blocks=11, block_size=BS, watermark=0.0)
     a = make_seq(range(7))

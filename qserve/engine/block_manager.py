@@ -13,8 +13,13 @@ whole prefix up to the block's end, so two sequences whose prompts share a prefi
 same physical blocks (prefix caching). A hit also compares the parent key and the tokens the
 block was registered with, so even a colliding key never serves a block that holds other
 tokens or follows another parent. A freed block keeps its key and contents until it is reused, so a
-later request can still hit it; the free queue is least-recently-freed first, which is the
-eviction order. Forked siblings share every block, including the partially filled last one; the
+later request can still hit it. Free blocks wait in two queues, each least-recently-freed first:
+blocks no later admission has found in the cache (a user's own message, a one-off prompt,
+generated text) and blocks one has (a shared system prompt, a conversation that came back, a
+preempted request's own prefix). The first queue is
+evicted first, so the one-off tails of finished requests never push out a prefix that requests
+keep sharing (a segmented LRU: the second queue is evicted, oldest first, only when the first is
+empty, so a prefix nobody uses any more still ages out under pressure). Forked siblings share every block, including the partially filled last one; the
 first write into a shared block copies it (copy-on-write). The manager only moves block ids
 around: the copies it asks for are returned to the caller, which has the cache engine carry
 them out before the next forward pass.
@@ -68,7 +73,10 @@ class BlockManager:
         # per block while the prefix cache knows it: (its key, its parent's key, its token ids)
         self.cached: list[tuple[bytes, bytes | None, tuple[int, ...]] | None] = [None] * num_blocks
         self.hash_to_block: dict[bytes, int] = {}
+        # free blocks, eviction order first: never hit by a second request, then hit ("shared")
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.free_shared: OrderedDict[int, None] = OrderedDict()
+        self.shared = bytearray(num_blocks)  # 1: a cached block some admission hit, until evicted
         self.free_host: list[int] = list(range(num_host_blocks - 1, -1, -1))  # pop() -> lowest id
         self.tables: dict[int, list[int]] = {}  # seq_id -> device blocks, in logical order
         self.host_tables: dict[int, list[int]] = {}  # seq_id -> host blocks, after the device ones
@@ -83,7 +91,7 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         """Blocks that can be handed out now (cached-but-unused ones included)."""
-        return len(self.free_queue)
+        return len(self.free_queue) + len(self.free_shared)
 
     @property
     def num_free_host_blocks(self) -> int:
@@ -91,7 +99,7 @@ class BlockManager:
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self.free_queue)
+        return self.num_blocks - self.num_free_blocks
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -106,7 +114,9 @@ class BlockManager:
 
     # ---- allocation ----------------------------------------------------------------------
     def _take_free_block(self) -> int:
-        block, _ = self.free_queue.popitem(last=False)
+        queue = self.free_queue if self.free_queue else self.free_shared
+        block, _ = queue.popitem(last=False)
+        self.shared[block] = 0
         if self.cached[block] is not None:  # evict it from the prefix cache
             key = self.cached[block][0]
             if self.hash_to_block.get(key) == block:
@@ -120,7 +130,7 @@ class BlockManager:
         assert self.ref_count[block] > 0, f"double free of block {block}"
         self.ref_count[block] -= 1
         if self.ref_count[block] == 0:
-            self.free_queue[block] = None
+            (self.free_shared if self.shared[block] else self.free_queue)[block] = None
 
     def _block_tokens(self, seq: TokenSeq, i: int) -> tuple[int, ...]:
         return tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
@@ -151,7 +161,8 @@ class BlockManager:
             if block is None:
                 break
             if self.ref_count[block] == 0:
-                del self.free_queue[block]
+                del (self.free_shared if self.shared[block] else self.free_queue)[block]
+            self.shared[block] = 1
             self.ref_count[block] += 1
             table.append(block)
             keys.append(key)
@@ -343,7 +354,10 @@ class BlockManager:
             for block in table:
                 counts[block] += 1
         assert counts == self.ref_count, "ref counts out of step with block tables"
-        assert all((c == 0) == (b in self.free_queue) for b, c in enumerate(counts))
+        assert all((c == 0) == (b in self.free_queue or b in self.free_shared)
+                   for b, c in enumerate(counts))
+        assert not set(self.free_queue) & set(self.free_shared)
+        assert all(self.shared[b] for b in self.free_shared)
         host = sum(len(tail) for tail in self.host_tables.values())
         assert host + self.num_free_host_blocks == self.num_host_blocks
         assert all(self.cached[b][0] == key for key, b in self.hash_to_block.items())
