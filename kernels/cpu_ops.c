@@ -1856,6 +1856,41 @@ gemm_tile_i8(const uint8_t *tile, const float *sw, const float *ow, const int32_
         out[i] = f[i];
 }
 
+/* dst[j][r] = src[r * stride + j] for r, j < 16: 32-bit words, dst 64-byte aligned. Four
+ * rounds, each swapping the off-diagonal k x k blocks of every 2k x 2k block (k = 8, 4, 2, 1):
+ * of rows i and i + k (i & k == 0), row i takes row i + k's columns j - k where j & k, and row
+ * i + k row i's columns j + k where !(j & k). */
+static inline __attribute__((always_inline)) void
+transpose16(const int32_t *src, int64_t stride, int32_t *dst)
+{
+    /* per round (k = 8, 4, 2, 1): row i's indices (j & k ? 16 + j - k : j), then row i + k's
+     * (j & k ? 16 + j : j + k); 16 + x is the second operand's word x */
+    static const int32_t idx[4][2][16] __attribute__((aligned(64))) = {
+        {{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+         {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31}},
+        {{0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27},
+         {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31}},
+        {{0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29},
+         {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31}},
+        {{0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30},
+         {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}}};
+    __m512i v[16];
+    for (int r = 0; r < 16; r++)
+        v[r] = _mm512_loadu_si512(src + r * stride);
+    for (int round = 0; round < 4; round++) {
+        const int k = 8 >> round;
+        const __m512i it = _mm512_load_si512(idx[round][0]), ib = _mm512_load_si512(idx[round][1]);
+        for (int i = 0; i < 16; i++)
+            if (!(i & k)) {
+                const __m512i a = v[i], b = v[i + k];
+                v[i] = _mm512_permutex2var_epi32(a, it, b);
+                v[i + k] = _mm512_permutex2var_epi32(a, ib, b);
+            }
+    }
+    for (int j = 0; j < 16; j++)
+        _mm512_store_si512(dst + 16 * j, v[j]);
+}
+
 /* Rows n0 .. n0 + 15 of W (those below N), chunks c0 .. c0 + cn, as codes into tile and their
  * scales and offsets into sw, ow (the layout above), through row-major buffers u (16, 32 cn) and
  * so (2, 16, 2 cn). Rows past N read as code 0 with scale 0. */
@@ -1873,12 +1908,20 @@ static void gemm_pack_tile(const wdesc *W, int64_t n0, int64_t c0, int64_t cn, u
             memset(so + (GT + r) * nh, 0, sizeof(float) * (size_t)nh);
         }
     }
+    /* 16 x 16 blocks of 32-bit words transposed in registers; a last partial block gathered */
     const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512i rb = _mm512_mullo_epi32(lanes, _mm512_set1_epi32((int)Kb)); /* bytes */
     const __m512i rh = _mm512_mullo_epi32(lanes, _mm512_set1_epi32((int)nh)); /* floats */
-    for (int64_t q = 0; q < Kb / 4; q++)
+    int64_t q = 0, h = 0;
+    for (; q + 16 <= Kb / 4; q += 16)
+        transpose16((const int32_t *)u + q, Kb / 4, (int32_t *)(tile + q * 64));
+    for (; q < Kb / 4; q++)
         _mm512_store_si512(tile + q * 64, _mm512_i32gather_epi32(rb, u + 4 * q, 1));
-    for (int64_t h = 0; h < nh; h++) {
+    for (; h + 16 <= nh; h += 16) {
+        transpose16((const int32_t *)so + h, nh, (int32_t *)(sw + h * GT));
+        transpose16((const int32_t *)so + GT * nh + h, nh, (int32_t *)(ow + h * GT));
+    }
+    for (; h < nh; h++) {
         _mm512_store_ps(sw + h * GT, _mm512_i32gather_ps(rh, so + h, 4));
         _mm512_store_ps(ow + h * GT, _mm512_i32gather_ps(rh, so + GT * nh + h, 4));
     }
