@@ -68,8 +68,9 @@ _ENGINE_FLAGS = [
                  help="Most sequences in one step; the default KV pool holds this many full "
                       "sequences  [default: 256; chat: 1; generate: the completions asked "
                       "for; bench: the largest batch]"),
-    click.option("--max-num-batched-tokens", type=int, default=2048, show_default=True,
-                 help="Most tokens in one step."),
+    click.option("--max-num-batched-tokens", type=int,
+                 help="Most tokens in one step (a prompt longer than that is prefilled in "
+                      "chunks)  [default: 512 on a CPU, 2048 on CUDA]"),
     click.option("--max-model-len", type=int,
                  help="Longest prompt + completion, in tokens  [default: the model's]"),
     click.option("--preemption-mode", type=click.Choice(["recompute", "swap"]),

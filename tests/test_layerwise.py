@@ -110,6 +110,7 @@ def test_staging_plan_counts_slices_per_layer():
 # ---- scheduler ---------------------------------------------------------------------------
 def make(num_blocks=6, host=16, layers=4, lookahead=2, **cfg):
     bm = BlockManager(num_blocks, BS, host, watermark=0.0)
+    cfg.setdefault("max_num_batched_tokens", 2048)
     plan = StagingPlan(layers, lookahead)
     return Scheduler(SchedulerConfig(**cfg), bm, 64, plan), bm
 

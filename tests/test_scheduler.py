@@ -13,6 +13,7 @@ BS = 4
 
 def make(num_blocks=11, host=0, **cfg):
     bm = BlockManager(num_blocks, BS, host, watermark=0.0)
+    cfg.setdefault("max_num_batched_tokens", 2048)
     return Scheduler(SchedulerConfig(**cfg), bm, max_model_len=64), bm
 
 
@@ -189,3 +190,21 @@ def test_drafts_are_dropped_before_and_by_preemption():
     assert b.status is SequenceStatus.WAITING
     assert (b.num_tokens, b.num_spec_tokens, b.num_computed_tokens) == (4, 0, 0)
     bm.check_invariants([a])
+
+
+def test_step_budget_defaults_by_device():
+    """No --max-num-batched-tokens: 512 tokens a step on a CPU (llama.cpp's physical batch; the
+    1B prefill measured fastest there), 2048 on CUDA; a given budget is kept, 0 refused."""
+    import torch
+
+    from qserve.config import EngineConfig, engine_config
+    from qserve.errors import ConfigError
+
+    assert EngineConfig(device="cpu").scheduler.max_num_batched_tokens == 512
+    assert EngineConfig(device="cuda").scheduler.max_num_batched_tokens == 2048
+    auto = engine_config(None, max_num_batched_tokens=None).scheduler.max_num_batched_tokens
+    assert auto == (2048 if torch.cuda.is_available() else 512)
+    assert engine_config(None, device="cpu",
+                         max_num_batched_tokens=4096).scheduler.max_num_batched_tokens == 4096
+    with pytest.raises(ConfigError, match="--max-num-batched-tokens=0 must be at least 1"):
+        engine_config(None, max_num_batched_tokens=0)
