@@ -200,8 +200,8 @@ def batched_tokens_for(device: str) -> int:
     On a CPU a step's activations are its cost beyond the weights: at 4096 tokens a Llama-3.2-1B
     step holds a 268 MB gate/up output, and the prompt path's elementwise work and the int8
     GEMM's activation records leave the caches. 32 prompts of 128 tokens (1B Q4_K_M, 2 threads,
-    one engine, budgets interleaved) prefilled at 345 / 372 / 286 / 247 / 191 tok/s with
-    budgets of 256 / 512 / 1024 / 2048 / 4096 tokens. 512 is also llama.cpp's physical batch
+    scripts/bench_step_budget.py) prefilled at 379 / 396 / 300 / 254 / 216 tok/s with budgets
+    of 256 / 512 / 1024 / 2048 / 4096 tokens. 512 is also llama.cpp's physical batch
     (n_ubatch). A GPU fills its cores better with larger steps, as vLLM's 2048.
     """
     return 512 if device == "cpu" else 2048
