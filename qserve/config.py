@@ -275,12 +275,8 @@ class EngineConfig:
         if self.weights not in ("native", "dense"):
             raise ConfigError(f"--weights={self.weights!r}; choose native (the file's own "
                               f"precision) or dense (dequantized to --dtype)")
-        if self.scheduler.max_num_batched_tokens is None:
-            device = self.device
-            if device == "auto":
-                import torch
-
-                device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.scheduler.max_num_batched_tokens is None:  # an explicit cuda is checked later
+            device = self.resolved_device() if self.device == "auto" else self.device
             self.scheduler.max_num_batched_tokens = batched_tokens_for(device)
 
     def resolved_dtype(self) -> str:
