@@ -956,3 +956,214 @@ static void half_dequant_row(const wdesc *W, int64_t n, float *out)
     for (; k < K; k++)
         out[k] = (float)w[k];
 }
+
+/* ---- q4_k_x16: Q4_K with 16 rows interleaved (AVX-512 VNNI builds) -------------------------
+ * qserve/formats/ggml.py interleave_q4_k lays out a q4_k matrix whose row count is a multiple of
+ * 16 by groups of 16 rows. Group g (rows 16g .. 16g + 15) is its K / 256 super-blocks in order,
+ * X16_SB bytes each:
+ *
+ *   +0    d[16]             fp16, row r's d
+ *   +32   dmin[16]          fp16
+ *   +64   sc[8][16]         uint8: sub-block j's 6-bit scale, row r
+ *   +192  mn[8][16]         uint8: its min
+ *   +320  qs[4][8][16][4]   [p][lg][r][t] = byte 4 lg + t of row r's qs run p (qs[32 p + 4 lg + t]
+ *                           of the block): low nibble input 64 p + 4 lg + t (sub-block 2p),
+ *                           high nibble input 64 p + 32 + 4 lg + t (sub-block 2p + 1)
+ *
+ * The file's bytes, moved, with the 12-byte scale packing spelled out (148 bytes a row and block
+ * against 144); w = d sc_j q - dmin m_j as for q4_k. One 64-byte load is 4 inputs of 16 rows, so
+ * a vpdpbusd against 4 activation bytes broadcast adds their products into 16 row lanes, and 8
+ * make a sub-block's exact integer dot for 16 rows, converted and scaled once: ~3.5 vector ops a
+ * vpdpbusd, against ~6 in k4_row_z (which converts and scales after every one). The int8 GEMM
+ * takes its tiles straight from these bytes (x16_pack_tile), without the codes or transposes. */
+#ifdef HAVE_ZMM_PATH
+#define X16 16
+#define X16_SB (X16 * 148)
+#define X16_QS 320
+#ifndef X16_PF
+#define X16_PF 4096
+#endif
+
+/* Row r of a group's super-block sb -> its codes, scales and offsets, as codes_k4 gives them
+ * for the block it came from (the same products, so the same floats). */
+static void codes_x16(const uint8_t *sb, int r, uint8_t *u, float *s, float *o)
+{
+    const float d = ld_half(sb + 2 * r), dmin = ld_half(sb + 32 + 2 * r);
+    const __m256i stride = _mm256_setr_epi32(0, 64, 128, 192, 256, 320, 384, 448);
+    const __m256i m4 = _mm256_set1_epi8(15);
+    for (int p = 0; p < 4; p++) {
+        const __m256i q = _mm256_i32gather_epi32((const int *)(sb + X16_QS + 512 * p + 4 * r),
+                                                 stride, 1);
+        _mm256_storeu_si256((__m256i *)(u + 64 * p), _mm256_and_si256(q, m4));
+        _mm256_storeu_si256((__m256i *)(u + 64 * p + 32),
+                            _mm256_and_si256(_mm256_srli_epi16(q, 4), m4));
+    }
+    for (int j = 0; j < 8; j++) {
+        s[2 * j] = s[2 * j + 1] = d * (float)sb[64 + 16 * j + r];
+        o[2 * j] = o[2 * j + 1] = -(dmin * (float)sb[192 + 16 * j + r]);
+    }
+}
+
+static void x16_dequant_row(const wdesc *W, int64_t n, float *out)
+{
+    const uint8_t *grp = (const uint8_t *)W->w + n / X16 * X16 * W->row_bytes;
+    uint8_t u[QK_K] __attribute__((aligned(32)));
+    float s[QK_K / 16], o[QK_K / 16];
+    for (int64_t b = 0; b < W->K / QK_K; b++) {
+        codes_x16(grp + b * X16_SB, (int)(n % X16), u, s, o);
+        for (int j = 0; j < 8; j++)
+            deq32(_mm256_load_si256((const __m256i *)(u + 32 * j)), 0, s[2 * j], o[2 * j],
+                  out + b * QK_K + 32 * j);
+    }
+}
+
+/* One group's 16 rows against activation rows m0 .. m0 + mt (int8, ACT_PLAIN): res[16 i + r].
+ * np qs runs at once keep enough independent vpdpbusd chains in flight for one to three
+ * activation rows (from four on, the rows themselves do), and each row's four float
+ * accumulators enough fma chains. A row's arithmetic is the same whatever mt: its integer sums
+ * are exact, and each accumulator takes its terms in the same order, so its result does not
+ * depend on the rows beside it. */
+static inline __attribute__((always_inline)) void
+x16_rows_z(const uint8_t *grp, int64_t nb, const qacts *a, int64_t m0, int64_t K, const int mt,
+           float *res)
+{
+    const int np = mt == 1 ? 4 : mt <= 3 ? 2 : 1, na = 4;
+    __m512 f[4][MTI];
+    for (int k = 0; k < na; k++)
+        for (int i = 0; i < mt; i++)
+            f[k][i] = _mm512_setzero_ps();
+    const __m512i m4 = _mm512_set1_epi8(15);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *sb = grp + b * X16_SB;
+        for (int o = 0; o < X16_SB; o += 64)
+            _mm_prefetch((const char *)(sb + X16_PF + o), _MM_HINT_T0);
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sb));
+        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sb + 32)));
+        for (int p0 = 0; p0 < 4; p0 += np) {
+            __m512i acc[4][2][MTI]; /* [p - p0][u][i] */
+            for (int pp = 0; pp < np; pp++)
+                for (int i = 0; i < mt; i++)
+                    acc[pp][0][i] = acc[pp][1][i] = _mm512_setzero_si512();
+            for (int lg = 0; lg < 8; lg++)
+                for (int pp = 0; pp < np; pp++) {
+                    const int p = p0 + pp;
+                    const __m512i q = _mm512_loadu_si512(sb + X16_QS + 512 * p + 64 * lg);
+                    const __m512i wl = _mm512_and_si512(q, m4);
+                    const __m512i wh = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
+                    for (int i = 0; i < mt; i++) {
+                        const int8_t *xq = a->q + (m0 + i) * K + b * QK_K + 64 * p + 4 * lg;
+                        int32_t x0, x1;
+                        memcpy(&x0, xq, 4);
+                        memcpy(&x1, xq + 32, 4);
+                        acc[pp][0][i] = _mm512_dpbusd_epi32(acc[pp][0][i], wl, _mm512_set1_epi32(x0));
+                        acc[pp][1][i] = _mm512_dpbusd_epi32(acc[pp][1][i], wh, _mm512_set1_epi32(x1));
+                    }
+                }
+            for (int pp = 0; pp < np; pp++)
+                for (int u = 0; u < 2; u++) {
+                    const int j = 2 * (p0 + pp) + u;
+                    const int64_t c = 8 * b + j;
+                    const __m512 s = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                        _mm_loadu_si128((const __m128i *)(sb + 64 + 16 * j)))));
+                    const __m512 o = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                        _mm_loadu_si128((const __m128i *)(sb + 192 + 16 * j)))));
+                    for (int i = 0; i < mt; i++) {
+                        const float dx = a->d[c * a->Mp + m0 + i], ds = a->dsum[c * a->Mp + m0 + i];
+                        __m512 *fs = &f[(2 * u) % na][i], *fo = &f[(2 * u + 1) % na][i];
+                        *fs = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[pp][u][i]),
+                                              _mm512_mul_ps(s, _mm512_set1_ps(dx)), *fs);
+                        *fo = _mm512_fnmadd_ps(o, _mm512_set1_ps(ds), *fo);
+                    }
+                }
+        }
+    }
+    for (int i = 0; i < mt; i++) {
+        __m512 t = f[0][i];
+        for (int k = 1; k < na; k++)
+            t = _mm512_add_ps(t, f[k][i]);
+        _mm512_storeu_ps(res + X16 * i, t);
+    }
+}
+
+static void x16_rows(const uint8_t *grp, int64_t nb, const qacts *a, int64_t m0, int64_t K,
+                     int mt, float *res)
+{
+#define CALL(k) x16_rows_z(grp, nb, a, m0, K, k, res)
+    FOR_EACH_MTI(mt, CALL);
+#undef CALL
+}
+
+/* y = x W^T (+ bias) for a q4_k_x16 W: with int8 activations 16 rows at a time (x16_rows);
+ * with fp32 ones, each row dequantized (as wdequant) and dotted with every activation row. */
+static void x16_matmul(const wdesc *W, const float *x, int64_t M, int64_t ldx, float *y,
+                       int64_t ldy, int i8, int nthreads)
+{
+    const int64_t nb = W->K / QK_K, groups = W->N / X16;
+    const int64_t item = row_item(X16 * W->row_bytes) / ROW_ITEM; /* groups of ~32 KB */
+    if (!i8) {
+#pragma omp parallel num_threads(nthreads)
+        {
+            float *w = aligned_alloc(64, sizeof(float) * (size_t)(nb * QK_K));
+#pragma omp for schedule(dynamic, item * X16)
+            for (int64_t n = 0; n < W->N; n++) {
+                x16_dequant_row(W, n, w);
+                for (int64_t m = 0; m < M; m++)
+                    y[m * ldy + n] = dot(w, x + m * ldx, (int)W->K) + (W->bias ? W->bias[n] : 0.f);
+            }
+            free(w);
+        }
+        return;
+    }
+    qacts a = quantize_activations(x, M, W->K, ldx, W->K, ACT_PLAIN, 0, nthreads);
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *grp = (const uint8_t *)W->w + g * X16 * W->row_bytes;
+        const __m512 bias = W->bias ? _mm512_loadu_ps(W->bias + X16 * g) : _mm512_setzero_ps();
+        for (int64_t m0 = 0; m0 < M; m0 += MTI) {
+            float res[MTI * X16] __attribute__((aligned(64)));
+            const int mt = M - m0 < MTI ? (int)(M - m0) : MTI;
+            x16_rows(grp, nb, &a, m0, W->K, mt, res);
+            for (int i = 0; i < mt; i++)
+                _mm512_storeu_ps(y + (m0 + i) * ldy + X16 * g,
+                                 _mm512_add_ps(_mm512_load_ps(res + X16 * i), bias));
+        }
+    }
+    free_activations(a);
+}
+
+/* Chunks c0 .. c0 + cn (whole super-blocks) of the 16 rows from n0 (a group) as the int8 GEMM's
+ * tile, scales and offsets (gemm_pack_tile's layout): the low and high nibbles of each 64-byte
+ * load are already a tile vector each. */
+static void x16_pack_tile(const wdesc *W, int64_t n0, int64_t c0, int64_t cn, uint8_t *tile,
+                          float *sw, float *ow)
+{
+    const uint8_t *grp = (const uint8_t *)W->w + n0 * W->row_bytes;
+    const __m512i m4 = _mm512_set1_epi8(15);
+    const __m512 neg = _mm512_set1_ps(-0.f);
+    for (int64_t b = c0 / 8; b < (c0 + cn) / 8; b++) {
+        const uint8_t *sb = grp + b * X16_SB;
+        for (int p = 0; p < 4; p++) {
+            uint8_t *lo = tile + (8 * b + 2 * p - c0) * 8 * 64; /* chunk 2p's 8 vectors */
+            for (int lg = 0; lg < 8; lg++) {
+                const __m512i q = _mm512_loadu_si512(sb + X16_QS + 512 * p + 64 * lg);
+                _mm512_store_si512(lo + 64 * lg, _mm512_and_si512(q, m4));
+                _mm512_store_si512(lo + 512 + 64 * lg,
+                                   _mm512_and_si512(_mm512_srli_epi16(q, 4), m4));
+            }
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sb));
+        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sb + 32)));
+        for (int j = 0; j < 8; j++) {
+            const int64_t h = 2 * (8 * b + j - c0); /* the chunk's two 16-input halves */
+            const __m512 s = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                _mm_loadu_si128((const __m128i *)(sb + 64 + 16 * j)))));
+            const __m512 o = _mm512_xor_ps(neg, _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(
+                _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sb + 192 + 16 * j))))));
+            _mm512_store_ps(sw + h * X16, s);
+            _mm512_store_ps(sw + (h + 1) * X16, s);
+            _mm512_store_ps(ow + h * X16, o);
+            _mm512_store_ps(ow + (h + 1) * X16, o);
+        }
+    }
+}
+#endif /* HAVE_ZMM_PATH */

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from qserve.formats import QuantizedTensor
+from qserve.formats import QuantizedTensor, ggml
 from qserve.formats.registry import KIND_INT4, KIND_INT4Z, KIND_INT8
 from qserve.kernels.kv_quant import CODEBOOK, KEY_BITS
 
@@ -382,6 +382,19 @@ def supports(qt: QuantizedTensor) -> bool:
                                       or qt.group_size % 32 == 0)
 
 
+def runtime_layout(qt: QuantizedTensor) -> QuantizedTensor:
+    """qt as the CPU kernels run it fastest: a q4_k matrix with a multiple of 16 rows becomes
+    q4_k_x16 (16 rows interleaved, ggml.interleave_q4_k: the same bytes, so the same weights)
+    where the kernels are the 512-bit ones; anything else is returned as it is.
+    QSERVE_CPU_REPACK=0 keeps the file's layout (for comparisons)."""
+    if (qt.format != "q4_k" or qt.shape[0] % ggml.X16_ROWS or kernel_isa() != "avx512-vnni"
+            or os.environ.get("QSERVE_CPU_REPACK", "1") == "0"
+            or qt.qweight.device.type != "cpu"):
+        return qt
+    return ggml.interleave_q4_k(qt)
+
+
+_local = threading.local()
 _local = threading.local()
 
 

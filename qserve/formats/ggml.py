@@ -91,6 +91,65 @@ def repack(name: str, rows: torch.Tensor, in_features: int) -> QuantizedTensor:
     return QuantizedTensor("int4", pack_int4(q), scales, offsets, in_features)
 
 
+
+# ---- q4_k_x16: Q4_K with 16 rows interleaved, for the CPU's 512-bit kernels ------------------
+# Group g (rows 16g .. 16g + 15) holds its super-blocks in order, X16_SB bytes each:
+#   d[16] fp16 | dmin[16] fp16 | sc[8][16] | mn[8][16] | qs[4][8][16][4]
+# (sc/mn: sub-block j's 6-bit scale/min of row r; qs[p][lg][r][t] = byte 32p + 4lg + t of row
+# r's qs). Only bytes move and the 6-bit packing is spelled out (_k_scale_min and
+# _pack_scale_min are inverse bijections of 96 bits), so deinterleave gives back the file's
+# bytes exactly and the weights are q4_k's bit for bit. kernels/cpu_formats.c reads the layout.
+X16_ROWS = 16
+X16_ROW_BYTES = 148  # per row and super-block: 144 + 4 for the unpacked scales
+
+
+def _pack_scale_min(sc: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
+    """(n, 8) 6-bit scales and mins -> the (n, 12) bytes _k_scale_min reads them from."""
+    a = (sc[:, 0:4] & 63) | ((sc[:, 4:8] >> 4) << 6)
+    m = (mn[:, 0:4] & 63) | ((mn[:, 4:8] >> 4) << 6)
+    lo = (sc[:, 4:8] & 15) | ((mn[:, 4:8] & 15) << 4)
+    return torch.cat([a, m, lo], dim=1)
+
+
+def interleave_q4_k(qt: QuantizedTensor) -> QuantizedTensor:
+    """A q4_k matrix (rows a multiple of 16) -> the same weights as q4_k_x16."""
+    assert qt.format == "q4_k" and qt.shape[0] % X16_ROWS == 0
+    n, nb = qt.shape[0], qt.in_features // 256
+    g = n // X16_ROWS
+    b = qt.qweight.reshape(g, X16_ROWS, nb, 144)
+    sc, mn = _k_scale_min(b[..., 4:16].reshape(-1, 12))
+
+    def by_row(t: torch.Tensor, width: int) -> torch.Tensor:  # (g, r, nb, w) -> (g, nb, w, r)
+        return t.reshape(g, X16_ROWS, nb, width).permute(0, 2, 3, 1)
+
+    d = b[..., 0:2].permute(0, 2, 1, 3).reshape(g, nb, 32)
+    dmin = b[..., 2:4].permute(0, 2, 1, 3).reshape(g, nb, 32)
+    qs = b[..., 16:].reshape(g, X16_ROWS, nb, 4, 8, 4).permute(0, 2, 3, 4, 1, 5)
+    out = torch.cat([d, dmin, by_row(sc, 8).reshape(g, nb, 128),
+                     by_row(mn, 8).reshape(g, nb, 128), qs.reshape(g, nb, 2048)], dim=2)
+    return QuantizedTensor("q4_k_x16", out.reshape(n, nb * X16_ROW_BYTES), None, None,
+                           qt.in_features)
+
+
+def deinterleave_q4_k(qt: QuantizedTensor) -> QuantizedTensor:
+    """q4_k_x16 -> the q4_k matrix it was made from, byte for byte."""
+    n, nb = qt.shape[0], qt.in_features // 256
+    g = n // X16_ROWS
+    x = qt.qweight.reshape(g, nb, X16_ROWS * X16_ROW_BYTES)
+
+    def by_block(t: torch.Tensor, width: int) -> torch.Tensor:  # (g, nb, w * r) -> (g, r, nb, w)
+        return t.reshape(g, nb, width, X16_ROWS).permute(0, 3, 1, 2)
+
+    d = x[..., 0:32].reshape(g, nb, X16_ROWS, 2).permute(0, 2, 1, 3)
+    dmin = x[..., 32:64].reshape(g, nb, X16_ROWS, 2).permute(0, 2, 1, 3)
+    sc = by_block(x[..., 64:192], 8).reshape(-1, 8)
+    mn = by_block(x[..., 192:320], 8).reshape(-1, 8)
+    scales = _pack_scale_min(sc, mn).reshape(g, X16_ROWS, nb, 12)
+    qs = x[..., 320:].reshape(g, nb, 4, 8, X16_ROWS, 4).permute(0, 4, 1, 2, 3, 5)
+    blocks = torch.cat([d, dmin, scales, qs.reshape(g, X16_ROWS, nb, 128)], dim=3)
+    return QuantizedTensor("q4_k", blocks.reshape(n, nb * 144), None, None, qt.in_features)
+
+
 # ---- per-type dequantization (n, block_bytes) uint8 -> (n, block) fp32 ----------------------
 # Each follows gguf-py's fp32 arithmetic step for step (products formed in the same order,
 # integers exact), so the results are bit for bit its own. Layout comments give byte offsets

@@ -13,8 +13,8 @@ import torch
 import qserve.formats.ggml as ggml
 from qserve.formats.qtensor import QuantizedTensor, unpack_int4
 from qserve.formats.weight_format import (GGML_KIND_BASE, KIND_BF16, KIND_F16, KIND_F32,
-                                          KIND_INT4, KIND_INT4Z, KIND_INT8, WeightFormat,
-                                          register)
+                                          KIND_INT4, KIND_INT4Z, KIND_INT8, KIND_Q4_K_X16,
+                                          WeightFormat, register)
 
 
 def _grouped_dequantize(qt: QuantizedTensor) -> torch.Tensor:
@@ -111,6 +111,26 @@ for _name in ggml.IN_PLACE:
                           _t.block, _ggml_dequantize, _ggml_validate, ggml_type=_t.type_id,
                           description=f"GGML {_name.upper()} blocks read in place"))
 
+
+
+def _x16_validate(qt: QuantizedTensor) -> str | None:
+    w = qt.qweight
+    if qt.in_features % 256:
+        return f"{qt.in_features} inputs are not a multiple of q4_k's block of 256"
+    want = qt.in_features // 256 * ggml.X16_ROW_BYTES
+    if w.dtype != torch.uint8 or w.dim() != 2 or w.shape[1] != want:
+        return (f"q4_k_x16 rows of {qt.in_features} inputs take {want} bytes, got "
+                f"{w.dtype} {tuple(w.shape)}")
+    if w.shape[0] % ggml.X16_ROWS:
+        return f"q4_k_x16 needs a multiple of {ggml.X16_ROWS} rows, got {w.shape[0]}"
+    return None
+
+
+# Not a file's type: what the CPU kernels run a q4_k matrix as (kernels/cpu_ops.py
+# runtime_layout), never stored.
+register(WeightFormat("q4_k_x16", KIND_Q4_K_X16, 8 * ggml.X16_ROW_BYTES / 256, 256,
+                      lambda qt: ggml.deinterleave_q4_k(qt).dequantize(), _x16_validate,
+                      description="GGML Q4_K blocks, 16 rows interleaved (CPU runtime layout)"))
 
 def format_for_ggml(type_name: str) -> str | None:
     """The format a GGUF tensor of GGML type `type_name` (e.g. 'Q4_K') runs in: repacked

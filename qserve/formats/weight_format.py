@@ -10,6 +10,7 @@ import torch
 # C kinds (enum wkind in kernels/cpu_ops.c): dense fp32 is 0; GGML in-place types are
 # GGML_KIND_BASE + their GGML type id.
 KIND_F32, KIND_INT4, KIND_INT8, KIND_F16, KIND_BF16, KIND_INT4Z = 0, 1, 2, 3, 4, 5
+KIND_Q4_K_X16 = 6  # q4_k with 16 rows interleaved: the CPU's runtime layout (ggml.py)
 GGML_KIND_BASE = 16
 
 

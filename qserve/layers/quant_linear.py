@@ -32,6 +32,15 @@ class QuantLinear(nn.Module):
         self.register_buffer("bias", bias)  # (out,) or None
         self._cached = (None, None, None)  # (buffers' key, segments, all cpu_ops.supports)
 
+    @classmethod
+    def on_device(cls, segments: list[QuantizedTensor], bias: torch.Tensor | None,
+                  device: torch.device) -> "QuantLinear":
+        """A QuantLinear on `device` with its segments in the layout that device's kernels run
+        fastest: on the CPU cpu_ops.runtime_layout (q4_k as q4_k_x16, the same weights)."""
+        if device.type == "cpu":
+            segments = [cpu_ops.runtime_layout(s) for s in segments]
+        return cls(segments, bias).to(device)
+
     def _views(self) -> tuple[list[QuantizedTensor], bool]:
         """The segments and whether the C kernels run all of them, made once per set of buffers
         (a per-layer decode step calls this every linear, every token: rebuilding and

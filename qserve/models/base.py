@@ -381,7 +381,7 @@ class CausalLM(nn.Module):
                                      f"{module.out_features}")
             b = None if b is None else b.float()
             owner, _, attr = dst.rpartition(".")
-            setattr(self.get_submodule(owner), attr, QuantLinear(segments, b).to(device))
+            setattr(self.get_submodule(owner), attr, QuantLinear.on_device(segments, b, device))
             seen.update({dst + ".weight", dst + ".bias"})
 
         def embedding(dst: str, module: nn.Embedding) -> None:
