@@ -1093,11 +1093,27 @@ static void x16_rows(const uint8_t *grp, int64_t nb, const qacts *a, int64_t m0,
 #undef CALL
 }
 
-/* y = x W^T (+ bias) for a q4_k_x16 W: with int8 activations 16 rows at a time (x16_rows);
- * with fp32 ones, each row dequantized (as wdequant) and dotted with every activation row. */
+static void x16q6_dequant_row(const wdesc *W, int64_t n, float *out);
+static void x16q6_rows(const uint8_t *grp, int64_t nb, const qacts *a, int64_t m0, int64_t K,
+                       int mt, float *res);
+#define X16Q6_MT 4 /* q6_k_x16's activation rows a tile: more would spill the accumulators */
+
+/* Row n of a q4_k_x16 / q6_k_x16 W */
+static void x16_any_dequant_row(const wdesc *W, int64_t n, float *out)
+{
+    if (W->kind == KIND_Q6_K_X16)
+        x16q6_dequant_row(W, n, out);
+    else
+        x16_dequant_row(W, n, out);
+}
+
+/* y = x W^T (+ bias) for a q4_k_x16 / q6_k_x16 W: with int8 activations 16 rows at a time
+ * (x16_rows, x16q6_rows); with fp32 ones, each row dequantized (as wdequant) and dotted with
+ * every activation row. */
 static void x16_matmul(const wdesc *W, const float *x, int64_t M, int64_t ldx, float *y,
                        int64_t ldy, int i8, int nthreads)
 {
+    const int q6 = W->kind == KIND_Q6_K_X16, tile = q6 ? X16Q6_MT : MTI;
     const int64_t nb = W->K / QK_K, groups = W->N / X16;
     const int64_t item = row_item(X16 * W->row_bytes) / ROW_ITEM; /* groups of ~32 KB */
     if (!i8) {
@@ -1106,7 +1122,7 @@ static void x16_matmul(const wdesc *W, const float *x, int64_t M, int64_t ldx, f
             float *w = aligned_alloc(64, sizeof(float) * (size_t)(nb * QK_K));
 #pragma omp for schedule(dynamic, item * X16)
             for (int64_t n = 0; n < W->N; n++) {
-                x16_dequant_row(W, n, w);
+                x16_any_dequant_row(W, n, w);
                 for (int64_t m = 0; m < M; m++)
                     y[m * ldy + n] = dot(w, x + m * ldx, (int)W->K) + (W->bias ? W->bias[n] : 0.f);
             }
@@ -1114,15 +1130,18 @@ static void x16_matmul(const wdesc *W, const float *x, int64_t M, int64_t ldx, f
         }
         return;
     }
-    qacts a = quantize_activations(x, M, W->K, ldx, W->K, ACT_PLAIN, 0, nthreads);
+    qacts a = quantize_activations(x, M, W->K, ldx, W->K, ACT_PLAIN, q6, nthreads);
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *grp = (const uint8_t *)W->w + g * X16 * W->row_bytes;
         const __m512 bias = W->bias ? _mm512_loadu_ps(W->bias + X16 * g) : _mm512_setzero_ps();
-        for (int64_t m0 = 0; m0 < M; m0 += MTI) {
+        for (int64_t m0 = 0; m0 < M; m0 += tile) {
             float res[MTI * X16] __attribute__((aligned(64)));
-            const int mt = M - m0 < MTI ? (int)(M - m0) : MTI;
-            x16_rows(grp, nb, &a, m0, W->K, mt, res);
+            const int mt = M - m0 < tile ? (int)(M - m0) : tile;
+            if (q6)
+                x16q6_rows(grp, nb, &a, m0, W->K, mt, res);
+            else
+                x16_rows(grp, nb, &a, m0, W->K, mt, res);
             for (int i = 0; i < mt; i++)
                 _mm512_storeu_ps(y + (m0 + i) * ldy + X16 * g,
                                  _mm512_add_ps(_mm512_load_ps(res + X16 * i), bias));
@@ -1163,6 +1182,186 @@ static void x16_pack_tile(const wdesc *W, int64_t n0, int64_t c0, int64_t cn, ui
             _mm512_store_ps(sw + (h + 1) * X16, s);
             _mm512_store_ps(ow + h * X16, o);
             _mm512_store_ps(ow + (h + 1) * X16, o);
+        }
+    }
+}
+
+/* ---- q6_k_x16: Q6_K with 16 rows interleaved, alike -----------------------------------------
+ * Group g's super-blocks, X16Q6_SB bytes each (212 a row: 210 + 2 bytes of padding that keep
+ * every super-block 64-byte aligned):
+ *
+ *   +0     ql[2][2][8][16][4]  [h][e][lg][r][t] = ql[64 h + 32 e + 4 lg + t] of row r's block:
+ *                              low nibble input 128 h + 32 e + 4 lg + t, high nibble the
+ *                              input 64 after it (the low 4 bits of the code)
+ *   +2048  qh[2][8][16][4]     [h][lg][r][t] = qh[32 h + 4 lg + t]: bits 2f, 2f + 1 the top 2
+ *                              bits of input 128 h + 32 f + 4 lg + t
+ *   +3072  sc[16][16]          int8: 16-input sub-block s's scale, row r
+ *   +3328  d[16]               fp16
+ *   +3360  32 zero bytes
+ *
+ * w = d sc_s (q - 32). One load of each kind gives 4 vectors of 6-bit codes (f = 0..3) for 4
+ * inputs of 16 rows, each a vpdpbusd against 4 activation bytes; a sub-block's integer sum is
+ * scaled once, and -32 d sc_s times the activations' sum of the sub-block added alongside. */
+#define X16Q6_SB (X16 * 212)
+#define X16Q6_QH 2048
+#define X16Q6_SC 3072
+#define X16Q6_D 3328
+
+/* The 4 code vectors (f = 0..3) of qs run lg of half h: 16 rows x 4 inputs each */
+static inline __attribute__((always_inline)) void
+x16q6_codes(const uint8_t *sb, int h, int lg, __m512i v[4])
+{
+    const __m512i m4 = _mm512_set1_epi8(15), m30 = _mm512_set1_epi8(0x30);
+    const __m512i qa = _mm512_loadu_si512(sb + 64 * (16 * h + lg));
+    const __m512i qb = _mm512_loadu_si512(sb + 64 * (16 * h + 8 + lg));
+    const __m512i qh = _mm512_loadu_si512(sb + X16Q6_QH + 64 * (8 * h + lg));
+#define PICK(lo, hi) _mm512_or_si512(_mm512_and_si512(lo, m4), _mm512_and_si512(hi, m30))
+    v[0] = PICK(qa, _mm512_slli_epi16(qh, 4));
+    v[1] = PICK(qb, _mm512_slli_epi16(qh, 2));
+    v[2] = PICK(_mm512_srli_epi16(qa, 4), qh);
+    v[3] = PICK(_mm512_srli_epi16(qb, 4), _mm512_srli_epi16(qh, 2));
+#undef PICK
+}
+
+/* Row r of a group's super-block -> its codes and scales as codes_q6_k gives them */
+static void codes_x16q6(const uint8_t *sb, int r, uint8_t *u, float *s, float *o)
+{
+    const float d = ld_half(sb + X16Q6_D + 2 * r);
+    const __m256i stride = _mm256_setr_epi32(0, 64, 128, 192, 256, 320, 384, 448);
+    const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
+    for (int h = 0; h < 2; h++) {
+        const __m256i qh = _mm256_i32gather_epi32(
+            (const int *)(sb + X16Q6_QH + 512 * h + 4 * r), stride, 1);
+        for (int e = 0; e < 2; e++) {
+            const __m256i ql = _mm256_i32gather_epi32(
+                (const int *)(sb + 512 * (2 * h + e) + 4 * r), stride, 1);
+            /* f = e (low nibbles) and f = e + 2 (high) */
+            const __m256i hl = e ? _mm256_slli_epi16(qh, 2) : _mm256_slli_epi16(qh, 4);
+            const __m256i hh = e ? _mm256_srli_epi16(qh, 2) : qh;
+            _mm256_storeu_si256((__m256i *)(u + 128 * h + 32 * e),
+                                _mm256_or_si256(_mm256_and_si256(ql, m4),
+                                                _mm256_and_si256(hl, m30)));
+            _mm256_storeu_si256((__m256i *)(u + 128 * h + 32 * (e + 2)),
+                                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql, 4), m4),
+                                                _mm256_and_si256(hh, m30)));
+        }
+    }
+    for (int j = 0; j < 16; j++) {
+        s[j] = d * (float)(int8_t)sb[X16Q6_SC + 16 * j + r];
+        o[j] = 0.f;
+    }
+}
+
+static void x16q6_dequant_row(const wdesc *W, int64_t n, float *out)
+{
+    const uint8_t *grp = (const uint8_t *)W->w + n / X16 * X16 * W->row_bytes;
+    uint8_t u[QK_K] __attribute__((aligned(32)));
+    float s[QK_K / 16], o[QK_K / 16];
+    for (int64_t b = 0; b < W->K / QK_K; b++) {
+        codes_x16q6(grp + b * X16Q6_SB, (int)(n % X16), u, s, o);
+        float *y = out + b * QK_K;
+        for (int j = 0; j < QK_K / 16; j++) { /* as deq_q6_k */
+            const __m128i c = _mm_load_si128((const __m128i *)(u + 16 * j));
+            const __m256 vs = _mm256_set1_ps(s[j]), vo = _mm256_set1_ps(-32.f * s[j]);
+            _mm256_storeu_ps(y + 16 * j, _mm256_fmadd_ps(u8_to_ps(c), vs, vo));
+            _mm256_storeu_ps(y + 16 * j + 8,
+                             _mm256_fmadd_ps(u8_to_ps(_mm_srli_si128(c, 8)), vs, vo));
+        }
+    }
+}
+
+/* One group's 16 rows against activation rows m0 .. m0 + mt (<= X16Q6_MT; int8 with per-16
+ * sums): res[16 i + r]. One row takes a half's 8 runs at once (8 vpdpbusd chains), more rows 4
+ * runs a time; the float accumulators (one per f) take their terms in the same order either
+ * way, so a row's result does not depend on the rows beside it. */
+static inline __attribute__((always_inline)) void
+x16q6_rows_z(const uint8_t *grp, int64_t nb, const qacts *a, int64_t m0, int64_t K, const int mt,
+             float *res)
+{
+    const int wide = mt == 1; /* runs 0..7 at once, else 0..3 then 4..7 */
+    __m512 f[4][X16Q6_MT];
+    for (int k = 0; k < 4; k++)
+        for (int i = 0; i < mt; i++)
+            f[k][i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *sb = grp + b * X16Q6_SB;
+        for (int o = 0; o < X16Q6_SB; o += 64)
+            _mm_prefetch((const char *)(sb + X16_PF + o), _MM_HINT_T0);
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sb + X16Q6_D)));
+        for (int h = 0; h < 2; h++)
+            for (int half0 = 0; half0 < 2; half0 += wide ? 2 : 1) {
+                const int nh = wide ? 2 : 1;
+                __m512i acc[2][4][X16Q6_MT]; /* [half - half0][f][i] */
+                for (int hh = 0; hh < nh; hh++)
+                    for (int k = 0; k < 4; k++)
+                        for (int i = 0; i < mt; i++)
+                            acc[hh][k][i] = _mm512_setzero_si512();
+                for (int lg = 4 * half0; lg < 4 * (half0 + nh); lg++) {
+                    __m512i v[4];
+                    x16q6_codes(sb, h, lg, v);
+                    for (int i = 0; i < mt; i++)
+                        for (int k = 0; k < 4; k++) {
+                            int32_t x4;
+                            memcpy(&x4, a->q + (m0 + i) * K + b * QK_K + 128 * h + 32 * k + 4 * lg,
+                                   4);
+                            acc[lg / 4 - half0][k][i] = _mm512_dpbusd_epi32(
+                                acc[lg / 4 - half0][k][i], v[k], _mm512_set1_epi32(x4));
+                        }
+                }
+                for (int hh = 0; hh < nh; hh++)
+                    for (int k = 0; k < 4; k++) {
+                        const int half = half0 + hh, s = 8 * h + 2 * k + half;
+                        const int64_t c = 8 * b + 4 * h + k;
+                        const __m512 sv = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                            _mm_loadu_si128((const __m128i *)(sb + X16Q6_SC + 16 * s)))));
+                        const __m512 ov = _mm512_mul_ps(sv, _mm512_set1_ps(-32.f));
+                        for (int i = 0; i < mt; i++) {
+                            const float dx = a->d[c * a->Mp + m0 + i];
+                            const float ds = a->dsum16[(2 * c + half) * a->Mp + m0 + i];
+                            f[k][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[hh][k][i]),
+                                                      _mm512_mul_ps(sv, _mm512_set1_ps(dx)),
+                                                      f[k][i]);
+                            f[k][i] = _mm512_fmadd_ps(ov, _mm512_set1_ps(ds), f[k][i]);
+                        }
+                    }
+            }
+    }
+    for (int i = 0; i < mt; i++)
+        _mm512_storeu_ps(res + X16 * i, _mm512_add_ps(_mm512_add_ps(f[0][i], f[1][i]),
+                                                      _mm512_add_ps(f[2][i], f[3][i])));
+}
+
+static void x16q6_rows(const uint8_t *grp, int64_t nb, const qacts *a, int64_t m0, int64_t K,
+                       int mt, float *res)
+{
+    switch (mt) {
+    case 1: x16q6_rows_z(grp, nb, a, m0, K, 1, res); break;
+    case 2: x16q6_rows_z(grp, nb, a, m0, K, 2, res); break;
+    case 3: x16q6_rows_z(grp, nb, a, m0, K, 3, res); break;
+    default: x16q6_rows_z(grp, nb, a, m0, K, X16Q6_MT, res);
+    }
+}
+
+/* x16_pack_tile for q6_k_x16 (no offsets: zero point 32) */
+static void x16q6_pack_tile(const wdesc *W, int64_t n0, int64_t c0, int64_t cn, uint8_t *tile,
+                            float *sw, float *ow)
+{
+    const uint8_t *grp = (const uint8_t *)W->w + n0 * W->row_bytes;
+    for (int64_t b = c0 / 8; b < (c0 + cn) / 8; b++) {
+        const uint8_t *sb = grp + b * X16Q6_SB;
+        for (int h = 0; h < 2; h++)
+            for (int lg = 0; lg < 8; lg++) {
+                __m512i v[4];
+                x16q6_codes(sb, h, lg, v);
+                for (int k = 0; k < 4; k++) /* chunk 8b + 4h + k, vector lg */
+                    _mm512_store_si512(tile + ((8 * b + 4 * h + k - c0) * 8 + lg) * 64, v[k]);
+            }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sb + X16Q6_D)));
+        for (int s = 0; s < 16; s++) { /* half 2 (8b - c0) + s in the tile's order */
+            const int64_t hx = 2 * (8 * b - c0) + s;
+            _mm512_store_ps(sw + hx * X16, _mm512_mul_ps(d, _mm512_cvtepi32_ps(
+                _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sb + X16Q6_SC + 16 * s))))));
+            _mm512_store_ps(ow + hx * X16, _mm512_setzero_ps());
         }
     }
 }

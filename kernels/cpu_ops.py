@@ -383,15 +383,15 @@ def supports(qt: QuantizedTensor) -> bool:
 
 
 def runtime_layout(qt: QuantizedTensor) -> QuantizedTensor:
-    """qt as the CPU kernels run it fastest: a q4_k matrix with a multiple of 16 rows becomes
-    q4_k_x16 (16 rows interleaved, ggml.interleave_q4_k: the same bytes, so the same weights)
-    where the kernels are the 512-bit ones; anything else is returned as it is.
+    """qt as the CPU kernels run it fastest: a q4_k / q6_k matrix with a multiple of 16 rows
+    becomes q4_k_x16 / q6_k_x16 (16 rows interleaved, ggml.interleave: the same bytes, so the
+    same weights) where the kernels are the 512-bit ones; anything else is returned as it is.
     QSERVE_CPU_REPACK=0 keeps the file's layout (for comparisons)."""
-    if (qt.format != "q4_k" or qt.shape[0] % ggml.X16_ROWS or kernel_isa() != "avx512-vnni"
-            or os.environ.get("QSERVE_CPU_REPACK", "1") == "0"
+    if (qt.format not in ggml.BY_BASE or qt.shape[0] % ggml.X16_ROWS
+            or kernel_isa() != "avx512-vnni" or os.environ.get("QSERVE_CPU_REPACK", "1") == "0"
             or qt.qweight.device.type != "cpu"):
         return qt
-    return ggml.interleave_q4_k(qt)
+    return ggml.interleave(qt)
 
 
 _local = threading.local()

@@ -40,8 +40,8 @@ def random_weight(fmt: str, N: int, K: int, seed: int = 0, std: float | None = N
     random bytes with fp16 fields 0.01 * randn; `std` rescales those fields (w is linear in
     them) so that the weights have about that standard deviation, for models that must stay
     numerically tame."""
-    if fmt == "q4_k_x16":  # the CPU's runtime layout of the same q4_k matrix
-        return ggml.interleave_q4_k(random_weight("q4_k", N, K, seed, std))
+    if fmt in ggml.INTERLEAVED:  # the CPU's runtime layout of the same q4_k / q6_k matrix
+        return ggml.interleave(random_weight(ggml.INTERLEAVED[fmt][0], N, K, seed, std))
     g = torch.Generator().manual_seed(seed)
     if fmt in DENSE:
         w = torch.randn(N, K, generator=g) * (std or K ** -0.5)
@@ -328,7 +328,7 @@ def test_prefill_weights_are_the_reference_in_bf16(fmt, bf16_prefill):
 
 
 @pytest.mark.parametrize("fmt", GGML + DENSE + ["int4", "int4z", "int8", "f32"]
-                         + (["q4_k_x16"] if VNNI else []))
+                         + (list(ggml.INTERLEAVED) if VNNI else []))
 @pytest.mark.parametrize("i8", [False, True])
 def test_matmul_rows_do_not_depend_on_the_batch(fmt, i8):
     """Each output row is bit-identical whatever rows come beside it, within one kernel's range
@@ -384,7 +384,7 @@ def _mixed_formats_weight(fmt: str, N: int, K: int) -> QuantizedTensor:
         return quantize(w, WeightScheme(8, 32, True))
     if fmt == "f32":
         return QuantizedTensor("f32", w, None, None, K)
-    if fmt == "q4_k_x16":  # whole groups of 16 rows, at least the N asked for
+    if fmt in ggml.INTERLEAVED:  # whole groups of 16 rows, at least the N asked for
         return random_weight(fmt, -(-N // 16) * 16, K)
     return random_weight(fmt, N, K)
 
@@ -449,78 +449,91 @@ def test_fp32_activation_path_against_f_linear_on_a_realistic_scale():
         torch.testing.assert_close(cpu_ops.weight_matmul(x, qt), want, rtol=1e-5, atol=1e-5)
 
 
-# ---- q4_k_x16: q4_k with 16 rows interleaved, the layout the 512-bit kernels run q4_k in ----
+# ---- q4_k_x16 / q6_k_x16: 16 rows interleaved, the layouts the 512-bit kernels run them in ----
 X16_GRID = [(16, 256), (48, 768), (784, 512)]
+X16 = list(ggml.INTERLEAVED)  # q4_k_x16 q6_k_x16
 
 
-def test_q4_k_x16_is_the_same_bytes_and_weights():
-    """interleave_q4_k moves bytes and spells out the 6-bit scale packing; deinterleave gives
-    the file's blocks back byte for byte (every bit pattern of random blocks, d / dmin
-    included), so the weights are q4_k's exactly. A wrong shape is named."""
+@pytest.mark.parametrize("fmt", X16)
+def test_x16_is_the_same_bytes_and_weights(fmt):
+    """interleave moves bytes (q4_k's 6-bit scale packing spelled out); deinterleave gives the
+    file's blocks back byte for byte (every bit pattern of random blocks, d / dmin included),
+    so the weights are the base format's exactly; rows (an embedding's lookup) deinterleave
+    only their groups. A wrong shape is named."""
+    base, row_bytes = ggml.INTERLEAVED[fmt][:2]
     for N, K in X16_GRID:
-        qt = random_weight("q4_k", N, K, seed=N + K)
-        raw = QuantizedTensor("q4_k", torch.randint(0, 256, qt.qweight.shape, dtype=torch.uint8,
-                                                    generator=torch.Generator().manual_seed(N)),
+        qt = random_weight(base, N, K, seed=N + K)
+        raw = QuantizedTensor(base, torch.randint(0, 256, qt.qweight.shape, dtype=torch.uint8,
+                                                  generator=torch.Generator().manual_seed(N)),
                               None, None, K)
         for src in (qt, raw):
-            x16 = ggml.interleave_q4_k(src)
-            assert x16.format == "q4_k_x16" and x16.shape == (N, K) and x16.validate() is None
-            assert x16.qweight.shape[1] == K // 256 * 148
-            assert torch.equal(ggml.deinterleave_q4_k(x16).qweight, src.qweight)
-        assert torch.equal(ggml.interleave_q4_k(qt).dequantize(), qt.dequantize())
-    bad = QuantizedTensor("q4_k_x16", torch.zeros(8, 148, dtype=torch.uint8), None, None, 256)
+            x16 = ggml.interleave(src)
+            assert x16.format == fmt and x16.shape == (N, K) and x16.validate() is None
+            assert x16.qweight.shape[1] == K // 256 * row_bytes
+            assert torch.equal(ggml.deinterleave(x16).qweight, src.qweight)
+        x16, w = ggml.interleave(qt), qt.dequantize()
+        assert torch.equal(x16.dequantize(), w)
+        ids = torch.tensor([N - 1, 0, 3, N // 2, 3])
+        assert torch.equal(x16.rows(ids).dequantize(), w[ids])
+        assert torch.equal(x16.rows(slice(1, N - 1)).dequantize(), w[1:N - 1])
+    bad = QuantizedTensor(fmt, torch.zeros(8, row_bytes, dtype=torch.uint8), None, None, 256)
     assert "multiple of 16 rows" in bad.validate()
-    bad = QuantizedTensor("q4_k_x16", torch.zeros(16, 144, dtype=torch.uint8), None, None, 256)
-    assert "take 148 bytes" in bad.validate()
+    bad = QuantizedTensor(fmt, torch.zeros(16, 144, dtype=torch.uint8), None, None, 256)
+    assert f"take {row_bytes} bytes" in bad.validate()
 
 
 def test_runtime_layout_picks_x16_only_where_it_runs(monkeypatch):
-    """cpu_ops.runtime_layout: q4_k with whole groups of 16 rows becomes q4_k_x16 on a 512-bit
-    build; 17 rows, other formats, QSERVE_CPU_REPACK=0 and builds without the 512-bit kernels
-    keep the matrix as it is."""
-    q = random_weight("q4_k", 32, 256)
-    out = cpu_ops.runtime_layout(q)
-    assert out.format == ("q4_k_x16" if VNNI else "q4_k")
-    assert cpu_ops.supports(out)
-    for other in (random_weight("q4_k", 17, 256), random_weight("q6_k", 32, 256)):
+    """cpu_ops.runtime_layout: q4_k / q6_k with whole groups of 16 rows become their _x16 on a
+    512-bit build; 17 rows, other formats, QSERVE_CPU_REPACK=0 and builds without the 512-bit
+    kernels keep the matrix as it is."""
+    for base in ("q4_k", "q6_k"):
+        q = random_weight(base, 32, 256)
+        out = cpu_ops.runtime_layout(q)
+        assert out.format == (base + "_x16" if VNNI else base)
+        assert cpu_ops.supports(out)
+        monkeypatch.setenv("QSERVE_CPU_REPACK", "0")
+        assert cpu_ops.runtime_layout(q) is q
+        monkeypatch.delenv("QSERVE_CPU_REPACK")
+    for other in (random_weight("q4_k", 17, 256), random_weight("q5_k", 32, 256)):
         assert cpu_ops.runtime_layout(other) is other
-    monkeypatch.setenv("QSERVE_CPU_REPACK", "0")
-    assert cpu_ops.runtime_layout(q) is q
 
 
-@pytest.mark.skipif(not VNNI, reason="q4_k_x16 runs on the AVX-512 VNNI kernels")
-@pytest.mark.parametrize("M", [1, 2, 3, 5, 8, 13, 32, 40])
+@pytest.mark.skipif(not VNNI, reason="the _x16 layouts run on the AVX-512 VNNI kernels")
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 8, 13, 32, 40])
 @pytest.mark.parametrize("N,K", X16_GRID)
-def test_q4_k_x16_matmul_matches_reference(N, K, M):
-    """q4_k_x16 with fp32 activations (each row decoded to the reference's floats, as
-    test_weight_matmul_fp32_matches_reference bounds it) and with int8 ones: the 16-row kernel
-    for 1..8 rows a tile (its one- to three-row variants keep more chains in flight), the int8
-    GEMM from gemm_min_rows on, its tiles taken straight from the interleaved bytes."""
-    qt, w, x, bias = _case("q4_k_x16", N, K, M)
+@pytest.mark.parametrize("fmt", X16)
+def test_x16_matmul_matches_reference(fmt, N, K, M):
+    """fp32 activations (each row decoded to the reference's floats, as
+    test_weight_matmul_fp32_matches_reference bounds it) and int8 ones: the 16-row kernels for
+    1..8 rows a tile (their one-row variants keep more chains in flight), the int8 GEMM from
+    gemm_min_rows on, its tiles taken straight from the interleaved bytes."""
+    qt, w, x, bias = _case(fmt, N, K, M)
     ref = x.double() @ w.T + bias.double()
     out = cpu_ops.weight_matmul(x, qt, bias)
     tol = (K + 2) * U * ((x.double().abs() @ w.abs().T) + bias.double().abs())
     assert ((out.double() - ref).abs() <= tol).all()
-    _check_int8_activations("q4_k_x16", N, K, M)
+    _check_int8_activations(fmt, N, K, M)
 
 
-@pytest.mark.skipif(not VNNI, reason="q4_k_x16 runs on the AVX-512 VNNI kernels")
+@pytest.mark.skipif(not VNNI, reason="the _x16 layouts run on the AVX-512 VNNI kernels")
 @pytest.mark.parametrize("M", [24, 32, 45, 2061])
-def test_q4_k_x16_int8_gemm(M, gemm_prefill):
-    """The int8 GEMM on q4_k_x16 (decode batches from gemm_min_rows, prefill, and more than one
-    block of inputs and of rows: 2304 inputs, 2061 rows), with a bias: the weights' own codes,
-    so the bound of _check_int8_gemm."""
+@pytest.mark.parametrize("fmt", X16)
+def test_x16_int8_gemm(fmt, M, gemm_prefill):
+    """The int8 GEMM on the _x16 layouts (decode batches from gemm_min_rows, prefill, and more
+    than one block of inputs and of rows: 2304 inputs, 2061 rows), with a bias: the weights'
+    own codes, so the bound of _check_int8_gemm."""
     N, K = 48, 2304
-    qt, w, x, bias = _case("q4_k_x16", N, K, M)
+    qt, w, x, bias = _case(fmt, N, K, M)
     assert 0 < cpu_ops.gemm_min_rows(qt) <= M
     out = cpu_ops.weight_matmul(x, qt, bias, int8_activations=True).double()
     _check_int8_gemm(out - bias.double(), x, w)
 
 
-@pytest.mark.skipif(not VNNI, reason="q4_k_x16 runs on the AVX-512 VNNI kernels")
+@pytest.mark.skipif(not VNNI, reason="the _x16 layouts run on the AVX-512 VNNI kernels")
 @pytest.mark.parametrize("M", [32, 40])
-def test_q4_k_x16_decodes_bit_for_bit(M):
-    """The identity read back through q4_k_x16 (M = 32: the fp32 row path's decoder; 40:
-    wdequant, the prefill path) is q4_k's reference weights exactly."""
-    qt = random_weight("q4_k_x16", 32, 768, seed=M)
+@pytest.mark.parametrize("fmt", X16)
+def test_x16_decodes_bit_for_bit(fmt, M):
+    """The identity read back through an _x16 matrix (M = 32: the fp32 row path's decoder; 40:
+    wdequant, the prefill path) is the base format's reference weights exactly."""
+    qt = random_weight(fmt, 32, 768, seed=M)
     assert torch.equal(_read_back(qt, M), qt.dequantize())

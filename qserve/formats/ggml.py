@@ -150,6 +150,72 @@ def deinterleave_q4_k(qt: QuantizedTensor) -> QuantizedTensor:
     return QuantizedTensor("q4_k", blocks.reshape(n, nb * 144), None, None, qt.in_features)
 
 
+
+# ---- q6_k_x16: Q6_K alike --------------------------------------------------------------------
+# Per group and super-block (X16Q6_ROW_BYTES a row, 2 of them zero padding):
+#   ql[2][2][8][16][4] | qh[2][8][16][4] | sc[16][16] int8 | d[16] fp16 | 32 zero bytes
+# ql[h][e][lg][r][t] = row r's ql[64h + 32e + 4lg + t], qh[h][lg][r][t] = its qh[32h + 4lg + t],
+# sc[s][r] its scale s: bytes moved, nothing recomputed (kernels/cpu_formats.c).
+X16Q6_ROW_BYTES = 212
+
+
+def interleave_q6_k(qt: QuantizedTensor) -> QuantizedTensor:
+    """A q6_k matrix (rows a multiple of 16) -> the same weights as q6_k_x16."""
+    assert qt.format == "q6_k" and qt.shape[0] % X16_ROWS == 0
+    n, nb = qt.shape[0], qt.in_features // 256
+    g = n // X16_ROWS
+    b = qt.qweight.reshape(g, X16_ROWS, nb, 210)
+    ql = b[..., 0:128].reshape(g, X16_ROWS, nb, 2, 2, 8, 4).permute(0, 2, 3, 4, 5, 1, 6)
+    qh = b[..., 128:192].reshape(g, X16_ROWS, nb, 2, 8, 4).permute(0, 2, 3, 4, 1, 5)
+    sc = b[..., 192:208].permute(0, 2, 3, 1)
+    d = b[..., 208:210].permute(0, 2, 1, 3)
+    pad = torch.zeros(g, nb, 32, dtype=torch.uint8)
+    out = torch.cat([ql.reshape(g, nb, 2048), qh.reshape(g, nb, 1024), sc.reshape(g, nb, 256),
+                     d.reshape(g, nb, 32), pad], dim=2)
+    return QuantizedTensor("q6_k_x16", out.reshape(n, nb * X16Q6_ROW_BYTES), None, None,
+                           qt.in_features)
+
+
+def deinterleave_q6_k(qt: QuantizedTensor) -> QuantizedTensor:
+    """q6_k_x16 -> the q6_k matrix it was made from, byte for byte."""
+    n, nb = qt.shape[0], qt.in_features // 256
+    g = n // X16_ROWS
+    x = qt.qweight.reshape(g, nb, X16_ROWS * X16Q6_ROW_BYTES)
+    ql = x[..., 0:2048].reshape(g, nb, 2, 2, 8, X16_ROWS, 4).permute(0, 5, 1, 2, 3, 4, 6)
+    qh = x[..., 2048:3072].reshape(g, nb, 2, 8, X16_ROWS, 4).permute(0, 4, 1, 2, 3, 5)
+    sc = x[..., 3072:3328].reshape(g, nb, 16, X16_ROWS).permute(0, 3, 1, 2)
+    d = x[..., 3328:3360].reshape(g, nb, X16_ROWS, 2).permute(0, 2, 1, 3)
+    blocks = torch.cat([ql.reshape(g, X16_ROWS, nb, 128), qh.reshape(g, X16_ROWS, nb, 64), sc,
+                        d], dim=3)
+    return QuantizedTensor("q6_k", blocks.reshape(n, nb * 210), None, None, qt.in_features)
+
+
+INTERLEAVED = {"q4_k_x16": ("q4_k", X16_ROW_BYTES, interleave_q4_k, deinterleave_q4_k),
+               "q6_k_x16": ("q6_k", X16Q6_ROW_BYTES, interleave_q6_k, deinterleave_q6_k)}
+BY_BASE = {base: name for name, (base, *_) in INTERLEAVED.items()}
+
+
+def interleave(qt: QuantizedTensor) -> QuantizedTensor:
+    """q4_k / q6_k (rows a multiple of X16_ROWS) -> its _x16 layout."""
+    return INTERLEAVED[BY_BASE[qt.format]][2](qt)
+
+
+def deinterleave(qt: QuantizedTensor) -> QuantizedTensor:
+    """An _x16 matrix -> the file's q4_k / q6_k blocks, byte for byte."""
+    return INTERLEAVED[qt.format][3](qt)
+
+
+def interleaved_rows(qt: QuantizedTensor, idx) -> QuantizedTensor:
+    """Rows `idx` (an index tensor or slice) of an _x16 matrix, in its base format: only the
+    groups of 16 that hold them are deinterleaved (a token embedding's lookup)."""
+    ids = torch.arange(qt.shape[0])[idx].reshape(-1)
+    groups = torch.unique(ids // X16_ROWS)
+    rb = qt.qweight.shape[1]
+    picked = qt.qweight.reshape(-1, X16_ROWS * rb)[groups].reshape(-1, rb)
+    base = deinterleave(QuantizedTensor(qt.format, picked, None, None, qt.in_features))
+    pos = torch.searchsorted(groups, ids // X16_ROWS) * X16_ROWS + ids % X16_ROWS
+    return base.rows(pos)
+
 # ---- per-type dequantization (n, block_bytes) uint8 -> (n, block) fp32 ----------------------
 # Each follows gguf-py's fp32 arithmetic step for step (products formed in the same order,
 # integers exact), so the results are bit for bit its own. Layout comments give byte offsets

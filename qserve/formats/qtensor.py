@@ -87,6 +87,8 @@ class QuantizedTensor:
 
     def rows(self, idx) -> "QuantizedTensor":
         """The matrix of output rows `idx` (an index or slice along out)."""
+        if self.fmt.rows is not None:  # interleaved rows: in the base format
+            return self.fmt.rows(self, idx)
         pick = lambda t: None if t is None else t[idx]  # noqa: E731
         return QuantizedTensor(self.format, self.qweight[idx], pick(self.scales),
                                pick(self.offsets), self.in_features)

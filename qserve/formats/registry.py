@@ -14,7 +14,7 @@ import qserve.formats.ggml as ggml
 from qserve.formats.qtensor import QuantizedTensor, unpack_int4
 from qserve.formats.weight_format import (GGML_KIND_BASE, KIND_BF16, KIND_F16, KIND_F32,
                                           KIND_INT4, KIND_INT4Z, KIND_INT8, KIND_Q4_K_X16,
-                                          WeightFormat, register)
+                                          KIND_Q6_K_X16, WeightFormat, register)
 
 
 def _grouped_dequantize(qt: QuantizedTensor) -> torch.Tensor:
@@ -114,23 +114,28 @@ for _name in ggml.IN_PLACE:
 
 
 def _x16_validate(qt: QuantizedTensor) -> str | None:
+    base, row_bytes = ggml.INTERLEAVED[qt.format][:2]
     w = qt.qweight
     if qt.in_features % 256:
-        return f"{qt.in_features} inputs are not a multiple of q4_k's block of 256"
-    want = qt.in_features // 256 * ggml.X16_ROW_BYTES
+        return f"{qt.in_features} inputs are not a multiple of {base}'s block of 256"
+    want = qt.in_features // 256 * row_bytes
     if w.dtype != torch.uint8 or w.dim() != 2 or w.shape[1] != want:
-        return (f"q4_k_x16 rows of {qt.in_features} inputs take {want} bytes, got "
+        return (f"{qt.format} rows of {qt.in_features} inputs take {want} bytes, got "
                 f"{w.dtype} {tuple(w.shape)}")
     if w.shape[0] % ggml.X16_ROWS:
-        return f"q4_k_x16 needs a multiple of {ggml.X16_ROWS} rows, got {w.shape[0]}"
+        return f"{qt.format} needs a multiple of {ggml.X16_ROWS} rows, got {w.shape[0]}"
     return None
 
 
-# Not a file's type: what the CPU kernels run a q4_k matrix as (kernels/cpu_ops.py
+# Not a file's type: how the CPU kernels run a q4_k / q6_k matrix (kernels/cpu_ops.py
 # runtime_layout), never stored.
-register(WeightFormat("q4_k_x16", KIND_Q4_K_X16, 8 * ggml.X16_ROW_BYTES / 256, 256,
-                      lambda qt: ggml.deinterleave_q4_k(qt).dequantize(), _x16_validate,
-                      description="GGML Q4_K blocks, 16 rows interleaved (CPU runtime layout)"))
+for _name, _kind in (("q4_k_x16", KIND_Q4_K_X16), ("q6_k_x16", KIND_Q6_K_X16)):
+    _base, _row_bytes = ggml.INTERLEAVED[_name][:2]
+    register(WeightFormat(_name, _kind, 8 * _row_bytes / 256, 256,
+                          lambda qt: ggml.deinterleave(qt).dequantize(), _x16_validate,
+                          description=f"GGML {_base.upper()} blocks, 16 rows interleaved (the "
+                                      f"CPU's runtime layout)",
+                          rows=ggml.interleaved_rows))
 
 def format_for_ggml(type_name: str) -> str | None:
     """The format a GGUF tensor of GGML type `type_name` (e.g. 'Q4_K') runs in: repacked

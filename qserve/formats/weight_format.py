@@ -10,7 +10,7 @@ import torch
 # C kinds (enum wkind in kernels/cpu_ops.c): dense fp32 is 0; GGML in-place types are
 # GGML_KIND_BASE + their GGML type id.
 KIND_F32, KIND_INT4, KIND_INT8, KIND_F16, KIND_BF16, KIND_INT4Z = 0, 1, 2, 3, 4, 5
-KIND_Q4_K_X16 = 6  # q4_k with 16 rows interleaved: the CPU's runtime layout (ggml.py)
+KIND_Q4_K_X16, KIND_Q6_K_X16 = 6, 7  # q4_k / q6_k, 16 rows interleaved: the CPU's layouts
 GGML_KIND_BASE = 16
 
 
@@ -23,6 +23,9 @@ class WeightFormat:
     dequantize: Callable[[Any], torch.Tensor]  # -> (out, in) fp32 reference
     validate: Callable[[Any], str | None]  # a problem with the tensors, or None
     ggml_type: int | None = None  # the GGML type it holds blocks of, in place
+    # rows(qt, idx) -> QuantizedTensor where a row is not one slice of the tensors (interleaved
+    # layouts); None: QuantizedTensor.rows slices them
+    rows: Callable[[Any, Any], Any] | None = None
     description: str = ""
 
     def __str__(self) -> str:

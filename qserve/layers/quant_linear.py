@@ -83,6 +83,16 @@ class QuantEmbedding(nn.Module):
         for part in _PARTS:
             self.register_buffer(part, getattr(qt, part))  # (vocab, ...) rows
 
+    @classmethod
+    def on_device(cls, qt: QuantizedTensor, dtype: torch.dtype, device: torch.device
+                  ) -> "QuantEmbedding":
+        """A QuantEmbedding on `device`, its table in the layout that device's kernels run the
+        tied output's matmul fastest (QuantLinear.on_device); a lookup reads only the groups
+        of rows it needs (QuantizedTensor.rows)."""
+        if device.type == "cpu":
+            qt = cpu_ops.runtime_layout(qt)
+        return cls(qt, dtype).to(device)
+
     @property
     def table(self) -> QuantizedTensor:
         return QuantizedTensor(self.format, self.qweight, self.scales, self.offsets,

@@ -394,7 +394,7 @@ class CausalLM(nn.Module):
                 raise ModelLoadError(f"weight {self.hf_name(dst)} ({packed.format}): "
                                      f"{packed.validate() or f'shape {packed.shape}'}")
             owner, _, attr = dst.rpartition(".")
-            setattr(self.get_submodule(owner), attr, QuantEmbedding(packed, dtype).to(device))
+            setattr(self.get_submodule(owner), attr, QuantEmbedding.on_device(packed, dtype, device))
             seen.add(dst + ".weight")
 
         for name, module in list(self.named_modules()):  # modules are replaced as they load
