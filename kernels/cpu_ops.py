@@ -387,11 +387,26 @@ def runtime_layout(qt: QuantizedTensor) -> QuantizedTensor:
     becomes q4_k_x16 / q6_k_x16 (16 rows interleaved, ggml.interleave: the same bytes, so the
     same weights) where the kernels are the 512-bit ones; anything else is returned as it is.
     QSERVE_CPU_REPACK=0 keeps the file's layout (for comparisons)."""
-    if (qt.format not in ggml.BY_BASE or qt.shape[0] % ggml.X16_ROWS
-            or kernel_isa() != "avx512-vnni" or os.environ.get("QSERVE_CPU_REPACK", "1") == "0"
-            or qt.qweight.device.type != "cpu"):
+    if qt.qweight.device.type != "cpu" or runtime_format(qt.format, qt.shape) == qt.format:
         return qt
     return ggml.interleave(qt)
+
+
+def runtime_format(fmt: str, shape: tuple[int, ...]) -> str:
+    """The format runtime_layout runs a `fmt` matrix of this shape (out, in) in."""
+    if (fmt not in ggml.BY_BASE or len(shape) != 2 or shape[0] % ggml.X16_ROWS
+            or kernel_isa() != "avx512-vnni" or os.environ.get("QSERVE_CPU_REPACK", "1") == "0"):
+        return fmt
+    return ggml.BY_BASE[fmt]
+
+
+def runtime_bytes(fmt: str, nbytes: int, shape: tuple[int, ...]) -> tuple[str, int]:
+    """(format, resident bytes) of a `fmt` matrix of `nbytes` once runtime_layout has run."""
+    run = runtime_format(fmt, shape)
+    if run == fmt:
+        return fmt, nbytes
+    blocks = shape[0] * (shape[1] // 256)
+    return run, blocks * ggml.INTERLEAVED[run][1]
 
 
 _local = threading.local()

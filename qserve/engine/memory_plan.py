@@ -106,8 +106,13 @@ def plan_memory(path: Path, arch: ModelArchConfig, config: EngineConfig, *,
 
     native, sched = config.weights == "native", config.scheduler
     tensors = list(resident_tensors(path, arch, dtype, native))
-    formats = _by_format(tensors)
     cpu = device.type == "cpu"
+    if cpu:  # q4_k / q6_k as the CPU kernels lay them out (cpu_ops.runtime_layout)
+        from qserve.kernels import cpu_ops
+
+        tensors = [(name, *cpu_ops.runtime_bytes(fmt, nbytes, shape), shape)
+                   for name, fmt, nbytes, shape in tensors]
+    formats = _by_format(tensors)
     tokens = min(sched.max_num_batched_tokens, max_model_len)
     swaps = sched.preemption_mode == "swap" or config.cache.kv_offload != "off"
     spec = config.speculative  # verifying K drafts takes logits at K + 1 positions a sequence

@@ -101,6 +101,7 @@ def repack(name: str, rows: torch.Tensor, in_features: int) -> QuantizedTensor:
 # bytes exactly and the weights are q4_k's bit for bit. kernels/cpu_formats.c reads the layout.
 X16_ROWS = 16
 X16_ROW_BYTES = 148  # per row and super-block: 144 + 4 for the unpacked scales
+X16_CHUNK = 64 * X16_ROWS  # rows interleaved at a time
 
 
 def _pack_scale_min(sc: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
@@ -111,12 +112,28 @@ def _pack_scale_min(sc: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
     return torch.cat([a, m, lo], dim=1)
 
 
+def _by_groups(qt: QuantizedTensor, name: str, row_bytes: int, one) -> QuantizedTensor:
+    """qt's rows interleaved as `name`, `one` (input rows -> output rows) applied to
+    X16_CHUNK rows at a time, written into one output: a large table (a vocabulary's
+    embedding) never has more than a chunk's temporaries beside its two copies."""
+    n, nb = qt.shape[0], qt.in_features // 256
+    out = torch.empty(n, nb * row_bytes, dtype=torch.uint8)
+    for r in range(0, n, X16_CHUNK):
+        out[r:r + X16_CHUNK] = one(qt.qweight[r:r + X16_CHUNK], nb)
+    return QuantizedTensor(name, out, None, None, qt.in_features)
+
+
+
 def interleave_q4_k(qt: QuantizedTensor) -> QuantizedTensor:
     """A q4_k matrix (rows a multiple of 16) -> the same weights as q4_k_x16."""
     assert qt.format == "q4_k" and qt.shape[0] % X16_ROWS == 0
-    n, nb = qt.shape[0], qt.in_features // 256
+    return _by_groups(qt, "q4_k_x16", X16_ROW_BYTES, _interleave_q4_k)
+
+
+def _interleave_q4_k(rows: torch.Tensor, nb: int) -> torch.Tensor:
+    n = rows.shape[0]
     g = n // X16_ROWS
-    b = qt.qweight.reshape(g, X16_ROWS, nb, 144)
+    b = rows.reshape(g, X16_ROWS, nb, 144)
     sc, mn = _k_scale_min(b[..., 4:16].reshape(-1, 12))
 
     def by_row(t: torch.Tensor, width: int) -> torch.Tensor:  # (g, r, nb, w) -> (g, nb, w, r)
@@ -127,8 +144,7 @@ def interleave_q4_k(qt: QuantizedTensor) -> QuantizedTensor:
     qs = b[..., 16:].reshape(g, X16_ROWS, nb, 4, 8, 4).permute(0, 2, 3, 4, 1, 5)
     out = torch.cat([d, dmin, by_row(sc, 8).reshape(g, nb, 128),
                      by_row(mn, 8).reshape(g, nb, 128), qs.reshape(g, nb, 2048)], dim=2)
-    return QuantizedTensor("q4_k_x16", out.reshape(n, nb * X16_ROW_BYTES), None, None,
-                           qt.in_features)
+    return out.reshape(n, nb * X16_ROW_BYTES)
 
 
 def deinterleave_q4_k(qt: QuantizedTensor) -> QuantizedTensor:
@@ -162,9 +178,13 @@ X16Q6_ROW_BYTES = 212
 def interleave_q6_k(qt: QuantizedTensor) -> QuantizedTensor:
     """A q6_k matrix (rows a multiple of 16) -> the same weights as q6_k_x16."""
     assert qt.format == "q6_k" and qt.shape[0] % X16_ROWS == 0
-    n, nb = qt.shape[0], qt.in_features // 256
+    return _by_groups(qt, "q6_k_x16", X16Q6_ROW_BYTES, _interleave_q6_k)
+
+
+def _interleave_q6_k(rows: torch.Tensor, nb: int) -> torch.Tensor:
+    n = rows.shape[0]
     g = n // X16_ROWS
-    b = qt.qweight.reshape(g, X16_ROWS, nb, 210)
+    b = rows.reshape(g, X16_ROWS, nb, 210)
     ql = b[..., 0:128].reshape(g, X16_ROWS, nb, 2, 2, 8, 4).permute(0, 2, 3, 4, 5, 1, 6)
     qh = b[..., 128:192].reshape(g, X16_ROWS, nb, 2, 8, 4).permute(0, 2, 3, 4, 1, 5)
     sc = b[..., 192:208].permute(0, 2, 3, 1)
@@ -172,8 +192,7 @@ def interleave_q6_k(qt: QuantizedTensor) -> QuantizedTensor:
     pad = torch.zeros(g, nb, 32, dtype=torch.uint8)
     out = torch.cat([ql.reshape(g, nb, 2048), qh.reshape(g, nb, 1024), sc.reshape(g, nb, 256),
                      d.reshape(g, nb, 32), pad], dim=2)
-    return QuantizedTensor("q6_k_x16", out.reshape(n, nb * X16Q6_ROW_BYTES), None, None,
-                           qt.in_features)
+    return out.reshape(n, nb * X16Q6_ROW_BYTES)
 
 
 def deinterleave_q6_k(qt: QuantizedTensor) -> QuantizedTensor:
