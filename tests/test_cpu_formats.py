@@ -532,7 +532,7 @@ def test_x16_int8_gemm(fmt, M, gemm_prefill):
 @pytest.mark.skipif(not VNNI, reason="the _x16 layouts run on the AVX-512 VNNI kernels")
 @pytest.mark.parametrize("M", [32, 40])
 @pytest.mark.parametrize("fmt", X16)
-def test_x16_decodes_bit_for_bit(fmt, M):
+def test_x16_reads_back_the_reference_weights(fmt, M):
     """The identity read back through an _x16 matrix (M = 32: the fp32 row path's decoder; 40:
     wdequant, the prefill path) is the base format's reference weights exactly."""
     qt = random_weight(fmt, 32, 768, seed=M)
