@@ -123,7 +123,6 @@ def _by_groups(qt: QuantizedTensor, name: str, row_bytes: int, one) -> Quantized
     return QuantizedTensor(name, out, None, None, qt.in_features)
 
 
-
 def interleave_q4_k(qt: QuantizedTensor) -> QuantizedTensor:
     """A q4_k matrix (rows a multiple of 16) -> the same weights as q4_k_x16."""
     assert qt.format == "q4_k" and qt.shape[0] % X16_ROWS == 0
