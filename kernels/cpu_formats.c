@@ -833,7 +833,8 @@ static void ggml_matmul(const ggml_type *t, const wdesc *W, const float *x, int6
 #else
     i8 = 0;
 #endif
-#pragma omp parallel for num_threads(nthreads) schedule(dynamic, row_item(W->row_bytes))
+    const int64_t item = run_item(W->N, W->row_bytes, nthreads);
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, item)
     for (int64_t n = 0; n < W->N; n++) {
         const uint8_t *row = (const uint8_t *)W->w + n * W->row_bytes;
         const int64_t tile = i8 ? MTI : MT;
@@ -1131,10 +1132,8 @@ static void x16_matmul(const wdesc *W, const float *x, int64_t M, int64_t ldx, f
         return;
     }
     qacts a = quantize_activations(x, M, W->K, ldx, W->K, ACT_PLAIN, q6, nthreads);
-    /* Runs of consecutive groups, 4 a thread: each a stream the prefetches run ahead in (runs
-     * of ~32 KB handed out in turn read ~1.5x slower), and still taken as threads ask, so a
-     * thread slowed by another process takes fewer */
-    const int64_t run = (groups + 4 * nthreads - 1) / (4 * nthreads);
+    /* runs of consecutive groups, 4 a thread, as run_item hands out rows */
+    const int64_t run = (groups + 4 * nthreads - 1) / (4 * (int64_t)nthreads);
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, run)
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *grp = (const uint8_t *)W->w + g * X16 * W->row_bytes;
