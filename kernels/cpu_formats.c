@@ -1070,10 +1070,13 @@ x16_rows_z(const uint8_t *grp, int64_t nb, const qacts *a, int64_t m0, int64_t K
                         _mm_loadu_si128((const __m128i *)(sb + 192 + 16 * j)))));
                     for (int i = 0; i < mt; i++) {
                         const float dx = a->d[c * a->Mp + m0 + i], ds = a->dsum[c * a->Mp + m0 + i];
-                        __m512 *fs = &f[(2 * u) % na][i], *fo = &f[(2 * u + 1) % na][i];
-                        *fs = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[pp][u][i]),
-                                              _mm512_mul_ps(s, _mm512_set1_ps(dx)), *fs);
-                        *fo = _mm512_fnmadd_ps(o, _mm512_set1_ps(ds), *fo);
+                        /* both terms into one accumulator: the min term cancels much of the
+                         * scale term, and two separate sums would each grow to the size of
+                         * the terms, their rounding with them */
+                        __m512 *fj = &f[j % na][i];
+                        *fj = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[pp][u][i]),
+                                              _mm512_mul_ps(s, _mm512_set1_ps(dx)), *fj);
+                        *fj = _mm512_fnmadd_ps(o, _mm512_set1_ps(ds), *fj);
                     }
                 }
         }
@@ -1366,6 +1369,170 @@ static void x16q6_pack_tile(const wdesc *W, int64_t n0, int64_t c0, int64_t cn, 
                 _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sb + X16Q6_SC + 16 * s))))));
             _mm512_store_ps(ow + hx * X16, _mm512_setzero_ps());
         }
+    }
+}
+
+/* ---- int4_x16: qserve's int4 with 16 rows interleaved, alike ----------------------------------
+ * qweight, Kp / 2 bytes a row as for int4: group g's chunk c (32 inputs) is 4 vectors of 64 bytes,
+ * [lg][r][t] = row r's codes of inputs 32c + 4 lg + t (low nibble) and 32c + 16 + 4 lg + t
+ * (high); scales and offsets fp16, [G][16] per group of rows (qserve/formats/interleaved.py).
+ * w = q s + o (asymmetric), (q - 8) s (symmetric), as int4. */
+static inline __attribute__((always_inline)) void
+x16i4_rows_z(const wdesc *W, int64_t g, const qacts *a, int64_t m0, const int mt, float *res)
+{
+    const int64_t Kp = W->Kp, nchunk = Kp / CHUNK, G = Kp / W->group_size;
+    const int64_t cpg = W->group_size / CHUNK;
+    const uint8_t *grp = (const uint8_t *)W->w + g * X16 * (Kp / 2);
+    const half *sc = W->scales + g * X16 * G, *of = W->offsets ? W->offsets + g * X16 * G : NULL;
+    const int nc = mt == 1 ? 4 : mt <= 3 ? 2 : 1; /* chunks at once: 2 nc vpdpbusd chains a row */
+    const __m512i m4 = _mm512_set1_epi8(15);
+    __m512 f[4][MTI];
+    for (int k = 0; k < 4; k++)
+        for (int i = 0; i < mt; i++)
+            f[k][i] = _mm512_setzero_ps();
+    for (int64_t c0 = 0; c0 < nchunk; c0 += nc) {
+        __m512i lo[4][MTI], hi[4][MTI];
+        for (int cc = 0; cc < nc; cc++) {
+            const int64_t c = c0 + cc;
+            if (c >= nchunk)
+                break;
+            const uint8_t *wc = grp + c * 4 * 64;
+            for (int o = 0; o < 4 * 64; o += 64)
+                _mm_prefetch((const char *)(wc + X16_PF + o), _MM_HINT_T0);
+            for (int i = 0; i < mt; i++)
+                lo[cc][i] = hi[cc][i] = _mm512_setzero_si512();
+            for (int lg = 0; lg < 4; lg++) {
+                const __m512i q = _mm512_loadu_si512(wc + 64 * lg);
+                const __m512i wl = _mm512_and_si512(q, m4);
+                const __m512i wh = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
+                for (int i = 0; i < mt; i++) {
+                    const int8_t *xq = a->q + (m0 + i) * Kp + c * CHUNK + 4 * lg;
+                    int32_t x0, x1;
+                    memcpy(&x0, xq, 4);
+                    memcpy(&x1, xq + 16, 4);
+                    lo[cc][i] = _mm512_dpbusd_epi32(lo[cc][i], wl, _mm512_set1_epi32(x0));
+                    hi[cc][i] = _mm512_dpbusd_epi32(hi[cc][i], wh, _mm512_set1_epi32(x1));
+                }
+            }
+        }
+        for (int cc = 0; cc < nc; cc++) {
+            const int64_t c = c0 + cc;
+            if (c >= nchunk)
+                break;
+            const int64_t gi = c / cpg;
+            const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + X16 * gi)));
+            const __m512 o = of ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(of + X16 * gi)))
+                                : _mm512_mul_ps(s, _mm512_set1_ps(-8.f));
+            const int k = (int)(c & 3); /* both terms in one accumulator, as x16_rows_z */
+            for (int i = 0; i < mt; i++) {
+                const float dx = a->d[c * a->Mp + m0 + i], ds = a->dsum[c * a->Mp + m0 + i];
+                f[k][i] = _mm512_fmadd_ps(
+                    _mm512_cvtepi32_ps(_mm512_add_epi32(lo[cc][i], hi[cc][i])),
+                    _mm512_mul_ps(s, _mm512_set1_ps(dx)), f[k][i]);
+                f[k][i] = _mm512_fmadd_ps(o, _mm512_set1_ps(ds), f[k][i]);
+            }
+        }
+    }
+    for (int i = 0; i < mt; i++)
+        _mm512_storeu_ps(res + X16 * i, _mm512_add_ps(_mm512_add_ps(f[0][i], f[1][i]),
+                                                      _mm512_add_ps(f[2][i], f[3][i])));
+}
+
+static void x16i4_rows(const wdesc *W, int64_t g, const qacts *a, int64_t m0, int mt, float *res)
+{
+#define CALL(k) x16i4_rows_z(W, g, a, m0, k, res)
+    FOR_EACH_MTI(mt, CALL);
+#undef CALL
+}
+
+/* Row n of an int4_x16 W, its first K inputs: q s + o, as q4_dequant_row (q s is exact in
+ * fp32, so one rounding either way) */
+static void x16i4_dequant_row(const wdesc *W, int64_t n, float *out)
+{
+    const int64_t Kp = W->Kp, G = Kp / W->group_size, cpg = W->group_size / CHUNK;
+    const int64_t g = n / X16, r = n % X16;
+    const uint8_t *grp = (const uint8_t *)W->w + g * X16 * (Kp / 2);
+    const half *sc = W->scales + g * X16 * G, *of = W->offsets ? W->offsets + g * X16 * G : NULL;
+    const __m128i idx = _mm_setr_epi32(0, 64, 128, 192), m4 = _mm_set1_epi8(15);
+    for (int64_t c = 0; c * CHUNK < W->K; c++) {
+        const int64_t gi = c / cpg;
+        const float sv = (float)sc[X16 * gi + r];
+        const float ov = of ? (float)of[X16 * gi + r] : -8.f * sv;
+        const __m128i v = _mm_i32gather_epi32((const int *)(grp + c * 256 + 4 * r), idx, 1);
+        const __m128i parts[2] = {_mm_and_si128(v, m4), _mm_and_si128(_mm_srli_epi16(v, 4), m4)};
+        for (int h = 0; h < 2; h++) {
+            const int64_t k0 = c * CHUNK + 16 * h;
+            if (k0 >= W->K)
+                break;
+            const int64_t left = W->K - k0;
+            const __mmask16 keep = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1);
+            const __m512 y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(parts[h])),
+                                             _mm512_set1_ps(sv), _mm512_set1_ps(ov));
+            _mm512_mask_storeu_ps(out + k0, keep, y);
+        }
+    }
+}
+
+/* y = x W^T (+ bias) for an int4_x16 W (as x16_matmul) */
+static void x16i4_matmul(const wdesc *W, const float *x, int64_t M, int64_t ldx, float *y,
+                         int64_t ldy, int i8, int nthreads)
+{
+    const int64_t groups = W->N / X16;
+    if (!i8) {
+#pragma omp parallel num_threads(nthreads)
+        {
+            float *w = aligned_alloc(64, sizeof(float) * (size_t)((W->K + 15) / 16 * 16));
+#pragma omp for schedule(dynamic, X16)
+            for (int64_t n = 0; n < W->N; n++) {
+                x16i4_dequant_row(W, n, w);
+                for (int64_t m = 0; m < M; m++)
+                    y[m * ldy + n] = dot(w, x + m * ldx, (int)W->K) + (W->bias ? W->bias[n] : 0.f);
+            }
+            free(w);
+        }
+        return;
+    }
+    qacts a = quantize_activations(x, M, W->K, ldx, W->Kp, ACT_PLAIN, 0, nthreads);
+    const int64_t run = (groups + 4 * nthreads - 1) / (4 * (int64_t)nthreads);
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, run)
+    for (int64_t g = 0; g < groups; g++) {
+        const __m512 bias = W->bias ? _mm512_loadu_ps(W->bias + X16 * g) : _mm512_setzero_ps();
+        for (int64_t m0 = 0; m0 < M; m0 += MTI) {
+            float res[MTI * X16] __attribute__((aligned(64)));
+            const int mt = M - m0 < MTI ? (int)(M - m0) : MTI;
+            x16i4_rows(W, g, &a, m0, mt, res);
+            for (int i = 0; i < mt; i++)
+                _mm512_storeu_ps(y + (m0 + i) * ldy + X16 * g,
+                                 _mm512_add_ps(_mm512_load_ps(res + X16 * i), bias));
+        }
+    }
+    free_activations(a);
+}
+
+/* The int8 GEMM's tile of int4_x16 rows n0 .. n0 + 15, chunks c0 .. c0 + cn: each 64-byte
+ * vector's low nibbles are tile vector lg of its chunk, its high nibbles vector 4 + lg. */
+static void x16i4_pack_tile(const wdesc *W, int64_t n0, int64_t c0, int64_t cn, uint8_t *tile,
+                            float *sw, float *ow)
+{
+    const int64_t Kp = W->Kp, G = Kp / W->group_size, cpg = W->group_size / CHUNK;
+    const uint8_t *grp = (const uint8_t *)W->w + n0 * (Kp / 2);
+    const half *sc = W->scales + n0 * G, *of = W->offsets ? W->offsets + n0 * G : NULL;
+    const __m512i m4 = _mm512_set1_epi8(15);
+    for (int64_t c = c0; c < c0 + cn; c++) {
+        uint8_t *t = tile + (c - c0) * 8 * 64;
+        for (int lg = 0; lg < 4; lg++) {
+            const __m512i q = _mm512_loadu_si512(grp + (c * 4 + lg) * 64);
+            _mm512_store_si512(t + 64 * lg, _mm512_and_si512(q, m4));
+            _mm512_store_si512(t + 64 * (4 + lg), _mm512_and_si512(_mm512_srli_epi16(q, 4), m4));
+        }
+        const int64_t gi = c / cpg, h = 2 * (c - c0);
+        const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + X16 * gi)));
+        const __m512 o = of ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(of + X16 * gi)))
+                            : _mm512_setzero_ps(); /* symmetric: the zero point 8 (traits) */
+        _mm512_store_ps(sw + h * X16, s);
+        _mm512_store_ps(sw + (h + 1) * X16, s);
+        _mm512_store_ps(ow + h * X16, o);
+        _mm512_store_ps(ow + (h + 1) * X16, o);
     }
 }
 #endif /* HAVE_ZMM_PATH */

@@ -42,7 +42,7 @@ typedef _Float16 half;
 /* Weight kinds: qserve/formats/registry.py KIND_* and GGML_KIND_BASE + the GGML type id. */
 enum {
     KIND_F32 = 0, KIND_INT4 = 1, KIND_INT8 = 2, KIND_F16 = 3, KIND_BF16 = 4, KIND_INT4Z = 5,
-    KIND_Q4_K_X16 = 6, KIND_Q6_K_X16 = 7, /* q4_k / q6_k, 16 rows interleaved
+    KIND_Q4_K_X16 = 6, KIND_Q6_K_X16 = 7, KIND_INT4_X16 = 8, /* 16 rows interleaved
                                            * (kernels/cpu_formats.c; AVX-512 VNNI) */
     KIND_Q5_0 = 16 + 6, KIND_Q5_1 = 16 + 7, KIND_Q2_K = 16 + 10, KIND_Q3_K = 16 + 11,
     KIND_Q4_K = 16 + 12, KIND_Q5_K = 16 + 13, KIND_Q6_K = 16 + 14,
@@ -1570,6 +1570,9 @@ int wmatmul(const wdesc *W, const float *x, int64_t M, int64_t ldx, float *y, in
     case KIND_Q6_K_X16:
         x16_matmul(W, x, M, ldx, y, ldy, i8, nthreads);
         return 0;
+    case KIND_INT4_X16:
+        x16i4_matmul(W, x, M, ldx, y, ldy, i8, nthreads);
+        return 0;
 #endif
     default: {
         const ggml_type *t = ggml_type_of(W->kind);
@@ -1605,6 +1608,9 @@ static int dequant_row(const wdesc *W, int64_t n, float *out)
     case KIND_Q4_K_X16:
     case KIND_Q6_K_X16:
         x16_any_dequant_row(W, n, out);
+        return 0;
+    case KIND_INT4_X16:
+        x16i4_dequant_row(W, n, out);
         return 0;
 #endif
     default: {
@@ -1722,6 +1728,9 @@ static int gemm_traits_of(const wdesc *W, gemm_traits *t)
         return 0;
     case KIND_Q6_K_X16: /* q6_k's */
         *t = (gemm_traits){32, 2, 0};
+        return 0;
+    case KIND_INT4_X16: /* int4's */
+        *t = W->offsets ? (gemm_traits){0, 1, 1} : (gemm_traits){8, 1, 0};
         return 0;
     default: {
         const ggml_type *g = ggml_type_of(W->kind);
@@ -1938,6 +1947,10 @@ static void gemm_pack_tile(const wdesc *W, int64_t n0, int64_t c0, int64_t cn, u
         x16q6_pack_tile(W, n0, c0, cn, tile, sw, ow);
         return;
     }
+    if (W->kind == KIND_INT4_X16) {
+        x16i4_pack_tile(W, n0, c0, cn, tile, sw, ow);
+        return;
+    }
     const int64_t Kb = cn * CHUNK, nh = Kb / 16;
     for (int r = 0; r < GT; r++) {
         if (n0 + r < W->N)
@@ -2075,6 +2088,10 @@ int gemm_min_rows(const wdesc *W)
         return gemm_rows_forced;
     if (is_int4(W))
         return 20;
+    if (W->kind == KIND_INT4_X16) /* its row kernel beats the GEMM at every decode size: 0.48 /
+                                   * 1.23 / 1.43 ms against 0.94 / 1.37 / 1.58 at 8 / 24 / 32
+                                   * rows (8192 x 2048, Zen 5, 2 threads); prefill keeps it */
+        return 33;                /* above cpu_ops.py FUSED_MAX_ROWS: never at decode */
     if (W->kind == KIND_INT8)
         return 16;
     if (W->kind == KIND_Q4_K_X16) /* its row kernel holds up: 0.19 / 0.42 / 1.19 ms against the
@@ -2118,7 +2135,7 @@ int kernel_isa(void)
 int wkind_known(int64_t kind)
 {
 #ifdef HAVE_ZMM_PATH
-    if (kind == KIND_Q4_K_X16 || kind == KIND_Q6_K_X16)
+    if (kind == KIND_Q4_K_X16 || kind == KIND_Q6_K_X16 || kind == KIND_INT4_X16)
         return 1;
 #endif
     return kind == KIND_F32 || kind == KIND_INT4 || kind == KIND_INT4Z || kind == KIND_INT8 ||

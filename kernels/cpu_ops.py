@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from qserve.formats import QuantizedTensor, ggml
-from qserve.formats.registry import KIND_INT4, KIND_INT4Z, KIND_INT8
+from qserve.formats.registry import KIND_INT4, KIND_INT4_X16, KIND_INT4Z, KIND_INT8
 from qserve.kernels.kv_quant import CODEBOOK, KEY_BITS
 
 log = logging.getLogger("qserve.kernels")
@@ -363,7 +363,7 @@ def _threads() -> int:
 def _desc(qt: QuantizedTensor, bias: torch.Tensor | None = None) -> WDesc:
     """The WDesc of qt (N, K) with this bias (N,); the caller keeps both alive meanwhile."""
     w = qt.qweight
-    grouped = qt.fmt.kind in (KIND_INT4, KIND_INT4Z, KIND_INT8)
+    grouped = qt.fmt.kind in (KIND_INT4, KIND_INT4Z, KIND_INT4_X16, KIND_INT8)
     return WDesc(qt.fmt.kind, _p(w), _p(qt.scales), _p(qt.offsets), _p(bias), w.shape[0],
                  qt.in_features, qt.padded_in, qt.group_size if grouped else qt.fmt.block,
                  w.stride(0) * w.element_size())
@@ -387,7 +387,8 @@ def runtime_layout(qt: QuantizedTensor) -> QuantizedTensor:
     becomes q4_k_x16 / q6_k_x16 (16 rows interleaved, ggml.interleave: the same bytes, so the
     same weights) where the kernels are the 512-bit ones; anything else is returned as it is.
     QSERVE_CPU_REPACK=0 keeps the file's layout (for comparisons)."""
-    if qt.qweight.device.type != "cpu" or runtime_format(qt.format, qt.shape) == qt.format:
+    if (qt.qweight.device.type != "cpu" or runtime_format(qt.format, qt.shape) == qt.format
+            or (qt.format == "int4" and qt.group_size % 32)):
         return qt
     return ggml.interleave(qt)
 
@@ -403,8 +404,8 @@ def runtime_format(fmt: str, shape: tuple[int, ...]) -> str:
 def runtime_bytes(fmt: str, nbytes: int, shape: tuple[int, ...]) -> tuple[str, int]:
     """(format, resident bytes) of a `fmt` matrix of `nbytes` once runtime_layout has run."""
     run = runtime_format(fmt, shape)
-    if run == fmt:
-        return fmt, nbytes
+    if run == fmt or ggml.INTERLEAVED[run][1] is None:  # int4_x16: the same bytes
+        return run, nbytes
     blocks = shape[0] * (shape[1] // 256)
     return run, blocks * ggml.INTERLEAVED[run][1]
 

@@ -40,6 +40,12 @@ def random_weight(fmt: str, N: int, K: int, seed: int = 0, std: float | None = N
     random bytes with fp16 fields 0.01 * randn; `std` rescales those fields (w is linear in
     them) so that the weights have about that standard deviation, for models that must stay
     numerically tame."""
+    if fmt.startswith("int4_x16"):  # int4 g32 asymmetric (Q4_1's repack), or -sym: g64 sym
+        from qserve.quant.schemes import WeightScheme, quantize
+
+        w = torch.randn(N, K, generator=torch.Generator().manual_seed(seed))
+        sym = fmt.endswith("-sym")
+        return ggml.interleave(quantize(w, WeightScheme(4, 64 if sym else 32, sym)))
     if fmt in ggml.INTERLEAVED:  # the CPU's runtime layout of the same q4_k / q6_k matrix
         return ggml.interleave(random_weight(ggml.INTERLEAVED[fmt][0], N, K, seed, std))
     g = torch.Generator().manual_seed(seed)
@@ -346,7 +352,11 @@ def test_matmul_rows_do_not_depend_on_the_batch(fmt, i8):
 
     full = rows(0, M)
     start = cpu_ops.gemm_min_rows(qt) if i8 else 0
-    assert 0 <= start <= M and (start > 0) == (i8 and VNNI and fmt not in DENSE + ["f32"])
+    if fmt == "int4_x16" and i8:  # its row kernel takes every decode size (gemm_min_rows)
+        assert start > M
+        start = 0
+    assert 0 <= start <= M and (start > 0) == (i8 and VNNI and fmt not in DENSE + ["f32",
+                                                                                   "int4_x16"])
     if start:  # the GEMM's range, then the row kernels' below it
         assert torch.equal(rows(M - start, M), full[M - start:])
         few = rows(0, start - 1)
@@ -451,10 +461,10 @@ def test_fp32_activation_path_against_f_linear_on_a_realistic_scale():
 
 # ---- q4_k_x16 / q6_k_x16: 16 rows interleaved, the layouts the 512-bit kernels run them in ----
 X16_GRID = [(16, 256), (48, 768), (784, 512)]
-X16 = list(ggml.INTERLEAVED)  # q4_k_x16 q6_k_x16
+X16 = ["q4_k_x16", "q6_k_x16", "int4_x16", "int4_x16-sym"]  # -sym: int4 g64 symmetric
 
 
-@pytest.mark.parametrize("fmt", X16)
+@pytest.mark.parametrize("fmt", ["q4_k_x16", "q6_k_x16"])
 def test_x16_is_the_same_bytes_and_weights(fmt):
     """interleave moves bytes (q4_k's 6-bit scale packing spelled out); deinterleave gives the
     file's blocks back byte for byte (every bit pattern of random blocks, d / dmin included),
@@ -482,6 +492,36 @@ def test_x16_is_the_same_bytes_and_weights(fmt):
     assert f"take {row_bytes} bytes" in bad.validate()
 
 
+@pytest.mark.parametrize("sym,group_size,N,K", [(True, 32, 16, 77), (False, 32, 48, 256),
+                                                 (True, 64, 32, 520), (False, 128, 784, 300)])
+def test_int4_x16_is_the_same_codes_and_weights(sym, group_size, N, K):
+    """int4 -> int4_x16 -> int4 gives the codes, scales and offsets back exactly (a padded last
+    group included), so the weights are int4's; rows read their groups back."""
+    from qserve.quant.schemes import WeightScheme, quantize
+
+    q = quantize(torch.randn(N, K, generator=torch.Generator().manual_seed(N)),
+                 WeightScheme(4, group_size, sym))
+    x16 = ggml.interleave(q)
+    assert x16.format == "int4_x16" and x16.validate() is None and x16.shape == (N, K)
+    back = ggml.deinterleave(x16)
+    for part in ("qweight", "scales", "offsets"):
+        a, b = getattr(back, part), getattr(q, part)
+        assert (a is None and b is None) or torch.equal(a, b), part
+    w = q.dequantize()
+    assert torch.equal(x16.dequantize(), w)
+    ids = torch.tensor([N - 1, 0, 5])
+    assert torch.equal(x16.rows(ids).dequantize(), w[ids])
+    if VNNI:  # the kernels read it back too, (M = 32: fp32 rows; 40: wdequant)
+        for M in (32, 40):
+            assert torch.equal(_read_back(x16, M), w)
+        x = torch.randn(7, K, generator=torch.Generator().manual_seed(1))
+        _check_int8_gemm(cpu_ops.weight_matmul(x, x16, int8_activations=True).double(), x,
+                         w.double())  # the row kernel, a padded last group: the same bound
+    bad = QuantizedTensor("int4_x16", x16.qweight[:8], x16.scales[:8],
+                          None if x16.offsets is None else x16.offsets[:8], K)
+    assert "multiple of 16 rows" in bad.validate()
+
+
 def test_runtime_layout_picks_x16_only_where_it_runs(monkeypatch):
     """cpu_ops.runtime_layout: q4_k / q6_k with whole groups of 16 rows become their _x16 on a
     512-bit build; 17 rows, other formats, QSERVE_CPU_REPACK=0 and builds without the 512-bit
@@ -496,6 +536,10 @@ def test_runtime_layout_picks_x16_only_where_it_runs(monkeypatch):
         monkeypatch.delenv("QSERVE_CPU_REPACK")
     for other in (random_weight("q4_k", 17, 256), random_weight("q5_k", 32, 256)):
         assert cpu_ops.runtime_layout(other) is other
+    from qserve.quant.schemes import WeightScheme, quantize
+
+    q = quantize(torch.randn(32, 64), WeightScheme(4, 32, True))
+    assert cpu_ops.runtime_layout(q).format == ("int4_x16" if VNNI else "int4")
 
 
 @pytest.mark.skipif(not VNNI, reason="the _x16 layouts run on the AVX-512 VNNI kernels")
@@ -516,8 +560,8 @@ def test_x16_matmul_matches_reference(fmt, N, K, M):
 
 
 @pytest.mark.skipif(not VNNI, reason="the _x16 layouts run on the AVX-512 VNNI kernels")
-@pytest.mark.parametrize("M", [24, 32, 45, 2061])
-@pytest.mark.parametrize("fmt", X16)
+@pytest.mark.parametrize("fmt,M", [(f, m) for f in X16 for m in (24, 32, 45, 2061)
+                                   if m > 32 or not f.startswith("int4")])
 def test_x16_int8_gemm(fmt, M, gemm_prefill):
     """The int8 GEMM on the _x16 layouts (decode batches from gemm_min_rows, prefill, and more
     than one block of inputs and of rows: 2304 inputs, 2061 rows), with a bias: the weights'

@@ -107,10 +107,11 @@ def plan_memory(path: Path, arch: ModelArchConfig, config: EngineConfig, *,
     native, sched = config.weights == "native", config.scheduler
     tensors = list(resident_tensors(path, arch, dtype, native))
     cpu = device.type == "cpu"
-    if cpu:  # q4_k / q6_k as the CPU kernels lay them out (cpu_ops.runtime_layout)
+    if cpu:  # the bytes of the layouts the CPU kernels run (cpu_ops.runtime_layout: q4_k
+        # and q6_k interleaved take a little more); formats are still named as stored
         from qserve.kernels import cpu_ops
 
-        tensors = [(name, *cpu_ops.runtime_bytes(fmt, nbytes, shape), shape)
+        tensors = [(name, fmt, cpu_ops.runtime_bytes(fmt, nbytes, shape)[1], shape)
                    for name, fmt, nbytes, shape in tensors]
     formats = _by_format(tensors)
     tokens = min(sched.max_num_batched_tokens, max_model_len)

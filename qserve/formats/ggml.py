@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from qserve.formats.qtensor import QuantizedTensor, pack_int4
+from qserve.formats.qtensor import QuantizedTensor, pack_int4, unpack_int4
 
 
 @dataclass(frozen=True)
@@ -208,8 +208,47 @@ def deinterleave_q6_k(qt: QuantizedTensor) -> QuantizedTensor:
     return QuantizedTensor("q6_k", blocks.reshape(n, nb * 210), None, None, qt.in_features)
 
 
+# ---- int4_x16: qserve's int4 (a Q4_0 / Q4_1 file's repack) interleaved alike ------------------
+# qweight (out, in_p / 2) as int4's, per group of 16 rows and 32-input chunk c: [lg][r][t] = row
+# r's codes of inputs 32c + 4lg + t (low nibble) and 32c + 16 + 4lg + t (high); scales and
+# offsets (out, G) with each group of 16 rows stored [G][16]. Same bytes count, same codes.
+def interleave_int4(qt: QuantizedTensor) -> QuantizedTensor:
+    """An int4 matrix (rows a multiple of 16, groups a multiple of 32) -> int4_x16."""
+    assert qt.format == "int4" and qt.shape[0] % X16_ROWS == 0 and qt.group_size % 32 == 0
+    n, kp = qt.shape[0], qt.padded_in
+    g, nc = n // X16_ROWS, kp // 32
+    codes = unpack_int4(qt.qweight).reshape(g, X16_ROWS, nc, 2, 4, 4)  # (g, r, c, half, lg, t)
+    packed = (codes[:, :, :, 0] | (codes[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)
+    return QuantizedTensor("int4_x16", packed.reshape(n, kp // 2), _rows_by_group(qt.scales),
+                           _rows_by_group(qt.offsets), qt.in_features)
+
+
+def deinterleave_int4(qt: QuantizedTensor) -> QuantizedTensor:
+    """int4_x16 -> the int4 matrix it was made from."""
+    n, kp = qt.shape[0], qt.padded_in
+    g, nc = n // X16_ROWS, kp // 32
+    b = qt.qweight.reshape(g, nc, 4, X16_ROWS, 4)  # (g, c, lg, r, t)
+    codes = torch.stack([b & 15, b >> 4], dim=2)  # (g, c, half, lg, r, t)
+    codes = codes.permute(0, 4, 1, 2, 3, 5).reshape(n, kp)
+    return QuantizedTensor("int4", pack_int4(codes), _rows_by_group(qt.scales, back=True),
+                           _rows_by_group(qt.offsets, back=True), qt.in_features)
+
+
+def _rows_by_group(t: torch.Tensor | None, back: bool = False) -> torch.Tensor | None:
+    """(out, G) -> the same shape with each group of 16 rows stored [G][16] (back: undone)."""
+    if t is None:
+        return None
+    n, G = t.shape
+    if back:
+        return t.reshape(n // X16_ROWS, G, X16_ROWS).transpose(1, 2).reshape(n, G)
+    return t.reshape(n // X16_ROWS, X16_ROWS, G).transpose(1, 2).reshape(n, G)
+
+
+# name -> (base format, bytes a row and super-block or None where the size is the base's,
+# interleave, deinterleave)
 INTERLEAVED = {"q4_k_x16": ("q4_k", X16_ROW_BYTES, interleave_q4_k, deinterleave_q4_k),
-               "q6_k_x16": ("q6_k", X16Q6_ROW_BYTES, interleave_q6_k, deinterleave_q6_k)}
+               "q6_k_x16": ("q6_k", X16Q6_ROW_BYTES, interleave_q6_k, deinterleave_q6_k),
+               "int4_x16": ("int4", None, interleave_int4, deinterleave_int4)}
 BY_BASE = {base: name for name, (base, *_) in INTERLEAVED.items()}
 
 
@@ -228,9 +267,15 @@ def interleaved_rows(qt: QuantizedTensor, idx) -> QuantizedTensor:
     groups of 16 that hold them are deinterleaved (a token embedding's lookup)."""
     ids = torch.arange(qt.shape[0])[idx].reshape(-1)
     groups = torch.unique(ids // X16_ROWS)
-    rb = qt.qweight.shape[1]
-    picked = qt.qweight.reshape(-1, X16_ROWS * rb)[groups].reshape(-1, rb)
-    base = deinterleave(QuantizedTensor(qt.format, picked, None, None, qt.in_features))
+
+    def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        w = t.shape[1]
+        return t.reshape(-1, X16_ROWS * w)[groups].reshape(-1, w)
+
+    base = deinterleave(QuantizedTensor(qt.format, pick(qt.qweight), pick(qt.scales),
+                                        pick(qt.offsets), qt.in_features))
     pos = torch.searchsorted(groups, ids // X16_ROWS) * X16_ROWS + ids % X16_ROWS
     return base.rows(pos)
 

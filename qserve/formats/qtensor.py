@@ -55,7 +55,7 @@ class QuantizedTensor:
 
     @property
     def padded_in(self) -> int:
-        if self.format in ("int4", "int4z"):
+        if self.format in ("int4", "int4z", "int4_x16"):
             return self.qweight.shape[1] * 2
         if self.format == "int8":
             return self.qweight.shape[1]

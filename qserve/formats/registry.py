@@ -13,8 +13,9 @@ import torch
 import qserve.formats.ggml as ggml
 from qserve.formats.qtensor import QuantizedTensor, unpack_int4
 from qserve.formats.weight_format import (GGML_KIND_BASE, KIND_BF16, KIND_F16, KIND_F32,
-                                          KIND_INT4, KIND_INT4Z, KIND_INT8, KIND_Q4_K_X16,
-                                          KIND_Q6_K_X16, WeightFormat, register)
+                                          KIND_INT4, KIND_INT4Z, KIND_INT4_X16, KIND_INT8,
+                                          KIND_Q4_K_X16, KIND_Q6_K_X16, WeightFormat,
+                                          register)
 
 
 def _grouped_dequantize(qt: QuantizedTensor) -> torch.Tensor:
@@ -129,6 +130,19 @@ def _x16_validate(qt: QuantizedTensor) -> str | None:
 
 # Not a file's type: how the CPU kernels run a q4_k / q6_k matrix (kernels/cpu_ops.py
 # runtime_layout), never stored.
+def _int4_x16_validate(qt: QuantizedTensor) -> str | None:
+    problem = _grouped_validate(qt)
+    if problem is None and qt.qweight.shape[0] % ggml.X16_ROWS:
+        return f"int4_x16 needs a multiple of {ggml.X16_ROWS} rows, got {qt.qweight.shape[0]}"
+    if problem is None and qt.group_size % 32:
+        return f"int4_x16 needs groups of a multiple of 32 inputs, got {qt.group_size}"
+    return problem
+
+
+register(WeightFormat("int4_x16", KIND_INT4_X16, 4, 0,
+                      lambda qt: ggml.deinterleave(qt).dequantize(), _int4_x16_validate,
+                      description="qserve int4, 16 rows interleaved (the CPU's runtime layout)",
+                      rows=ggml.interleaved_rows))
 for _name, _kind in (("q4_k_x16", KIND_Q4_K_X16), ("q6_k_x16", KIND_Q6_K_X16)):
     _base, _row_bytes = ggml.INTERLEAVED[_name][:2]
     register(WeightFormat(_name, _kind, 8 * _row_bytes / 256, 256,

@@ -10,7 +10,8 @@ import torch
 # C kinds (enum wkind in kernels/cpu_ops.c): dense fp32 is 0; GGML in-place types are
 # GGML_KIND_BASE + their GGML type id.
 KIND_F32, KIND_INT4, KIND_INT8, KIND_F16, KIND_BF16, KIND_INT4Z = 0, 1, 2, 3, 4, 5
-KIND_Q4_K_X16, KIND_Q6_K_X16 = 6, 7  # q4_k / q6_k, 16 rows interleaved: the CPU's layouts
+# q4_k / q6_k / int4, 16 rows interleaved: the CPU's layouts
+KIND_Q4_K_X16, KIND_Q6_K_X16, KIND_INT4_X16 = 6, 7, 8
 GGML_KIND_BASE = 16
 
 
