@@ -216,10 +216,14 @@ def interleave_int4(qt: QuantizedTensor) -> QuantizedTensor:
     """An int4 matrix (rows a multiple of 16, groups a multiple of 32) -> int4_x16."""
     assert qt.format == "int4" and qt.shape[0] % X16_ROWS == 0 and qt.group_size % 32 == 0
     n, kp = qt.shape[0], qt.padded_in
-    g, nc = n // X16_ROWS, kp // 32
-    codes = unpack_int4(qt.qweight).reshape(g, X16_ROWS, nc, 2, 4, 4)  # (g, r, c, half, lg, t)
-    packed = (codes[:, :, :, 0] | (codes[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)
-    return QuantizedTensor("int4_x16", packed.reshape(n, kp // 2), _rows_by_group(qt.scales),
+    out = torch.empty(n, kp // 2, dtype=torch.uint8)
+    for r in range(0, n, X16_CHUNK):  # a chunk's temporaries at a time, as _by_groups
+        rows = qt.qweight[r:r + X16_CHUNK]
+        g = rows.shape[0] // X16_ROWS
+        codes = unpack_int4(rows).reshape(g, X16_ROWS, kp // 32, 2, 4, 4)  # (g, r, c, h, lg, t)
+        packed = (codes[:, :, :, 0] | (codes[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)
+        out[r:r + X16_CHUNK] = packed.reshape(-1, kp // 2)
+    return QuantizedTensor("int4_x16", out, _rows_by_group(qt.scales),
                            _rows_by_group(qt.offsets), qt.in_features)
 
 
