@@ -36,7 +36,8 @@ class QuantLinear(nn.Module):
     def on_device(cls, segments: list[QuantizedTensor], bias: torch.Tensor | None,
                   device: torch.device) -> "QuantLinear":
         """A QuantLinear on `device` with its segments in the layout that device's kernels run
-        fastest: on the CPU cpu_ops.runtime_layout (q4_k as q4_k_x16, the same weights)."""
+        fastest: on the CPU cpu_ops.runtime_layout (q4_k, q6_k and int4 with 16 rows
+        interleaved: the same weights)."""
         if device.type == "cpu":
             segments = [cpu_ops.runtime_layout(s) for s in segments]
         return cls(segments, bias).to(device)
