@@ -1100,30 +1100,36 @@ static void x16_rows(const uint8_t *grp, int64_t nb, const qacts *a, int64_t m0,
 static void x16q6_dequant_row(const wdesc *W, int64_t n, float *out);
 static void x16q6_rows(const uint8_t *grp, int64_t nb, const qacts *a, int64_t m0, int64_t K,
                        int mt, float *res);
+static void x16i4_dequant_row(const wdesc *W, int64_t n, float *out);
+static void x16i4_rows(const wdesc *W, int64_t g, const qacts *a, int64_t m0, int mt, float *res);
 #define X16Q6_MT 4 /* q6_k_x16's activation rows a tile: more would spill the accumulators */
 
-/* Row n of a q4_k_x16 / q6_k_x16 W */
+/* Row n of a q4_k_x16 / q6_k_x16 / int4_x16 W */
 static void x16_any_dequant_row(const wdesc *W, int64_t n, float *out)
 {
     if (W->kind == KIND_Q6_K_X16)
         x16q6_dequant_row(W, n, out);
+    else if (W->kind == KIND_INT4_X16)
+        x16i4_dequant_row(W, n, out);
     else
         x16_dequant_row(W, n, out);
 }
 
-/* y = x W^T (+ bias) for a q4_k_x16 / q6_k_x16 W: with int8 activations 16 rows at a time
- * (x16_rows, x16q6_rows); with fp32 ones, each row dequantized (as wdequant) and dotted with
- * every activation row. */
+/* y = x W^T (+ bias) for a q4_k_x16 / q6_k_x16 / int4_x16 W: with int8 activations 16 rows at
+ * a time (x16_rows, x16q6_rows, x16i4_rows); with fp32 ones, each row dequantized (as
+ * wdequant) and dotted with every activation row. */
 static void x16_matmul(const wdesc *W, const float *x, int64_t M, int64_t ldx, float *y,
                        int64_t ldy, int i8, int nthreads)
 {
-    const int q6 = W->kind == KIND_Q6_K_X16, tile = q6 ? X16Q6_MT : MTI;
-    const int64_t nb = W->K / QK_K, groups = W->N / X16;
-    const int64_t item = row_item(X16 * W->row_bytes) / ROW_ITEM; /* groups of ~32 KB */
+    const int q6 = W->kind == KIND_Q6_K_X16, i4 = W->kind == KIND_INT4_X16;
+    const int tile = q6 ? X16Q6_MT : MTI;
+    const int64_t nb = W->K / QK_K, groups = W->N / X16, Kp = i4 ? W->Kp : W->K;
+    const int64_t rb = i4 ? W->Kp / 2 : W->row_bytes; /* int4: row_bytes is not set */
+    const int64_t item = row_item(X16 * rb) / ROW_ITEM; /* groups of ~32 KB */
     if (!i8) {
 #pragma omp parallel num_threads(nthreads)
         {
-            float *w = aligned_alloc(64, sizeof(float) * (size_t)(nb * QK_K));
+            float *w = aligned_alloc(64, sizeof(float) * (size_t)((W->K + 15) / 16 * 16));
 #pragma omp for schedule(dynamic, item * X16)
             for (int64_t n = 0; n < W->N; n++) {
                 x16_any_dequant_row(W, n, w);
@@ -1134,7 +1140,7 @@ static void x16_matmul(const wdesc *W, const float *x, int64_t M, int64_t ldx, f
         }
         return;
     }
-    qacts a = quantize_activations(x, M, W->K, ldx, W->K, ACT_PLAIN, q6, nthreads);
+    qacts a = quantize_activations(x, M, W->K, ldx, Kp, ACT_PLAIN, q6, nthreads);
     /* runs of consecutive groups, 4 a thread, as run_item hands out rows */
     const int64_t run = (groups + 4 * nthreads - 1) / (4 * (int64_t)nthreads);
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, run)
@@ -1146,6 +1152,8 @@ static void x16_matmul(const wdesc *W, const float *x, int64_t M, int64_t ldx, f
             const int mt = M - m0 < tile ? (int)(M - m0) : tile;
             if (q6)
                 x16q6_rows(grp, nb, &a, m0, W->K, mt, res);
+            else if (i4)
+                x16i4_rows(W, g, &a, m0, mt, res);
             else
                 x16_rows(grp, nb, &a, m0, W->K, mt, res);
             for (int i = 0; i < mt; i++)
@@ -1471,42 +1479,6 @@ static void x16i4_dequant_row(const wdesc *W, int64_t n, float *out)
             _mm512_mask_storeu_ps(out + k0, keep, y);
         }
     }
-}
-
-/* y = x W^T (+ bias) for an int4_x16 W (as x16_matmul) */
-static void x16i4_matmul(const wdesc *W, const float *x, int64_t M, int64_t ldx, float *y,
-                         int64_t ldy, int i8, int nthreads)
-{
-    const int64_t groups = W->N / X16;
-    if (!i8) {
-#pragma omp parallel num_threads(nthreads)
-        {
-            float *w = aligned_alloc(64, sizeof(float) * (size_t)((W->K + 15) / 16 * 16));
-#pragma omp for schedule(dynamic, X16)
-            for (int64_t n = 0; n < W->N; n++) {
-                x16i4_dequant_row(W, n, w);
-                for (int64_t m = 0; m < M; m++)
-                    y[m * ldy + n] = dot(w, x + m * ldx, (int)W->K) + (W->bias ? W->bias[n] : 0.f);
-            }
-            free(w);
-        }
-        return;
-    }
-    qacts a = quantize_activations(x, M, W->K, ldx, W->Kp, ACT_PLAIN, 0, nthreads);
-    const int64_t run = (groups + 4 * nthreads - 1) / (4 * (int64_t)nthreads);
-#pragma omp parallel for num_threads(nthreads) schedule(dynamic, run)
-    for (int64_t g = 0; g < groups; g++) {
-        const __m512 bias = W->bias ? _mm512_loadu_ps(W->bias + X16 * g) : _mm512_setzero_ps();
-        for (int64_t m0 = 0; m0 < M; m0 += MTI) {
-            float res[MTI * X16] __attribute__((aligned(64)));
-            const int mt = M - m0 < MTI ? (int)(M - m0) : MTI;
-            x16i4_rows(W, g, &a, m0, mt, res);
-            for (int i = 0; i < mt; i++)
-                _mm512_storeu_ps(y + (m0 + i) * ldy + X16 * g,
-                                 _mm512_add_ps(_mm512_load_ps(res + X16 * i), bias));
-        }
-    }
-    free_activations(a);
 }
 
 /* The int8 GEMM's tile of int4_x16 rows n0 .. n0 + 15, chunks c0 .. c0 + cn: each 64-byte

@@ -1568,10 +1568,8 @@ int wmatmul(const wdesc *W, const float *x, int64_t M, int64_t ldx, float *y, in
 #ifdef HAVE_ZMM_PATH
     case KIND_Q4_K_X16:
     case KIND_Q6_K_X16:
-        x16_matmul(W, x, M, ldx, y, ldy, i8, nthreads);
-        return 0;
     case KIND_INT4_X16:
-        x16i4_matmul(W, x, M, ldx, y, ldy, i8, nthreads);
+        x16_matmul(W, x, M, ldx, y, ldy, i8, nthreads);
         return 0;
 #endif
     default: {
@@ -1607,10 +1605,8 @@ static int dequant_row(const wdesc *W, int64_t n, float *out)
 #ifdef HAVE_ZMM_PATH
     case KIND_Q4_K_X16:
     case KIND_Q6_K_X16:
-        x16_any_dequant_row(W, n, out);
-        return 0;
     case KIND_INT4_X16:
-        x16i4_dequant_row(W, n, out);
+        x16_any_dequant_row(W, n, out);
         return 0;
 #endif
     default: {
