@@ -3,7 +3,7 @@
 
     python scripts/bench_vs_peers.py [--model FILE.gguf] [--repeats 3] [--threads N]
                                      [--input-len 128] [--output-len 128]
-                                     [--only qserve,llama.cpp] [--json [FILE]]
+                                     [--only qserve,llama.cpp] [--json [FILE]] [--isa avx2]
 
 Rows: decode tokens/s at batch 1; prefill tokens/s of one prompt; throughput with 32 concurrent
 requests of 128 prompt + 128 new tokens (32 x 128 generated tokens / wall time, prefill
@@ -27,6 +27,10 @@ wait4; for llama.cpp the larger of llama-bench's and llama-batched-bench's). Lin
 parent's resident memory at fork into a child's peak too, so this process imports neither torch
 nor qserve. Each cell is the median of --repeats runs (llama-bench's per-repetition samples);
 ratio columns are qserve / peer. Below the table each target is checked against these numbers.
+
+--isa avx2 measures both sides as an AVX2-only CPU (a Zen 3) would run them, on a CPU that has
+AVX-512: qserve's kernels built with QSERVE_CPU_ISA=avx2 and llama.cpp's second build,
+QSERVE_PEER_ISA=avx2 (scripts/peer.py: GGML_NATIVE off, AVX2 + FMA + F16C, no AVX-512).
 
 Not quite like for like: llama-bench generates its 128 tokens from an empty context (qserve
 decodes after a 128-token prompt), and llama-batched-bench feeds random tokens instead of
@@ -324,6 +328,8 @@ def main() -> None:
                          f"[default: {','.join(DEFAULT_COLUMNS)}]")
     ap.add_argument("--json", nargs="?", const="-", metavar="FILE",
                     help="also write every run's numbers as JSON to FILE (stdout without one)")
+    ap.add_argument("--isa", choices=("native", "avx2"), default="native",
+                    help="native: each side built for this CPU; avx2: both without AVX-512")
     ap.add_argument("--worker", choices=[n for n in COLUMNS if n != "llama.cpp"],
                     help=argparse.SUPPRESS)  # internal: measure one column in this process
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
@@ -343,6 +349,8 @@ def main() -> None:
         print("llama-cpp-python is not installed: no llama-cpp-python column", file=sys.stderr)
         names.remove("llama-cpp-python")
     gguf = args.model.resolve() if args.model else default_model()
+    if args.isa == "avx2":  # the children (qserve's workers, llama.cpp's binaries) inherit it
+        os.environ |= {"QSERVE_CPU_ISA": "avx2", "QSERVE_PEER_ISA": "avx2"}
 
     runs, about = {}, []
     for name in names:
@@ -355,11 +363,11 @@ def main() -> None:
             about.append(f"torch {child['torch']} ({child['torch_threads']} threads)")
     medians = {n: {k: statistics.median(v) for k, v in r.items()} for n, r in runs.items()}
     print(f"\nmodel: {gguf.name}; {args.threads} threads of {os.cpu_count()} CPUs; "
-          f"{'; '.join(dict.fromkeys(about))}; {args.input_len} prompt + {args.output_len} "
+          f"{'; '.join(dict.fromkeys(about))}; ISA {args.isa}; {args.input_len} prompt + {args.output_len} "
           f"new tokens, median of {args.repeats}\n")
     print(report(args, medians))
     if args.json:
-        dump = json.dumps({"model": str(gguf), "cpu_threads": os.cpu_count(),
+        dump = json.dumps({"model": str(gguf), "cpu_threads": os.cpu_count(), "isa": args.isa,
                            "threads": args.threads, "input_len": args.input_len,
                            "output_len": args.output_len, "concurrent": N_CONCURRENT,
                            "about": about, "runs": runs, "median": medians}, indent=2)

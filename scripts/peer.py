@@ -11,7 +11,9 @@ CPU (GGML_NATIVE), with the targets the benchmarks use; later calls reuse the bu
     binary(name)       e.g. binary("llama-bench") -> .../build/bin/llama-bench
     convert_script()   its convert_hf_to_gguf.py; run it with convert_env() (vendored gguf-py)
 
-$QSERVE_PEER_HOME moves the cache. Without --check the CLI builds what is missing, then lists
+$QSERVE_PEER_HOME moves the cache. QSERVE_PEER_ISA=avx2 (or --isa avx2) builds and uses a second
+copy in build-avx2/, compiled for AVX2 + FMA without AVX-512 (an AVX2-only CPU's llama.cpp on
+a CPU that has AVX-512, to compare with qserve's QSERVE_CPU_ISA=avx2 kernels). Without --check the CLI builds what is missing, then lists
 the binaries; with --check it only lists what is there (exit status 1 if anything is missing).
 """
 from __future__ import annotations
@@ -37,6 +39,31 @@ if platform.machine().lower() in ("x86_64", "amd64"):
     # issue ggml-org/llama.cpp#20824). Without AMX, ggml takes its AVX-512 repacked kernels.
     NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
     CMAKE_FLAGS += [f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"]
+
+
+# QSERVE_PEER_ISA=avx2: what GGML_NATIVE would pick on an AVX2-only x86 CPU (a Zen 2 / Zen 3, a
+# Haswell-to-Alder Lake core), whatever this CPU has
+AVX2_FLAGS = ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
+              "-DGGML_F16C=ON", "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF", "-DGGML_AVX_VNNI=OFF",
+              "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_CURL=OFF",
+              "-DCMAKE_BUILD_TYPE=Release"]
+
+
+def isa() -> str:
+    """The peer build in use: "native" or "avx2" ($QSERVE_PEER_ISA)."""
+    v = os.environ.get("QSERVE_PEER_ISA", "native") or "native"
+    if v not in ("native", "avx2"):
+        raise PeerError(f"QSERVE_PEER_ISA={v!r}: choose native or avx2")
+    return v
+
+
+def _flags() -> list[str]:
+    return AVX2_FLAGS if isa() == "avx2" else CMAKE_FLAGS
+
+
+def build_name() -> str:
+    """The build directory's name inside the source tree."""
+    return "build-avx2" if isa() == "avx2" else "build"
 
 
 class PeerError(RuntimeError):
@@ -74,19 +101,19 @@ def source_dir(download: bool = True) -> Path:
 
 def _stamp(src: Path) -> Path:
     """The configure flags of the build in src/build, written once it succeeded."""
-    return src / "build" / "qserve-cmake-flags.txt"
+    return src / build_name() / "qserve-cmake-flags.txt"
 
 
 def _configured(src: Path) -> bool:
     """Whether src/build was last built, successfully, with CMAKE_FLAGS."""
-    return _stamp(src).exists() and _stamp(src).read_text().split("\n") == CMAKE_FLAGS
+    return _stamp(src).exists() and _stamp(src).read_text().split("\n") == _flags()
 
 
 def _missing(src: Path) -> list[str]:
     """TARGETS still to build: all of them when the build was configured with other flags."""
     if not _configured(src):
         return list(TARGETS)
-    return [t for t in TARGETS if not (src / "build" / "bin" / t).exists()]
+    return [t for t in TARGETS if not (src / build_name() / "bin" / t).exists()]
 
 
 def _check_toolchain() -> None:
@@ -101,17 +128,18 @@ def _check_toolchain() -> None:
 
 
 def _build(src: Path, jobs: int) -> None:
-    """Configure and build TARGETS under src/build, logging to src/build/qserve-build.log; a
-    build configured before with the same flags is only brought up to date."""
+    """Configure and build TARGETS under src/build (build_name()), logging to its
+    qserve-build.log; a build configured before with the same flags is only brought up to
+    date."""
     _check_toolchain()
-    build = src / "build"
+    build = src / build_name()
     build.mkdir(exist_ok=True)
     log = build / "qserve-build.log"
     configured = _configured(src)
     _stamp(src).unlink(missing_ok=True)  # until this build succeeds
-    steps = [["cmake", "--build", "build", f"-j{jobs}", "--target", *TARGETS]]
+    steps = [["cmake", "--build", build.name, f"-j{jobs}", "--target", *TARGETS]]
     if not configured:
-        steps.insert(0, ["cmake", "-B", "build", *CMAKE_FLAGS])
+        steps.insert(0, ["cmake", "-B", build.name, *_flags()])
     print(f"building llama.cpp in {build} with {jobs} jobs (log: {log}; ~25 min on 2 cores)",
           file=sys.stderr)
     with open(log, "a") as out:
@@ -119,11 +147,11 @@ def _build(src: Path, jobs: int) -> None:
             rc = subprocess.run(cmd, cwd=src, stdout=out, stderr=subprocess.STDOUT).returncode
             if rc:
                 raise PeerError(f"`{' '.join(cmd)}` failed with exit status {rc}; see {log}")
-    _stamp(src).write_text("\n".join(CMAKE_FLAGS))
+    _stamp(src).write_text("\n".join(_flags()))
 
 
 def llama_cpp_dir(jobs: int | None = None, build: bool = True) -> Path:
-    """The llama.cpp source tree whose build/bin holds every TARGET, building what is missing
+    """The llama.cpp source tree whose build/bin (build_name()) holds every TARGET, building what is missing
     (under a lock, so two scripts never build at once) unless `build` is False."""
     src = source_dir(download=build)
     if not _missing(src) or not build:
@@ -134,7 +162,7 @@ def llama_cpp_dir(jobs: int | None = None, build: bool = True) -> Path:
             _build(src, jobs or os.cpu_count() or 1)
     if missing := _missing(src):
         raise PeerError(f"the build finished without {', '.join(missing)}; see "
-                        f"{src / 'build' / 'qserve-build.log'}")
+                        f"{src / build_name() / 'qserve-build.log'}")
     return src
 
 
@@ -142,7 +170,7 @@ def binary(name: str) -> Path:
     """The path of llama.cpp's `name` binary (one of TARGETS), built if missing."""
     if name not in TARGETS:
         raise PeerError(f"{name!r} is not built here; choose one of {', '.join(TARGETS)}")
-    return llama_cpp_dir() / "build" / "bin" / name
+    return llama_cpp_dir() / build_name() / "bin" / name
 
 
 def convert_script() -> Path:
@@ -162,18 +190,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true",
                     help="only list what is there; download and build nothing")
+    ap.add_argument("--isa", choices=("native", "avx2"),
+                    help="which build (sets QSERVE_PEER_ISA)  [default: $QSERVE_PEER_ISA or native]")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                     help="parallel compile jobs  [default: all CPUs]")
     args = ap.parse_args()
     if args.jobs < 1:
         ap.error(f"--jobs {args.jobs}: give at least 1")
+    if args.isa:
+        os.environ["QSERVE_PEER_ISA"] = args.isa
     try:
         src = llama_cpp_dir(args.jobs, build=not args.check)
     except PeerError as e:
         sys.exit(f"error: {e}")
     missing = _missing(src)
     for name in TARGETS:
-        path = src / "build" / "bin" / name
+        path = src / build_name() / "bin" / name
         state = "stale (other flags)" if path.exists() else "missing"
         print(f"{name:20} {state if name in missing else path}")
     print(f"{'convert_hf_to_gguf':20} {src / 'convert_hf_to_gguf.py'}")
