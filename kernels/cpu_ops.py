@@ -116,9 +116,9 @@ _SIGNATURES = {  # name: (argtypes, restype)
 # vectorize loops with clamps and rounding in them (the KV writes': ~3x faster).
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fno-trapping-math", "-fopenmp",
           "-shared", "-fPIC", "-std=gnu11"]
-# QSERVE_CPU_ISA=avx2 builds without AVX-512 on a CPU that has it: the kernels an AVX2-only CPU
-# (Zen 3) runs, for tests and comparisons.
-ISA_FLAGS = {"native": [], "avx2": ["-mno-avx512f"]}
+# QSERVE_CPU_ISA=avx2 builds without AVX-512 (and without AVX-VNNI, its 256-bit vpdpbusd) on a
+# CPU that has them: the kernels an AVX2-only CPU (Zen 3) runs, for tests and comparisons.
+ISA_FLAGS = {"native": [], "avx2": ["-mno-avx512f", "-mno-avxvnni"]}
 
 
 def cflags() -> list[str]:
