@@ -2,6 +2,8 @@
 int8 and int4 (keys coded per channel by a codebook, rotated 4-bit values) blocks against
 attention over the dequantized values, block moves, and the byte accounting behind
 `qserve info` (int4 holds >= 3.5x the tokens of fp16)."""
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -315,6 +317,33 @@ def test_copy_and_swap_move_values_and_scales(name):
         b = before[n]
         assert torch.equal(t[:, 4], b[:, 1]) and torch.equal(t[:, 5], b[:, 2])
         assert torch.equal(t[:, 0], b[:, 3])
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
+@pytest.mark.parametrize("name", ["fp32", "int8"])
+def test_cpu_pool_takes_memory_as_blocks_are_written(name):
+    """The CPU pool reads as zeros but becomes resident only where written: a 256-block pool
+    of 65-256 MiB adds little at startup (torch.zeros would write it all), and writing 16 blocks
+    makes about their share resident."""
+    def rss_kib() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
+
+    arch = ModelArchConfig("llama", 10, 1024, 256, 8, 8, 8, 128)
+    before = rss_kib()
+    ce = CacheEngine(arch, CacheConfig(block_size=16), 256, 0, torch.device("cpu"),
+                     KV_STORAGE[name])
+    pool = sum(t.nbytes for t in ce.device_cache.values()) >> 10
+    assert pool > 64 << 10
+    assert rss_kib() - before < pool // 8
+    assert all(not t.any() for t in ce.device_cache.values())  # reads zeros, commits nothing
+    assert rss_kib() - before < pool // 8
+    for t in ce.device_cache.values():
+        t[:, :16] = 1
+    grown = rss_kib() - before
+    assert pool // 16 * 0.9 < grown < pool // 16 + pool // 8
+    assert all(int(t[:, 16:].count_nonzero()) == 0 and bool((t[:, :16] == 1).all())
+               for t in ce.device_cache.values())
 
 
 # ---- byte accounting -------------------------------------------------------------------------

@@ -26,6 +26,7 @@ before layer i, so moving layer 5 overlaps computing layer 4.
 from __future__ import annotations
 
 import math
+import mmap
 
 import queue
 import threading
@@ -172,6 +173,22 @@ def _run_on_cpu(job: list[RowCopy]) -> None:
             dst[di] = src[si]
 
 
+def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype,
+                device: torch.device) -> torch.Tensor:
+    """A zeroed tensor for the KV pool. On the CPU it lies on fresh anonymous pages, which read
+    as zeros and become resident only as they are first written: the pool takes memory as
+    sequences fill it, not all at startup (torch.zeros writes every page). The memory plan
+    still reserves the whole pool, so a full pool fits as before."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if device.type != "cpu" or nbytes == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    # private: a read maps the kernel's zero page (a shared mapping's read allocates, and a
+    # forked child would share the pool). The tensor holds the mapping; it is unmapped when the
+    # last view of the pool goes.
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(pages, dtype=torch.uint8).view(dtype).view(shape)
+
+
 class CacheEngine:
     def __init__(self, arch: ModelArchConfig, cache: CacheConfig, num_blocks: int,
                  num_host_blocks: int, device: torch.device, dtype: torch.dtype,
@@ -186,7 +203,7 @@ class CacheEngine:
         # zeros, not empty: the decode path reads whole blocks (masked past each sequence's
         # end), and garbage there could dequantize to inf/NaN, which a zero probability times V
         # does not undo. Host blocks are only ever read after a swap-out wrote them.
-        self.device_cache = {name: torch.zeros((L, num_blocks, *shape), dtype=dt, device=device)
+        self.device_cache = {name: zeroed_pool((L, num_blocks, *shape), dt, device)
                              for name, (shape, dt) in specs.items()}
         pin = device.type == "cuda"
         self.host_cache = {name: torch.empty((L, num_host_blocks, *shape), dtype=dt,
