@@ -747,19 +747,20 @@ typedef struct {
     int z;      /* the codes' zero point */
     int halves; /* 2: a scale per 16 inputs; 1: per 32 (equal halves) */
     int asym;   /* whether o is ever nonzero */
+    int umax;   /* the largest code */
 #ifdef HAVE_I8_PATH
     rows_i8_fn rows_i8; /* one weight row against up to MTI int8 activation rows */
 #endif
 } ggml_type;
 
 static const ggml_type GGML_TYPES[] = {
-    {KIND_Q5_0, 32, 22, 0, deq_q5_0, codes_q5_0, 16, 1, 0 I8(q5_0_rows_i8)},
-    {KIND_Q5_1, 32, 24, 0, deq_q5_1, codes_q5_1, 0, 1, 1 I8(q5_1_rows_i8)},
-    {KIND_Q2_K, QK_K, 84, 1, deq_q2_k, codes_q2_k, 0, 2, 1 I8(q2_k_rows_i8)},
-    {KIND_Q3_K, QK_K, 110, 0, deq_q3_k, codes_q3_k, 4, 2, 0 I8(q3_k_rows_i8)},
-    {KIND_Q4_K, QK_K, 144, 0, deq_q4_k, codes_q4_k, 0, 1, 1 I8(q4_k_rows_i8)},
-    {KIND_Q5_K, QK_K, 176, 0, deq_q5_k, codes_q5_k, 0, 1, 1 I8(q5_k_rows_i8)},
-    {KIND_Q6_K, QK_K, 210, 0, deq_q6_k, codes_q6_k, 32, 2, 0 I8(q6_k_rows_i8)},
+    {KIND_Q5_0, 32, 22, 0, deq_q5_0, codes_q5_0, 16, 1, 0, 31 I8(q5_0_rows_i8)},
+    {KIND_Q5_1, 32, 24, 0, deq_q5_1, codes_q5_1, 0, 1, 1, 31 I8(q5_1_rows_i8)},
+    {KIND_Q2_K, QK_K, 84, 1, deq_q2_k, codes_q2_k, 0, 2, 1, 3 I8(q2_k_rows_i8)},
+    {KIND_Q3_K, QK_K, 110, 0, deq_q3_k, codes_q3_k, 4, 2, 0, 7 I8(q3_k_rows_i8)},
+    {KIND_Q4_K, QK_K, 144, 0, deq_q4_k, codes_q4_k, 0, 1, 1, 15 I8(q4_k_rows_i8)},
+    {KIND_Q5_K, QK_K, 176, 0, deq_q5_k, codes_q5_k, 0, 1, 1, 31 I8(q5_k_rows_i8)},
+    {KIND_Q6_K, QK_K, 210, 0, deq_q6_k, codes_q6_k, 32, 2, 0, 63 I8(q6_k_rows_i8)},
 };
 #undef I8
 

@@ -1659,8 +1659,8 @@ int wdequant_bf16(const wdesc *W, uint16_t *out, int nthreads)
     return 0;
 }
 
-#ifdef HAVE_ZMM_PATH
-/* ---- the int8 GEMM (AVX-512 VNNI): prefill without AMX, and decode batches -------------------
+#ifdef HAVE_I8_PATH
+/* ---- the int8 GEMM (AVX-512 VNNI, or AVX2): prefill without AMX, and decode batches ----------
  * y (M, N) = x W^T on the weights' own integer codes, for M of at least gemm_min_rows:
  *   x: per row m and chunk c (32 inputs), q_x = rne(x * 127 / amax), d_x = amax / 127
  *      (quantize_activations, as for the row kernels); S_x,h the sum of the q_x of half h
@@ -1668,20 +1668,28 @@ int wdequant_bf16(const wdesc *W, uint16_t *out, int nthreads)
  *      zero point z, w = s (u - z) + o exactly (gemm_codes_row: the block codes of
  *      kernels/cpu_formats.c, int4 / int8 here), so no weight is rounded a second time
  *   y[m, n] = sum_c,h  d_x s (sum_{i in h} u q_x - z S_x,h)  +  o d_x S_x,h
- * The integer sums are exact (int32). A thread takes 16 weight rows at a time and lays their
- * codes out in its own buffer (in L1/L2, so memory sees only the weights' own reads), one
- * 64-byte vector per 4 inputs:
+ * The integer sums are exact (int32). A thread takes GT weight rows at a time (16: a zmm's
+ * lanes; AVX2 8: a ymm's) and lays their codes out in its own buffer (in L1/L2, so memory sees
+ * only the weights' own reads), one vector per 4 inputs:
  *
  *   tile[c][j]:  lane r (4 bytes) = row n0 + r, inputs 32c + 4j .. 32c + 4j + 3
  *
- * so one vpdpbusd with 4 activation bytes broadcast adds 4 products into each of the 16 rows'
- * lanes, and 8 of them are a chunk's exact integer dot for 16 rows (4 a half for the types with
+ * so one vpdpbusd with 4 activation bytes broadcast adds 4 products into each of the GT rows'
+ * lanes, and 8 of them are a chunk's exact integer dot for GT rows (4 a half for the types with
  * a scale per 16 inputs), converted and scaled once: 8 vpdpbusd per 3-4 float ops (6-8 with two
- * halves), where the row kernels spend ~3 float ops per vpdpbusd. Laying out the codes costs
+ * halves), where the row kernels spend ~3 float ops per vpdpbusd. AVX2 has no vpdpbusd: a
+ * vpmaddubsw adds pairs of products into int16 lanes, `run` of those are summed in int16 (exact
+ * while run * 2 * umax * 127 < 2^15: 8 for 4-bit codes, 2 for 6-bit) and one vpmaddwd against
+ * ones widens them into the int32 sums; int8 weights (codes up to 255) would saturate a pair,
+ * so the AVX2 GEMM does not take them. Laying out the codes costs
  * about as much as a few activation rows' products, so from gemm_min_rows rows on it beats the
  * row kernels (which read each weight once and suit small batches). A row's result depends on
  * its own activations only, never on the rows beside it. */
+#ifdef HAVE_ZMM_PATH
 #define GT 16 /* weight rows per tile: one zmm lane each */
+#else
+#define GT 8 /* one ymm lane each */
+#endif
 
 /* Activations for the GEMM, 8 rows (a group, zero-padded) at a time, per chunk one record:
  *   x4[j][i]  (8 x 8 int32)   inputs 4j .. 4j + 3 of row i, the 4 bytes vpdpbusd broadcasts
@@ -1699,11 +1707,36 @@ typedef struct {
     int z;      /* the codes' zero point */
     int halves; /* 2: a scale per 16 inputs; 1: per 32 */
     int asym;   /* offsets */
+    int umax;   /* the largest code */
+    int run;    /* AVX2: vpmaddubsw results summed in int16 before widening (8, 4 or 2) */
 } gemm_traits;
+
+/* The most vpmaddubsw results (each lane a pair of code x activation products, |x| <= 127) an
+ * int16 lane holds exactly: 8, 4 or 2; 0 when not even one pair fits (int8's codes). */
+static int gemm_run(int umax)
+{
+    for (int run = 8; run >= 2; run /= 2)
+        if (run * 2 * umax * 127 < 32768)
+            return run;
+    return 2 * umax * 127 < 32768 ? 1 : 0;
+}
 
 /* W's codes' traits; 0, or -1 where the GEMM does not take W (dense kinds; an int8 matrix whose
  * groups cut 16-input halves). */
+static int gemm_traits_kind(const wdesc *W, gemm_traits *t);
 static int gemm_traits_of(const wdesc *W, gemm_traits *t)
+{
+    if (gemm_traits_kind(W, t))
+        return -1;
+    t->run = gemm_run(t->umax);
+#ifdef HAVE_ZMM_PATH
+    return 0;
+#else
+    return t->run >= 2 ? 0 : -1; /* int8: a pair of products would saturate int16 */
+#endif
+}
+
+static int gemm_traits_kind(const wdesc *W, gemm_traits *t)
 {
     switch (W->kind) {
     case KIND_INT4:
@@ -1711,28 +1744,30 @@ static int gemm_traits_of(const wdesc *W, gemm_traits *t)
         if (W->group_size % 16)
             return -1;
         const int asym = W->kind == KIND_INT4Z || W->offsets != NULL;
-        *t = (gemm_traits){asym ? 0 : 8, 1, asym};
+        *t = (gemm_traits){asym ? 0 : 8, 1, asym, 15, 0};
         return 0;
     }
     case KIND_INT8:
         if (W->group_size % 16 && W->group_size < W->Kp)
             return -1;
-        *t = (gemm_traits){128, 1, 0};
+        *t = (gemm_traits){128, 1, 0, 255, 0};
         return 0;
+#ifdef HAVE_ZMM_PATH
     case KIND_Q4_K_X16: /* q4_k's codes */
-        *t = (gemm_traits){0, 1, 1};
+        *t = (gemm_traits){0, 1, 1, 15, 0};
         return 0;
     case KIND_Q6_K_X16: /* q6_k's */
-        *t = (gemm_traits){32, 2, 0};
+        *t = (gemm_traits){32, 2, 0, 63, 0};
         return 0;
     case KIND_INT4_X16: /* int4's */
-        *t = W->offsets ? (gemm_traits){0, 1, 1} : (gemm_traits){8, 1, 0};
+        *t = W->offsets ? (gemm_traits){0, 1, 1, 15, 0} : (gemm_traits){8, 1, 0, 15, 0};
         return 0;
+#endif
     default: {
         const ggml_type *g = ggml_type_of(W->kind);
         if (!g)
             return -1;
-        *t = (gemm_traits){g->z, g->halves, g->asym};
+        *t = (gemm_traits){g->z, g->halves, g->asym, g->umax, 0};
         return 0;
     }
     }
@@ -1816,7 +1851,7 @@ static void gemm_pack_acts(const qacts *a, int64_t M, int64_t nchunk, int64_t Kp
                     rec[j * GM + i] = x4;
                 }
                 if (m < M)
-                    d = a->drow[m * nchunk + c];
+                    d = a->d[c * a->Mp + m]; /* drow is the 512-bit kernels' only */
                 if (t->halves == 1) {
                     S[0] += S[1];
                     S[1] = 0;
@@ -1831,6 +1866,7 @@ static void gemm_pack_acts(const qacts *a, int64_t M, int64_t nchunk, int64_t Kp
         }
 }
 
+#ifdef HAVE_ZMM_PATH
 /* 16 weight rows (tile, sw, ow: the layout above, scales and offsets (Kp / 16, 16)) against
  * activation group xg: out[i] holds row i's 16 results. */
 static inline __attribute__((always_inline)) void
@@ -1929,36 +1965,12 @@ transpose16(const int32_t *src, int64_t stride, int32_t *dst)
         _mm512_store_si512(dst + 16 * j, v[j]);
 }
 
-/* Rows n0 .. n0 + 15 of W (those below N), chunks c0 .. c0 + cn, as codes into tile and their
- * scales and offsets into sw, ow (the layout above), through row-major buffers u (16, 32 cn) and
- * so (2, 16, 2 cn). Rows past N read as code 0 with scale 0. */
-static void gemm_pack_tile(const wdesc *W, int64_t n0, int64_t c0, int64_t cn, uint8_t *u,
-                           float *so, uint8_t *tile, float *sw, float *ow)
+/* The row-major codes u (16, Kb) and scales and offsets so (2, 16, nh) of a tile's rows in the
+ * GEMM's layout (tile, sw, ow): 16 x 16 blocks of 32-bit words transposed in registers, a last
+ * partial block gathered. */
+static void tile_layout(const uint8_t *u, const float *so, int64_t Kb, int64_t nh,
+                        uint8_t *tile, float *sw, float *ow)
 {
-    if (W->kind == KIND_Q4_K_X16) {
-        x16_pack_tile(W, n0, c0, cn, tile, sw, ow);
-        return;
-    }
-    if (W->kind == KIND_Q6_K_X16) {
-        x16q6_pack_tile(W, n0, c0, cn, tile, sw, ow);
-        return;
-    }
-    if (W->kind == KIND_INT4_X16) {
-        x16i4_pack_tile(W, n0, c0, cn, tile, sw, ow);
-        return;
-    }
-    const int64_t Kb = cn * CHUNK, nh = Kb / 16;
-    for (int r = 0; r < GT; r++) {
-        if (n0 + r < W->N)
-            gemm_codes_row(W, n0 + r, c0 * CHUNK, c0 * CHUNK + Kb, u + r * Kb, so + r * nh,
-                           so + (GT + r) * nh);
-        else {
-            memset(u + r * Kb, 0, (size_t)Kb);
-            memset(so + r * nh, 0, sizeof(float) * (size_t)nh);
-            memset(so + (GT + r) * nh, 0, sizeof(float) * (size_t)nh);
-        }
-    }
-    /* 16 x 16 blocks of 32-bit words transposed in registers; a last partial block gathered */
     const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512i rb = _mm512_mullo_epi32(lanes, _mm512_set1_epi32((int)Kb)); /* bytes */
     const __m512i rh = _mm512_mullo_epi32(lanes, _mm512_set1_epi32((int)nh)); /* floats */
@@ -2004,6 +2016,181 @@ static void gemm_tile_rows(const wdesc *W, const gemm_traits *t, const uint8_t *
             _mm512_mask_storeu_ps(yr, k, _mm512_add_ps(out[i], prev));
         }
     }
+}
+#else /* AVX2 */
+
+/* 8 weight rows (tile, sw, ow: the layout above with 8 lanes) against activation group xg:
+ * out[i] holds row i's 8 results. vpmaddubsw (codes unsigned, the activations signed) adds a
+ * pair of products into each int16 lane; `run` of them are summed in int16 (exact: gemm_run),
+ * then widened by one vpmaddwd against ones. Where a run is a whole half (4-bit codes) all 8
+ * activation rows go at once, each weight vector loaded once for 8 rows (q4_k, 512 x 2048 x
+ * 8192: 199 GMAC/s against 116 in two passes of 4); with shorter runs the int32 sums need 8
+ * more registers than the 16 there are, and two passes of 4 rows ran faster (q6_k 154 against
+ * 139). */
+static inline __attribute__((always_inline)) void
+gemm_tile_i8(const uint8_t *tile, const float *sw, const float *ow, const int32_t *xg,
+             int64_t nchunk, const int halves, const int asym, const int run, __m256 *out)
+{
+    const __m256i ones = _mm256_set1_epi16(1);
+    const int nj = halves == 1 ? 8 : 4; /* vectors a half */
+    const int GMH = run >= nj ? GM : 4; /* activation rows a pass */
+    for (int i0 = 0; i0 < GM; i0 += GMH) {
+        __m256 f[GM];
+        for (int i = 0; i < GMH; i++)
+            f[i] = _mm256_setzero_ps();
+        for (int64_t c = 0; c < nchunk; c++) {
+            const int32_t *rec = xg + c * GREC, *iz = rec + 9 * GM;
+            const float *d = (const float *)(rec + 8 * GM), *ds = (const float *)(rec + 11 * GM);
+            const uint8_t *tc = tile + c * 8 * 32;
+            for (int h = 0; h < halves; h++) {
+                __m256i acc[GM];
+                for (int i = 0; i < GMH; i++)
+                    acc[i] = _mm256_set1_epi32(iz[h * GM + i0 + i]);
+                for (int j = 0; j < nj; j += run) {
+                    __m256i p[GM];
+                    for (int jj = 0; jj < run && j + jj < nj; jj++) {
+                        const int v = h * nj + j + jj;
+                        const __m256i w = _mm256_load_si256((const __m256i *)(tc + v * 32));
+                        for (int i = 0; i < GMH; i++) {
+                            const __m256i m = _mm256_maddubs_epi16(
+                                w, _mm256_set1_epi32(rec[v * GM + i0 + i]));
+                            p[i] = jj ? _mm256_add_epi16(p[i], m) : m;
+                        }
+                    }
+                    for (int i = 0; i < GMH; i++)
+                        acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(p[i], ones));
+                }
+                const __m256 sh = _mm256_load_ps(sw + (2 * c + h) * GT);
+                for (int i = 0; i < GMH; i++)
+                    f[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i]),
+                                           _mm256_mul_ps(sh, _mm256_set1_ps(d[i0 + i])), f[i]);
+            }
+            if (asym)
+                for (int h = 0; h < halves; h++) {
+                    const __m256 oh = _mm256_load_ps(ow + (2 * c + h) * GT);
+                    for (int i = 0; i < GMH; i++)
+                        f[i] = _mm256_fmadd_ps(oh, _mm256_set1_ps(ds[h * GM + i0 + i]), f[i]);
+                }
+        }
+        for (int i = 0; i < GMH; i++)
+            out[i0 + i] = f[i];
+    }
+}
+
+/* dst[j][r] = src[r * stride + j] for r, j < 8: 32-bit words, dst 32-byte aligned */
+static inline __attribute__((always_inline)) void
+transpose8(const int32_t *src, int64_t stride, int32_t *dst)
+{
+    __m256 r[8], t[8], q[8];
+    for (int i = 0; i < 8; i++)
+        r[i] = _mm256_loadu_ps((const float *)(src + i * stride));
+    for (int i = 0; i < 8; i += 2) { /* rows i, i + 1 interleaved by words */
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) { /* 4 rows' words 0 / 4, 1 / 5, 2 / 6, 3 / 7 */
+        q[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        q[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        q[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        q[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int j = 0; j < 4; j++) { /* rows 0-3 and 4-7 joined: words j and j + 4 */
+        _mm256_store_ps((float *)(dst + 8 * j), _mm256_permute2f128_ps(q[j], q[4 + j], 0x20));
+        _mm256_store_ps((float *)(dst + 8 * (j + 4)), _mm256_permute2f128_ps(q[j], q[4 + j], 0x31));
+    }
+}
+
+/* As the 512-bit tile_layout, 8 rows: 8 x 8 blocks transposed, a last partial block gathered */
+static void tile_layout(const uint8_t *u, const float *so, int64_t Kb, int64_t nh,
+                        uint8_t *tile, float *sw, float *ow)
+{
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i rb = _mm256_mullo_epi32(lanes, _mm256_set1_epi32((int)Kb)); /* bytes */
+    const __m256i rh = _mm256_mullo_epi32(lanes, _mm256_set1_epi32((int)nh)); /* floats */
+    int64_t q = 0, h = 0;
+    for (; q + 8 <= Kb / 4; q += 8)
+        transpose8((const int32_t *)u + q, Kb / 4, (int32_t *)(tile + q * 32));
+    for (; q < Kb / 4; q++)
+        _mm256_store_si256((__m256i *)(tile + q * 32),
+                           _mm256_i32gather_epi32((const int *)(u + 4 * q), rb, 1));
+    for (; h + 8 <= nh; h += 8) {
+        transpose8((const int32_t *)so + h, nh, (int32_t *)(sw + h * GT));
+        transpose8((const int32_t *)so + GT * nh + h, nh, (int32_t *)(ow + h * GT));
+    }
+    for (; h < nh; h++) {
+        _mm256_store_ps(sw + h * GT, _mm256_i32gather_ps(so + h, rh, 4));
+        _mm256_store_ps(ow + h * GT, _mm256_i32gather_ps(so + GT * nh + h, rh, 4));
+    }
+}
+
+/* As the 512-bit gemm_tile_rows, 8 weight rows (masked stores past N) */
+static void gemm_tile_rows(const wdesc *W, const gemm_traits *t, const uint8_t *tile,
+                           const float *sw, const float *ow, const int32_t *xg, int64_t nchunk,
+                           int64_t c0, int64_t cn, int64_t m0, int64_t m1, int64_t n0, float *y,
+                           int64_t ldy)
+{
+    const int64_t nr = W->N - n0 < GT ? W->N - n0 : GT;
+    const __m256i k = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)nr),
+                                         _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256 bias = W->bias ? _mm256_maskload_ps(W->bias + n0, k) : _mm256_setzero_ps();
+    /* run: as many as gemm_run allows, 8 standing for "all of a half" (4 with two halves) */
+#define TILE(h, a)                                                                             \
+    (t->run >= 8   ? gemm_tile_i8(tile, sw, ow, xr, cn, h, a, 8, out)                           \
+     : t->run >= 4 ? gemm_tile_i8(tile, sw, ow, xr, cn, h, a, 4, out)                           \
+                   : gemm_tile_i8(tile, sw, ow, xr, cn, h, a, 2, out))
+    for (int64_t g = m0 / GM; g * GM < m1; g++) {
+        __m256 out[GM];
+        const int32_t *xr = xg + (g * nchunk + c0) * GREC;
+        if (t->halves == 1 && !t->asym)
+            TILE(1, 0);
+        else if (t->halves == 1)
+            TILE(1, 1);
+        else if (!t->asym)
+            TILE(2, 0);
+        else
+            TILE(2, 1);
+        for (int i = 0; i < GM && g * GM + i < m1; i++) {
+            float *yr = y + (g * GM + i) * ldy + n0;
+            const __m256 prev = c0 ? _mm256_maskload_ps(yr, k) : bias;
+            _mm256_maskstore_ps(yr, k, _mm256_add_ps(out[i], prev));
+        }
+    }
+#undef TILE
+}
+#endif /* HAVE_ZMM_PATH */
+
+/* Rows n0 .. n0 + GT - 1 of W (those below N), chunks c0 .. c0 + cn, as codes into tile and
+ * their scales and offsets into sw, ow (the layout above), through row-major buffers u (GT,
+ * 32 cn) and so (2, GT, 2 cn). Rows past N read as code 0 with scale 0. */
+static void gemm_pack_tile(const wdesc *W, int64_t n0, int64_t c0, int64_t cn, uint8_t *u,
+                           float *so, uint8_t *tile, float *sw, float *ow)
+{
+#ifdef HAVE_ZMM_PATH
+    if (W->kind == KIND_Q4_K_X16) {
+        x16_pack_tile(W, n0, c0, cn, tile, sw, ow);
+        return;
+    }
+    if (W->kind == KIND_Q6_K_X16) {
+        x16q6_pack_tile(W, n0, c0, cn, tile, sw, ow);
+        return;
+    }
+    if (W->kind == KIND_INT4_X16) {
+        x16i4_pack_tile(W, n0, c0, cn, tile, sw, ow);
+        return;
+    }
+#endif
+    const int64_t Kb = cn * CHUNK, nh = Kb / 16;
+    for (int r = 0; r < GT; r++) {
+        if (n0 + r < W->N)
+            gemm_codes_row(W, n0 + r, c0 * CHUNK, c0 * CHUNK + Kb, u + r * Kb, so + r * nh,
+                           so + (GT + r) * nh);
+        else {
+            memset(u + r * Kb, 0, (size_t)Kb);
+            memset(so + r * nh, 0, sizeof(float) * (size_t)nh);
+            memset(so + (GT + r) * nh, 0, sizeof(float) * (size_t)nh);
+        }
+    }
+    tile_layout(u, so, Kb, nh, tile, sw, ow);
 }
 
 /* y (M, N) row stride ldy = x (M, K) W^T (+ bias) through the int8 GEMM; 0, or -1 for a kind it
@@ -2076,12 +2263,19 @@ void set_gemm_rows(int rows)
 
 int gemm_min_rows(const wdesc *W)
 {
-#ifdef HAVE_ZMM_PATH
+#ifdef HAVE_I8_PATH
     gemm_traits t;
     if (gemm_traits_of(W, &t))
         return 0;
     if (gemm_rows_forced >= 0)
         return gemm_rows_forced;
+#ifndef HAVE_ZMM_PATH
+    /* AVX2 (QSERVE_CPU_ISA=avx2 on a Zen 5, 2 threads, 2048 x 8192 and 8192 x 2048): the GEMM
+     * against the row kernels at 8 / 16 / 24 / 32 rows, q4_k 0.81-0.82 / 1.07-1.13 / 1.16-1.26
+     * / 1.21-1.28x, q6_k 0.83-0.88 / 0.98-1.17 / 1.14-1.27 / 1.24-1.43x, int4 0.64-0.69 /
+     * 0.98-1.02 / 1.13-1.20 / 1.35-1.55x */
+    return is_int4(W) || t.halves == 2 ? 20 : 16;
+#else
     if (is_int4(W))
         return 20;
     if (W->kind == KIND_INT4_X16) /* its row kernel beats the GEMM at every decode size: 0.48 /
@@ -2098,6 +2292,7 @@ int gemm_min_rows(const wdesc *W)
                                    * 8192); the GEMM 1.4-1.9x faster at 16-32 */
         return 12;
     return t.halves == 2 ? 8 : 12;
+#endif
 #else
     (void)W, (void)gemm_rows_forced;
     return 0;

@@ -228,10 +228,13 @@ def fast_bf16() -> bool:
 
 
 def int8_gemm() -> bool:
-    """Whether prefill-sized packed matmuls with int8 activations run the int8 GEMM (wgemm_i8:
-    AVX-512 VNNI kernels, where fast_bf16 does not pick bf16): at 1B shapes 3.3-3.5x the
-    dequantize-then-fp32-GEMM path on such a Xeon without AMX (128-512 rows, 2 threads)."""
-    return kernel_isa() == "avx512-vnni" and not fast_bf16()
+    """Whether prefill-sized packed matmuls with int8 activations run the int8 GEMM (wgemm_i8,
+    where fast_bf16 does not pick bf16; a kind it does not take, gemm_min_rows 0, keeps the
+    fp32 GEMM): with the AVX-512 VNNI kernels at 1B shapes 3.3-3.5x the
+    dequantize-then-fp32-GEMM path on a Xeon without AMX (128-512 rows, 2 threads); with the
+    AVX2 ones (vpmaddubsw; int8 weights not taken) 1.4-3.4x it at 2048 x 8192 and 8192 x 2048,
+    128-512 rows, 2 threads (QSERVE_CPU_ISA=avx2 on a Zen 5)."""
+    return kernel_isa() in ("avx512-vnni", "avx2") and not fast_bf16()
 
 
 def _env_gemm_rows() -> int:

@@ -148,11 +148,19 @@ def bf16_prefill(monkeypatch):
 
 
 VNNI = cpu_ops.kernel_isa() == "avx512-vnni"
+GEMM = cpu_ops.kernel_isa() in ("avx512-vnni", "avx2")  # the int8 GEMM is built
+NO_GEMM = "the int8 GEMM is built with the AVX-512 VNNI or AVX2 kernels"
+
+
+def _gemm_takes(qt) -> bool:
+    """Whether the int8 GEMM takes qt's kind (the AVX2 one leaves int8 weights out)."""
+    return cpu_ops.gemm_min_rows(qt) > 0
 
 
 @pytest.fixture
 def gemm_prefill(monkeypatch):
-    """The int8 GEMM prefill path on an AVX-512 VNNI build even where AMX would pick bf16."""
+    """The int8 GEMM prefill path on an AVX-512 VNNI or AVX2 build even where AMX would pick
+    bf16."""
     monkeypatch.setenv("QSERVE_CPU_BF16", "0")
     cpu_ops.fast_bf16.cache_clear()
     assert cpu_ops.int8_gemm()
@@ -180,10 +188,10 @@ def test_bf16_prefill_matches_reference(fmt, N, K, bf16_prefill):
     _check_int8_activations(fmt, N, K, 40)
 
 
-@pytest.mark.skipif(not VNNI, reason="the int8 GEMM is built with the AVX-512 VNNI kernels")
+@pytest.mark.skipif(not GEMM, reason=NO_GEMM)
 @pytest.mark.parametrize("fmt,N,K", [c for c in GRID if c[0] in GGML])
 def test_int8_gemm_prefill_matches_reference(fmt, N, K, gemm_prefill):
-    """The prefill branch with the int8 GEMM on, as on a VNNI machine without AMX."""
+    """The prefill branch with the int8 GEMM on, as on a VNNI or AVX2 machine without AMX."""
     _check_int8_activations(fmt, N, K, 40)
 
 
@@ -191,7 +199,7 @@ def _check_int8_activations(fmt: str, N: int, K: int, M: int) -> None:
     qt, w, x, _ = _case(fmt, N, K, M)
     out = cpu_ops.weight_matmul(x, qt, int8_activations=True).double()
     if M > cpu_ops.FUSED_MAX_ROWS:  # prefill: dequantize + GEMM
-        if cpu_ops.int8_gemm() and fmt not in DENSE:
+        if cpu_ops.int8_gemm() and fmt not in DENSE and _gemm_takes(qt):
             _check_int8_gemm(out, x, w)
             return
         if not cpu_ops.fast_bf16():  # fp32 activations
@@ -235,7 +243,7 @@ def _check_int8_gemm(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> Non
     assert ((out - x.double() @ w.T).abs() <= bound + slack).all()
 
 
-@pytest.mark.skipif(not VNNI, reason="the int8 GEMM is built with the AVX-512 VNNI kernels")
+@pytest.mark.skipif(not GEMM, reason=NO_GEMM)
 @pytest.mark.parametrize("fmt,N,K", [("int4", 83, 77), ("int4", 17, 512), ("int4-sym", 83, 77),
                                      ("int4z", 83, 77), ("int4z-g128", 17, 512),
                                      ("int8", 83, 77), ("int8", 769, 96),
@@ -248,6 +256,9 @@ def test_int8_gemm_qserve_formats(fmt, N, K, M, gemm_prefill):
     its terms before they cancel (q s and z s, at most ~3x |w| here) take a few roundings a
     chunk, far inside _check_int8_gemm's (K + 2) u."""
     qt = _mixed_formats_weight(fmt, N, K)
+    if not VNNI and fmt.startswith("int8"):
+        assert cpu_ops.gemm_min_rows(qt) == 0  # its codes would saturate vpmaddubsw's pairs
+        pytest.skip("the AVX2 int8 GEMM does not take int8 weights")
     assert 0 < cpu_ops.gemm_min_rows(qt) <= M
     w = qt.dequantize().double()
     g = torch.Generator().manual_seed(N + K)
@@ -256,7 +267,7 @@ def test_int8_gemm_qserve_formats(fmt, N, K, M, gemm_prefill):
     _check_int8_gemm(out - bias.double(), x, w)
 
 
-@pytest.mark.skipif(not VNNI, reason="the int8 GEMM is built with the AVX-512 VNNI kernels")
+@pytest.mark.skipif(not GEMM, reason=NO_GEMM)
 @pytest.mark.parametrize("fmt,N,K,M", [("q4_k", 40, 2304, 45), ("q6_k", 24, 4352, 40),
                                        ("q5_0", 17, 2080, 24), ("int4", 33, 2080, 24),
                                        ("int4z-g128", 16, 4224, 45), ("int8", 24, 2081, 45),
@@ -274,6 +285,9 @@ def test_int8_gemm_blocks(fmt, N, K, M, gemm_prefill):
         w = qt.dequantize().double()
         g = torch.Generator().manual_seed(N + K + M)
         x, bias = torch.randn(M, K, generator=g), torch.randn(N, generator=g)
+    if not VNNI and fmt.startswith("int8"):
+        assert cpu_ops.gemm_min_rows(qt) == 0
+        pytest.skip("the AVX2 int8 GEMM does not take int8 weights")
     assert 0 < cpu_ops.gemm_min_rows(qt) <= M
     out = cpu_ops.weight_matmul(x, qt, bias, int8_activations=True).double()
     _check_int8_gemm(out - bias.double(), x, w)
@@ -339,7 +353,7 @@ def test_prefill_weights_are_the_reference_in_bf16(fmt, bf16_prefill):
 def test_matmul_rows_do_not_depend_on_the_batch(fmt, i8):
     """Each output row is bit-identical whatever rows come beside it, within one kernel's range
     of batch sizes: alone or among 32 (as for int4/int8 in test_cpu_ops.py) where the row
-    kernels take every decode size; with int8 activations on a VNNI build, from
+    kernels take every decode size; with int8 activations on a VNNI or AVX2 build, from
     gemm_min_rows rows on the int8 GEMM takes a batch, so there a row is the same among
     gemm_min_rows rows as among 32, and the same alone as among gemm_min_rows - 1; and with
     set_gemm_rows(0) alone as among 32 again (greedy outputs stay batch-invariant)."""
@@ -355,8 +369,8 @@ def test_matmul_rows_do_not_depend_on_the_batch(fmt, i8):
     if fmt == "int4_x16" and i8:  # its row kernel takes every decode size (gemm_min_rows)
         assert start > M
         start = 0
-    assert 0 <= start <= M and (start > 0) == (i8 and VNNI and fmt not in DENSE + ["f32",
-                                                                                   "int4_x16"])
+    no_gemm = DENSE + ["f32", "int4_x16"] + ([] if VNNI else ["int8", "q8_0"])
+    assert 0 <= start <= M and (start > 0) == (i8 and GEMM and fmt not in no_gemm)
     if start:  # the GEMM's range, then the row kernels' below it
         assert torch.equal(rows(M - start, M), full[M - start:])
         few = rows(0, start - 1)

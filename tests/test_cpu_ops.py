@@ -148,13 +148,13 @@ def test_int4z_int8_activations_match_the_rounded_reference(gs, N, K, M):
     assert ((out - xr @ w.T).abs() <= (K + 2) * U * (xr.abs() @ terms.T)).all()
 
 
-@pytest.mark.skipif(cpu_ops.kernel_isa() != "avx512-vnni",
-                    reason="the int8 GEMM is built with the AVX-512 VNNI kernels")
+@pytest.mark.skipif(cpu_ops.kernel_isa() not in ("avx512-vnni", "avx2"),
+                    reason="the int8 GEMM is built with the AVX-512 VNNI or AVX2 kernels")
 @pytest.mark.parametrize("gs", [32, 128])
 @pytest.mark.parametrize("N,K", [(83, 576), (5, 33)])
 def test_int4z_int8_gemm_prefill_matches_the_rounded_reference(gs, N, K, monkeypatch):
-    """Prefill (45 rows) through the int8 GEMM, as on a VNNI machine without AMX: the bound of
-    the test above."""
+    """Prefill (45 rows) through the int8 GEMM, as on a VNNI or AVX2 machine without AMX: the
+    bound of the test above."""
     monkeypatch.setenv("QSERVE_CPU_BF16", "0")
     cpu_ops.fast_bf16.cache_clear()
     try:
