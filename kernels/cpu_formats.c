@@ -977,8 +977,10 @@ static void half_dequant_row(const wdesc *W, int64_t n, float *out)
  * a vpdpbusd against 4 activation bytes broadcast adds their products into 16 row lanes, and 8
  * make a sub-block's exact integer dot for 16 rows, converted and scaled once: ~3.5 vector ops a
  * vpdpbusd, against ~6 in k4_row_z (which converts and scales after every one). The int8 GEMM
- * takes its tiles straight from these bytes (x16_pack_tile), without the codes or transposes. */
-#ifdef HAVE_ZMM_PATH
+ * takes its tiles straight from these bytes (x16_pack_tile), without the codes or transposes.
+ * AVX2 builds run q4_k_x16 too (x16_rows_y: each 64-byte vector is two ymm, rows 0-7 and 8-15;
+ * their GEMM reads a row's codes back through codes_x16). */
+#ifdef HAVE_I8_PATH
 #define X16 16
 #define X16_SB (X16 * 148)
 #define X16_QS 320
@@ -1019,6 +1021,134 @@ static void x16_dequant_row(const wdesc *W, int64_t n, float *out)
     }
 }
 
+#ifndef HAVE_ZMM_PATH
+/* AVX2: one group's 16 rows against activation rows m0 .. m0 + mt (int8, ACT_PLAIN): res[16 i +
+ * r]. Each 64-byte vector of the layout is two ymm, rows 0-7 (h = 0) and 8-15 (h = 1), taken in
+ * turn; a vpmaddubsw adds a pair of products into each of a row's 4 int16 lanes, the 8 of a
+ * sub-block sum exactly in int16 (8 * 2 * 15 * 127 < 2^15), one vpmaddwd against ones makes
+ * them the sub-block's 8 row sums, converted and scaled once (as x16_rows_z). Activation rows
+ * go 2 at a time: 4 int16 sums, 2 weight vectors and 2 broadcasts stay in registers. A row's
+ * arithmetic does not depend on mt (exact integer sums, its own accumulators in a fixed
+ * order). */
+#define X16Y_MT 2
+static inline __attribute__((always_inline)) void
+x16_rows_y(const uint8_t *grp, int64_t nb, const qacts *a, int64_t m0, int64_t K, const int mt,
+           float *res)
+{
+    __m256 f[2][2][MTI]; /* [h][u][i]: two fma chains a row half */
+    for (int h = 0; h < 2; h++)
+        for (int i = 0; i < mt; i++)
+            f[h][0][i] = f[h][1][i] = _mm256_setzero_ps();
+    const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *sb = grp + b * X16_SB;
+        for (int o = 0; o < X16_SB; o += 64)
+            _mm_prefetch((const char *)(sb + X16_PF + o), _MM_HINT_T0);
+        for (int h = 0; h < 2; h++) {
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 16 * h)));
+            const __m256 dmin = _mm256_cvtph_ps(
+                _mm_loadu_si128((const __m128i *)(sb + 32 + 16 * h)));
+            for (int p = 0; p < 4; p++) {
+                __m256 s[2], o[2];
+                for (int u = 0; u < 2; u++) {
+                    const int j = 2 * p + u;
+                    s[u] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                        _mm_loadl_epi64((const __m128i *)(sb + 64 + 16 * j + 8 * h)))));
+                    o[u] = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                        _mm_loadl_epi64((const __m128i *)(sb + 192 + 16 * j + 8 * h)))));
+                }
+                for (int i0 = 0; i0 < mt; i0 += X16Y_MT) {
+                    const int n = mt - i0 < X16Y_MT ? mt - i0 : X16Y_MT;
+                    __m256i acc[2][X16Y_MT]; /* [u][i - i0] int16 */
+                    for (int lg = 0; lg < 8; lg++) {
+                        const __m256i q = _mm256_loadu_si256(
+                            (const __m256i *)(sb + X16_QS + 512 * p + 64 * lg + 32 * h));
+                        const __m256i wl = _mm256_and_si256(q, m4);
+                        const __m256i wh = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+                        for (int ii = 0; ii < n; ii++) {
+                            const int8_t *xq = a->q + (m0 + i0 + ii) * K + b * QK_K + 64 * p + 4 * lg;
+                            int32_t x0, x1;
+                            memcpy(&x0, xq, 4);
+                            memcpy(&x1, xq + 32, 4);
+                            const __m256i p0 = _mm256_maddubs_epi16(wl, _mm256_set1_epi32(x0));
+                            const __m256i p1 = _mm256_maddubs_epi16(wh, _mm256_set1_epi32(x1));
+                            acc[0][ii] = lg ? _mm256_add_epi16(acc[0][ii], p0) : p0;
+                            acc[1][ii] = lg ? _mm256_add_epi16(acc[1][ii], p1) : p1;
+                        }
+                    }
+                    for (int u = 0; u < 2; u++) {
+                        const int64_t c = 8 * b + 2 * p + u;
+                        for (int ii = 0; ii < n; ii++) {
+                            const int64_t r = c * a->Mp + m0 + i0 + ii;
+                            const __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[u][ii], ones));
+                            __m256 *fj = &f[h][u][i0 + ii];
+                            /* both terms into one accumulator, as x16_rows_z */
+                            *fj = _mm256_fmadd_ps(sum, _mm256_mul_ps(s[u], _mm256_set1_ps(a->d[r])),
+                                                  *fj);
+                            *fj = _mm256_fnmadd_ps(o[u], _mm256_set1_ps(a->dsum[r]), *fj);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    for (int i = 0; i < mt; i++)
+        for (int h = 0; h < 2; h++)
+            _mm256_storeu_ps(res + X16 * i + 8 * h, _mm256_add_ps(f[h][0][i], f[h][1][i]));
+}
+
+static void x16_rows(const uint8_t *grp, int64_t nb, const qacts *a, int64_t m0, int64_t K,
+                     int mt, float *res)
+{
+#define CALL(k) x16_rows_y(grp, nb, a, m0, K, k, res)
+    FOR_EACH_MTI(mt, CALL);
+#undef CALL
+}
+
+/* y = x W^T (+ bias) for a q4_k_x16 W on AVX2: as the 512-bit x16_matmul (q4_k_x16 only) */
+static void x16_matmul(const wdesc *W, const float *x, int64_t M, int64_t ldx, float *y,
+                       int64_t ldy, int i8, int nthreads)
+{
+    const int64_t nb = W->K / QK_K, groups = W->N / X16;
+    const int64_t item = row_item(X16 * W->row_bytes) / ROW_ITEM; /* groups of ~32 KB */
+    if (!i8) {
+#pragma omp parallel num_threads(nthreads)
+        {
+            float *w = aligned_alloc(64, sizeof(float) * (size_t)(nb * QK_K));
+#pragma omp for schedule(dynamic, item * X16)
+            for (int64_t n = 0; n < W->N; n++) {
+                x16_dequant_row(W, n, w);
+                for (int64_t m = 0; m < M; m++)
+                    y[m * ldy + n] = dot(w, x + m * ldx, (int)W->K) + (W->bias ? W->bias[n] : 0.f);
+            }
+            free(w);
+        }
+        return;
+    }
+    qacts a = quantize_activations(x, M, W->K, ldx, W->K, ACT_PLAIN, 0, nthreads);
+    const int64_t run = (groups + 4 * nthreads - 1) / (4 * (int64_t)nthreads);
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, run)
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *grp = (const uint8_t *)W->w + g * X16 * W->row_bytes;
+        for (int64_t m0 = 0; m0 < M; m0 += MTI) {
+            float res[MTI * X16] __attribute__((aligned(32)));
+            const int mt = M - m0 < MTI ? (int)(M - m0) : MTI;
+            x16_rows(grp, nb, &a, m0, W->K, mt, res);
+            for (int i = 0; i < mt; i++)
+                for (int h = 0; h < 2; h++) {
+                    const int64_t n = X16 * g + 8 * h;
+                    const __m256 bias = W->bias ? _mm256_loadu_ps(W->bias + n) : _mm256_setzero_ps();
+                    _mm256_storeu_ps(y + (m0 + i) * ldy + n,
+                                     _mm256_add_ps(_mm256_load_ps(res + X16 * i + 8 * h), bias));
+                }
+        }
+    }
+    free_activations(a);
+}
+#endif /* !HAVE_ZMM_PATH */
+#endif /* HAVE_I8_PATH */
+
+#ifdef HAVE_ZMM_PATH
 /* One group's 16 rows against activation rows m0 .. m0 + mt (int8, ACT_PLAIN): res[16 i + r].
  * np qs runs at once keep enough independent vpdpbusd chains in flight for one to three
  * activation rows (from four on, the rows themselves do), and each row's four float

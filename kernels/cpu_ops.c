@@ -1571,6 +1571,10 @@ int wmatmul(const wdesc *W, const float *x, int64_t M, int64_t ldx, float *y, in
     case KIND_INT4_X16:
         x16_matmul(W, x, M, ldx, y, ldy, i8, nthreads);
         return 0;
+#elif defined(HAVE_I8_PATH)
+    case KIND_Q4_K_X16: /* AVX2: q4_k_x16 only */
+        x16_matmul(W, x, M, ldx, y, ldy, i8, nthreads);
+        return 0;
 #endif
     default: {
         const ggml_type *t = ggml_type_of(W->kind);
@@ -1607,6 +1611,10 @@ static int dequant_row(const wdesc *W, int64_t n, float *out)
     case KIND_Q6_K_X16:
     case KIND_INT4_X16:
         x16_any_dequant_row(W, n, out);
+        return 0;
+#elif defined(HAVE_I8_PATH)
+    case KIND_Q4_K_X16:
+        x16_dequant_row(W, n, out);
         return 0;
 #endif
     default: {
@@ -1752,10 +1760,10 @@ static int gemm_traits_kind(const wdesc *W, gemm_traits *t)
             return -1;
         *t = (gemm_traits){128, 1, 0, 255, 0};
         return 0;
-#ifdef HAVE_ZMM_PATH
     case KIND_Q4_K_X16: /* q4_k's codes */
         *t = (gemm_traits){0, 1, 1, 15, 0};
         return 0;
+#ifdef HAVE_ZMM_PATH
     case KIND_Q6_K_X16: /* q6_k's */
         *t = (gemm_traits){32, 2, 0, 63, 0};
         return 0;
@@ -1818,6 +1826,14 @@ static void gemm_codes_row(const wdesc *W, int64_t n, int64_t k0, int64_t k1, ui
             const int64_t g = k / gs;
             s[h] = (float)sc[g];
             o[h] = zp ? -(float)zp[g] * s[h] : of ? (float)of[g] : 0.f;
+        }
+        return;
+    }
+    if (W->kind == KIND_Q4_K_X16) { /* AVX2 (the 512-bit GEMM reads its vectors) */
+        const uint8_t *grp = (const uint8_t *)W->w + n / X16 * X16 * W->row_bytes;
+        for (int64_t b = k0 / QK_K; b < k1 / QK_K; b++) {
+            const int64_t k = b * QK_K - k0;
+            codes_x16(grp + b * X16_SB, (int)(n % X16), u + k, s + k / 16, o + k / 16);
         }
         return;
     }
@@ -2274,6 +2290,9 @@ int gemm_min_rows(const wdesc *W)
      * against the row kernels at 8 / 16 / 24 / 32 rows, q4_k 0.81-0.82 / 1.07-1.13 / 1.16-1.26
      * / 1.21-1.28x, q6_k 0.83-0.88 / 0.98-1.17 / 1.14-1.27 / 1.24-1.43x, int4 0.64-0.69 /
      * 0.98-1.02 / 1.13-1.20 / 1.35-1.55x */
+    if (W->kind == KIND_Q4_K_X16) /* its row kernel beats the GEMM at every decode size (0.53-
+                                   * 0.77x at 16-32 rows, 8192 x 2048 and 2048 x 8192) */
+        return 33;                /* above cpu_ops.py FUSED_MAX_ROWS: never at decode */
     return is_int4(W) || t.halves == 2 ? 20 : 16;
 #else
     if (is_int4(W))
@@ -2327,6 +2346,9 @@ int wkind_known(int64_t kind)
 {
 #ifdef HAVE_ZMM_PATH
     if (kind == KIND_Q4_K_X16 || kind == KIND_Q6_K_X16 || kind == KIND_INT4_X16)
+        return 1;
+#elif defined(HAVE_I8_PATH)
+    if (kind == KIND_Q4_K_X16)
         return 1;
 #endif
     return kind == KIND_F32 || kind == KIND_INT4 || kind == KIND_INT4Z || kind == KIND_INT8 ||

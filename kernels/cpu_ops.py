@@ -397,10 +397,14 @@ def runtime_layout(qt: QuantizedTensor) -> QuantizedTensor:
     return ggml.interleave(qt)
 
 
+# The formats each kernel set runs interleaved (the AVX2 kernels: q4_k_x16 only)
+X16_BASES = {"avx512-vnni": set(ggml.BY_BASE), "avx2": {"q4_k"}}
+
+
 def runtime_format(fmt: str, shape: tuple[int, ...]) -> str:
     """The format runtime_layout runs a `fmt` matrix of this shape (out, in) in."""
-    if (fmt not in ggml.BY_BASE or len(shape) != 2 or shape[0] % ggml.X16_ROWS
-            or kernel_isa() != "avx512-vnni" or os.environ.get("QSERVE_CPU_REPACK", "1") == "0"):
+    if (fmt not in X16_BASES.get(kernel_isa(), ()) or len(shape) != 2
+            or shape[0] % ggml.X16_ROWS or os.environ.get("QSERVE_CPU_REPACK", "1") == "0"):
         return fmt
     return ggml.BY_BASE[fmt]
 

@@ -152,6 +152,21 @@ GEMM = cpu_ops.kernel_isa() in ("avx512-vnni", "avx2")  # the int8 GEMM is built
 NO_GEMM = "the int8 GEMM is built with the AVX-512 VNNI or AVX2 kernels"
 
 
+def _x16_runs(fmt: str) -> bool:
+    """Whether this build's kernels run the _x16 layout `fmt` (AVX2: q4_k_x16 only)."""
+    base = ggml.INTERLEAVED[fmt.split("-")[0]][0]
+    return base in cpu_ops.X16_BASES.get(cpu_ops.kernel_isa(), ())
+
+
+# the _x16 layouts whose row kernel beats the int8 GEMM at every decode size (gemm_min_rows)
+ROWS_ONLY_X16 = ["int4_x16"] + ([] if VNNI else ["q4_k_x16"])
+
+
+def _skip_unless_x16_runs(fmt: str) -> None:
+    if not _x16_runs(fmt):
+        pytest.skip(f"{fmt} runs on the AVX-512 VNNI kernels")
+
+
 def _gemm_takes(qt) -> bool:
     """Whether the int8 GEMM takes qt's kind (the AVX2 one leaves int8 weights out)."""
     return cpu_ops.gemm_min_rows(qt) > 0
@@ -348,7 +363,7 @@ def test_prefill_weights_are_the_reference_in_bf16(fmt, bf16_prefill):
 
 
 @pytest.mark.parametrize("fmt", GGML + DENSE + ["int4", "int4z", "int8", "f32"]
-                         + (list(ggml.INTERLEAVED) if VNNI else []))
+                         + [f for f in ggml.INTERLEAVED if _x16_runs(f)])
 @pytest.mark.parametrize("i8", [False, True])
 def test_matmul_rows_do_not_depend_on_the_batch(fmt, i8):
     """Each output row is bit-identical whatever rows come beside it, within one kernel's range
@@ -366,10 +381,10 @@ def test_matmul_rows_do_not_depend_on_the_batch(fmt, i8):
 
     full = rows(0, M)
     start = cpu_ops.gemm_min_rows(qt) if i8 else 0
-    if fmt == "int4_x16" and i8:  # its row kernel takes every decode size (gemm_min_rows)
+    if fmt in ROWS_ONLY_X16 and i8:  # its row kernel takes every decode size (gemm_min_rows)
         assert start > M
         start = 0
-    no_gemm = DENSE + ["f32", "int4_x16"] + ([] if VNNI else ["int8", "q8_0"])
+    no_gemm = DENSE + ["f32"] + ROWS_ONLY_X16 + ([] if VNNI else ["int8", "q8_0"])
     assert 0 <= start <= M and (start > 0) == (i8 and GEMM and fmt not in no_gemm)
     if start:  # the GEMM's range, then the row kernels' below it
         assert torch.equal(rows(M - start, M), full[M - start:])
@@ -478,6 +493,7 @@ X16_GRID = [(16, 256), (48, 768), (784, 512)]
 X16 = ["q4_k_x16", "q6_k_x16", "int4_x16", "int4_x16-sym"]  # -sym: int4 g64 symmetric
 
 
+
 @pytest.mark.parametrize("fmt", ["q4_k_x16", "q6_k_x16"])
 def test_x16_is_the_same_bytes_and_weights(fmt):
     """interleave moves bytes (q4_k's 6-bit scale packing spelled out); deinterleave gives the
@@ -538,12 +554,13 @@ def test_int4_x16_is_the_same_codes_and_weights(sym, group_size, N, K):
 
 def test_runtime_layout_picks_x16_only_where_it_runs(monkeypatch):
     """cpu_ops.runtime_layout: q4_k / q6_k with whole groups of 16 rows become their _x16 on a
-    512-bit build; 17 rows, other formats, QSERVE_CPU_REPACK=0 and builds without the 512-bit
-    kernels keep the matrix as it is."""
+    512-bit build (q4_k alone on an AVX2 one); 17 rows, other formats, QSERVE_CPU_REPACK=0 and
+    builds without the kernels keep the matrix as it is."""
     for base in ("q4_k", "q6_k"):
         q = random_weight(base, 32, 256)
         out = cpu_ops.runtime_layout(q)
-        assert out.format == (base + "_x16" if VNNI else base)
+        assert out.format == (base + "_x16" if _x16_runs(base + "_x16") else base)
+        assert _x16_runs(base + "_x16") == (VNNI or (base == "q4_k" and GEMM))
         assert cpu_ops.supports(out)
         monkeypatch.setenv("QSERVE_CPU_REPACK", "0")
         assert cpu_ops.runtime_layout(q) is q
@@ -556,7 +573,6 @@ def test_runtime_layout_picks_x16_only_where_it_runs(monkeypatch):
     assert cpu_ops.runtime_layout(q).format == ("int4_x16" if VNNI else "int4")
 
 
-@pytest.mark.skipif(not VNNI, reason="the _x16 layouts run on the AVX-512 VNNI kernels")
 @pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 8, 13, 32, 40])
 @pytest.mark.parametrize("N,K", X16_GRID)
 @pytest.mark.parametrize("fmt", X16)
@@ -565,6 +581,7 @@ def test_x16_matmul_matches_reference(fmt, N, K, M):
     test_weight_matmul_fp32_matches_reference bounds it) and int8 ones: the 16-row kernels for
     1..8 rows a tile (their one-row variants keep more chains in flight), the int8 GEMM from
     gemm_min_rows on, its tiles taken straight from the interleaved bytes."""
+    _skip_unless_x16_runs(fmt)
     qt, w, x, bias = _case(fmt, N, K, M)
     ref = x.double() @ w.T + bias.double()
     out = cpu_ops.weight_matmul(x, qt, bias)
@@ -573,25 +590,29 @@ def test_x16_matmul_matches_reference(fmt, N, K, M):
     _check_int8_activations(fmt, N, K, M)
 
 
-@pytest.mark.skipif(not VNNI, reason="the _x16 layouts run on the AVX-512 VNNI kernels")
+@pytest.mark.skipif(not GEMM, reason=NO_GEMM)
 @pytest.mark.parametrize("fmt,M", [(f, m) for f in X16 for m in (24, 32, 45, 2061)
                                    if m > 32 or not f.startswith("int4")])
 def test_x16_int8_gemm(fmt, M, gemm_prefill):
     """The int8 GEMM on the _x16 layouts (decode batches from gemm_min_rows, prefill, and more
     than one block of inputs and of rows: 2304 inputs, 2061 rows), with a bias: the weights'
     own codes, so the bound of _check_int8_gemm."""
+    _skip_unless_x16_runs(fmt)
     N, K = 48, 2304
     qt, w, x, bias = _case(fmt, N, K, M)
+    if M <= cpu_ops.FUSED_MAX_ROWS and fmt in ROWS_ONLY_X16:
+        assert cpu_ops.gemm_min_rows(qt) > cpu_ops.FUSED_MAX_ROWS
+        pytest.skip(f"{fmt}'s row kernel takes every decode size")
     assert 0 < cpu_ops.gemm_min_rows(qt) <= M
     out = cpu_ops.weight_matmul(x, qt, bias, int8_activations=True).double()
     _check_int8_gemm(out - bias.double(), x, w)
 
 
-@pytest.mark.skipif(not VNNI, reason="the _x16 layouts run on the AVX-512 VNNI kernels")
 @pytest.mark.parametrize("M", [32, 40])
 @pytest.mark.parametrize("fmt", X16)
 def test_x16_reads_back_the_reference_weights(fmt, M):
     """The identity read back through an _x16 matrix (M = 32: the fp32 row path's decoder; 40:
     wdequant, the prefill path) is the base format's reference weights exactly."""
+    _skip_unless_x16_runs(fmt)
     qt = random_weight(fmt, 32, 768, seed=M)
     assert torch.equal(_read_back(qt, M), qt.dequantize())
