@@ -1105,19 +1105,90 @@ static void x16_rows(const uint8_t *grp, int64_t nb, const qacts *a, int64_t m0,
 #undef CALL
 }
 
-/* y = x W^T (+ bias) for a q4_k_x16 W on AVX2: as the 512-bit x16_matmul (q4_k_x16 only) */
+/* AVX2 int4_x16 (layout: the int4_x16 section below): each 64-byte vector two ymm, rows 0-7
+ * and 8-15; a chunk's 8 vpmaddubsw (4 vectors, low and high nibbles) sum exactly in int16 and
+ * one vpmaddwd makes its 8 row sums, scaled once, as x16_rows_y. */
+static inline __attribute__((always_inline)) void
+x16i4_rows_y(const wdesc *W, int64_t g, const qacts *a, int64_t m0, const int mt, float *res)
+{
+    const int64_t Kp = W->Kp, nchunk = Kp / CHUNK, G = Kp / W->group_size;
+    const int64_t cpg = W->group_size / CHUNK;
+    const uint8_t *grp = (const uint8_t *)W->w + g * X16 * (Kp / 2);
+    const half *sc = W->scales + g * X16 * G, *of = W->offsets ? W->offsets + g * X16 * G : NULL;
+    const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    __m256 f[2][2][MTI]; /* [h][c & 1][i] */
+    for (int h = 0; h < 2; h++)
+        for (int i = 0; i < mt; i++)
+            f[h][0][i] = f[h][1][i] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < nchunk; c++) {
+        const uint8_t *wc = grp + c * 4 * 64;
+        for (int o = 0; o < 4 * 64; o += 64)
+            _mm_prefetch((const char *)(wc + X16_PF + o), _MM_HINT_T0);
+        const int64_t gi = c / cpg;
+        for (int h = 0; h < 2; h++) {
+            const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + X16 * gi + 8 * h)));
+            const __m256 o = of ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(of + X16 * gi + 8 * h)))
+                                : _mm256_mul_ps(s, _mm256_set1_ps(-8.f));
+            for (int i0 = 0; i0 < mt; i0 += X16Y_MT) {
+                const int n = mt - i0 < X16Y_MT ? mt - i0 : X16Y_MT;
+                __m256i acc[X16Y_MT]; /* int16 */
+                for (int lg = 0; lg < 4; lg++) {
+                    const __m256i q = _mm256_loadu_si256((const __m256i *)(wc + 64 * lg + 32 * h));
+                    const __m256i wl = _mm256_and_si256(q, m4);
+                    const __m256i wh = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+                    for (int ii = 0; ii < n; ii++) {
+                        const int8_t *xq = a->q + (m0 + i0 + ii) * Kp + c * CHUNK + 4 * lg;
+                        int32_t x0, x1;
+                        memcpy(&x0, xq, 4);
+                        memcpy(&x1, xq + 16, 4);
+                        const __m256i p = _mm256_add_epi16(
+                            _mm256_maddubs_epi16(wl, _mm256_set1_epi32(x0)),
+                            _mm256_maddubs_epi16(wh, _mm256_set1_epi32(x1)));
+                        acc[ii] = lg ? _mm256_add_epi16(acc[ii], p) : p;
+                    }
+                }
+                for (int ii = 0; ii < n; ii++) {
+                    const int64_t r = c * a->Mp + m0 + i0 + ii;
+                    const __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[ii], ones));
+                    __m256 *fc = &f[h][c & 1][i0 + ii]; /* both terms in one accumulator */
+                    *fc = _mm256_fmadd_ps(sum, _mm256_mul_ps(s, _mm256_set1_ps(a->d[r])), *fc);
+                    *fc = _mm256_fmadd_ps(o, _mm256_set1_ps(a->dsum[r]), *fc);
+                }
+            }
+        }
+    }
+    for (int i = 0; i < mt; i++)
+        for (int h = 0; h < 2; h++)
+            _mm256_storeu_ps(res + X16 * i + 8 * h, _mm256_add_ps(f[h][0][i], f[h][1][i]));
+}
+
+static void x16i4_rows(const wdesc *W, int64_t g, const qacts *a, int64_t m0, int mt, float *res)
+{
+#define CALL(k) x16i4_rows_y(W, g, a, m0, k, res)
+    FOR_EACH_MTI(mt, CALL);
+#undef CALL
+}
+
+static void x16i4_dequant_row(const wdesc *W, int64_t n, float *out);
+
+/* y = x W^T (+ bias) for a q4_k_x16 or int4_x16 W on AVX2: as the 512-bit x16_matmul */
 static void x16_matmul(const wdesc *W, const float *x, int64_t M, int64_t ldx, float *y,
                        int64_t ldy, int i8, int nthreads)
 {
-    const int64_t nb = W->K / QK_K, groups = W->N / X16;
-    const int64_t item = row_item(X16 * W->row_bytes) / ROW_ITEM; /* groups of ~32 KB */
+    const int i4 = W->kind == KIND_INT4_X16;
+    const int64_t nb = W->K / QK_K, groups = W->N / X16, Kp = i4 ? W->Kp : W->K;
+    const int64_t rb = i4 ? W->Kp / 2 : W->row_bytes; /* int4: row_bytes is not set */
+    const int64_t item = row_item(X16 * rb) / ROW_ITEM; /* groups of ~32 KB */
     if (!i8) {
 #pragma omp parallel num_threads(nthreads)
         {
-            float *w = aligned_alloc(64, sizeof(float) * (size_t)(nb * QK_K));
+            float *w = aligned_alloc(64, sizeof(float) * (size_t)((W->K + 15) / 16 * 16));
 #pragma omp for schedule(dynamic, item * X16)
             for (int64_t n = 0; n < W->N; n++) {
-                x16_dequant_row(W, n, w);
+                if (i4)
+                    x16i4_dequant_row(W, n, w);
+                else
+                    x16_dequant_row(W, n, w);
                 for (int64_t m = 0; m < M; m++)
                     y[m * ldy + n] = dot(w, x + m * ldx, (int)W->K) + (W->bias ? W->bias[n] : 0.f);
             }
@@ -1125,7 +1196,7 @@ static void x16_matmul(const wdesc *W, const float *x, int64_t M, int64_t ldx, f
         }
         return;
     }
-    qacts a = quantize_activations(x, M, W->K, ldx, W->K, ACT_PLAIN, 0, nthreads);
+    qacts a = quantize_activations(x, M, W->K, ldx, Kp, ACT_PLAIN, 0, nthreads);
     const int64_t run = (groups + 4 * nthreads - 1) / (4 * (int64_t)nthreads);
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, run)
     for (int64_t g = 0; g < groups; g++) {
@@ -1133,7 +1204,10 @@ static void x16_matmul(const wdesc *W, const float *x, int64_t M, int64_t ldx, f
         for (int64_t m0 = 0; m0 < M; m0 += MTI) {
             float res[MTI * X16] __attribute__((aligned(32)));
             const int mt = M - m0 < MTI ? (int)(M - m0) : MTI;
-            x16_rows(grp, nb, &a, m0, W->K, mt, res);
+            if (i4)
+                x16i4_rows(W, g, &a, m0, mt, res);
+            else
+                x16_rows(grp, nb, &a, m0, W->K, mt, res);
             for (int i = 0; i < mt; i++)
                 for (int h = 0; h < 2; h++) {
                     const int64_t n = X16 * g + 8 * h;
@@ -1145,7 +1219,49 @@ static void x16_matmul(const wdesc *W, const float *x, int64_t M, int64_t ldx, f
     }
     free_activations(a);
 }
+/* Row n of an int4_x16 W, its first K inputs (as the 512-bit one) */
+static void x16i4_dequant_row(const wdesc *W, int64_t n, float *out)
+{
+    const int64_t Kp = W->Kp, G = Kp / W->group_size, cpg = W->group_size / CHUNK;
+    const int64_t g = n / X16, r = n % X16;
+    const uint8_t *grp = (const uint8_t *)W->w + g * X16 * (Kp / 2);
+    const half *sc = W->scales + g * X16 * G, *of = W->offsets ? W->offsets + g * X16 * G : NULL;
+    const __m128i idx = _mm_setr_epi32(0, 64, 128, 192), m4 = _mm_set1_epi8(15);
+    for (int64_t c = 0; c * CHUNK < W->K; c++) {
+        const int64_t gi = c / cpg;
+        const float sv = (float)sc[X16 * gi + r];
+        const float ov = of ? (float)of[X16 * gi + r] : -8.f * sv;
+        const __m128i v = _mm_i32gather_epi32((const int *)(grp + c * 256 + 4 * r), idx, 1);
+        uint8_t u[32];
+        _mm_storeu_si128((__m128i *)u, _mm_and_si128(v, m4));
+        _mm_storeu_si128((__m128i *)(u + 16), _mm_and_si128(_mm_srli_epi16(v, 4), m4));
+        for (int64_t k = c * CHUNK; k < W->K && k < (c + 1) * CHUNK; k++)
+            out[k] = (float)u[k - c * CHUNK] * sv + ov;
+    }
+}
+
+/* Row n of an int4_x16 W, chunks k0 / 32 .. k1 / 32, as the int8 GEMM's codes (gemm_codes_row):
+ * u the 32 codes in input order, one scale and offset per 16 inputs (0 offsets where
+ * symmetric: the GEMM's traits take the zero point 8) */
+static void x16i4_codes_row(const wdesc *W, int64_t n, int64_t k0, int64_t k1, uint8_t *u,
+                            float *s, float *o)
+{
+    const int64_t Kp = W->Kp, G = Kp / W->group_size, cpg = W->group_size / CHUNK;
+    const int64_t g = n / X16, r = n % X16;
+    const uint8_t *grp = (const uint8_t *)W->w + g * X16 * (Kp / 2);
+    const half *sc = W->scales + g * X16 * G, *of = W->offsets ? W->offsets + g * X16 * G : NULL;
+    const __m128i idx = _mm_setr_epi32(0, 64, 128, 192), m4 = _mm_set1_epi8(15);
+    for (int64_t c = k0 / CHUNK; c < k1 / CHUNK; c++) {
+        const int64_t j = c - k0 / CHUNK, gi = c / cpg;
+        const __m128i v = _mm_i32gather_epi32((const int *)(grp + c * 256 + 4 * r), idx, 1);
+        _mm_storeu_si128((__m128i *)(u + 32 * j), _mm_and_si128(v, m4));
+        _mm_storeu_si128((__m128i *)(u + 32 * j + 16), _mm_and_si128(_mm_srli_epi16(v, 4), m4));
+        s[2 * j] = s[2 * j + 1] = (float)sc[X16 * gi + r];
+        o[2 * j] = o[2 * j + 1] = of ? (float)of[X16 * gi + r] : 0.f;
+    }
+}
 #endif /* !HAVE_ZMM_PATH */
+
 #endif /* HAVE_I8_PATH */
 
 #ifdef HAVE_ZMM_PATH

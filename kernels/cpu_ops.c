@@ -1572,7 +1572,8 @@ int wmatmul(const wdesc *W, const float *x, int64_t M, int64_t ldx, float *y, in
         x16_matmul(W, x, M, ldx, y, ldy, i8, nthreads);
         return 0;
 #elif defined(HAVE_I8_PATH)
-    case KIND_Q4_K_X16: /* AVX2: q4_k_x16 only */
+    case KIND_Q4_K_X16: /* AVX2: q4_k_x16 and int4_x16 */
+    case KIND_INT4_X16:
         x16_matmul(W, x, M, ldx, y, ldy, i8, nthreads);
         return 0;
 #endif
@@ -1615,6 +1616,9 @@ static int dequant_row(const wdesc *W, int64_t n, float *out)
 #elif defined(HAVE_I8_PATH)
     case KIND_Q4_K_X16:
         x16_dequant_row(W, n, out);
+        return 0;
+    case KIND_INT4_X16:
+        x16i4_dequant_row(W, n, out);
         return 0;
 #endif
     default: {
@@ -1763,12 +1767,12 @@ static int gemm_traits_kind(const wdesc *W, gemm_traits *t)
     case KIND_Q4_K_X16: /* q4_k's codes */
         *t = (gemm_traits){0, 1, 1, 15, 0};
         return 0;
+    case KIND_INT4_X16: /* int4's */
+        *t = W->offsets ? (gemm_traits){0, 1, 1, 15, 0} : (gemm_traits){8, 1, 0, 15, 0};
+        return 0;
 #ifdef HAVE_ZMM_PATH
     case KIND_Q6_K_X16: /* q6_k's */
         *t = (gemm_traits){32, 2, 0, 63, 0};
-        return 0;
-    case KIND_INT4_X16: /* int4's */
-        *t = W->offsets ? (gemm_traits){0, 1, 1, 15, 0} : (gemm_traits){8, 1, 0, 15, 0};
         return 0;
 #endif
     default: {
@@ -1829,6 +1833,12 @@ static void gemm_codes_row(const wdesc *W, int64_t n, int64_t k0, int64_t k1, ui
         }
         return;
     }
+#ifndef HAVE_ZMM_PATH
+    if (W->kind == KIND_INT4_X16) { /* AVX2, as q4_k_x16 below */
+        x16i4_codes_row(W, n, k0, k1, u, s, o);
+        return;
+    }
+#endif
     if (W->kind == KIND_Q4_K_X16) { /* AVX2 (the 512-bit GEMM reads its vectors) */
         const uint8_t *grp = (const uint8_t *)W->w + n / X16 * X16 * W->row_bytes;
         for (int64_t b = k0 / QK_K; b < k1 / QK_K; b++) {
@@ -2290,8 +2300,9 @@ int gemm_min_rows(const wdesc *W)
      * against the row kernels at 8 / 16 / 24 / 32 rows, q4_k 0.81-0.82 / 1.07-1.13 / 1.16-1.26
      * / 1.21-1.28x, q6_k 0.83-0.88 / 0.98-1.17 / 1.14-1.27 / 1.24-1.43x, int4 0.64-0.69 /
      * 0.98-1.02 / 1.13-1.20 / 1.35-1.55x */
-    if (W->kind == KIND_Q4_K_X16) /* its row kernel beats the GEMM at every decode size (0.53-
-                                   * 0.77x at 16-32 rows, 8192 x 2048 and 2048 x 8192) */
+    if (W->kind == KIND_Q4_K_X16 || W->kind == KIND_INT4_X16) /* their row kernels beat the
+                                   * GEMM at every decode size (q4_k_x16 0.53-0.77x at 16-32
+                                   * rows, 8192 x 2048 and 2048 x 8192) */
         return 33;                /* above cpu_ops.py FUSED_MAX_ROWS: never at decode */
     return is_int4(W) || t.halves == 2 ? 20 : 16;
 #else
@@ -2348,7 +2359,7 @@ int wkind_known(int64_t kind)
     if (kind == KIND_Q4_K_X16 || kind == KIND_Q6_K_X16 || kind == KIND_INT4_X16)
         return 1;
 #elif defined(HAVE_I8_PATH)
-    if (kind == KIND_Q4_K_X16)
+    if (kind == KIND_Q4_K_X16 || kind == KIND_INT4_X16)
         return 1;
 #endif
     return kind == KIND_F32 || kind == KIND_INT4 || kind == KIND_INT4Z || kind == KIND_INT8 ||

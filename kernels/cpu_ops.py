@@ -397,8 +397,8 @@ def runtime_layout(qt: QuantizedTensor) -> QuantizedTensor:
     return ggml.interleave(qt)
 
 
-# The formats each kernel set runs interleaved (the AVX2 kernels: q4_k_x16 only)
-X16_BASES = {"avx512-vnni": set(ggml.BY_BASE), "avx2": {"q4_k"}}
+# The formats each kernel set runs interleaved (the AVX2 kernels: not q6_k_x16)
+X16_BASES = {"avx512-vnni": set(ggml.BY_BASE), "avx2": {"q4_k", "int4"}}
 
 
 def runtime_format(fmt: str, shape: tuple[int, ...]) -> str:

@@ -153,7 +153,7 @@ NO_GEMM = "the int8 GEMM is built with the AVX-512 VNNI or AVX2 kernels"
 
 
 def _x16_runs(fmt: str) -> bool:
-    """Whether this build's kernels run the _x16 layout `fmt` (AVX2: q4_k_x16 only)."""
+    """Whether this build's kernels run the _x16 layout `fmt` (AVX2: not q6_k_x16)."""
     base = ggml.INTERLEAVED[fmt.split("-")[0]][0]
     return base in cpu_ops.X16_BASES.get(cpu_ops.kernel_isa(), ())
 
@@ -541,7 +541,7 @@ def test_int4_x16_is_the_same_codes_and_weights(sym, group_size, N, K):
     assert torch.equal(x16.dequantize(), w)
     ids = torch.tensor([N - 1, 0, 5])
     assert torch.equal(x16.rows(ids).dequantize(), w[ids])
-    if VNNI:  # the kernels read it back too, (M = 32: fp32 rows; 40: wdequant)
+    if GEMM:  # the kernels read it back too, (M = 32: fp32 rows; 40: wdequant)
         for M in (32, 40):
             assert torch.equal(_read_back(x16, M), w)
         x = torch.randn(7, K, generator=torch.Generator().manual_seed(1))
@@ -554,8 +554,8 @@ def test_int4_x16_is_the_same_codes_and_weights(sym, group_size, N, K):
 
 def test_runtime_layout_picks_x16_only_where_it_runs(monkeypatch):
     """cpu_ops.runtime_layout: q4_k / q6_k with whole groups of 16 rows become their _x16 on a
-    512-bit build (q4_k alone on an AVX2 one); 17 rows, other formats, QSERVE_CPU_REPACK=0 and
-    builds without the kernels keep the matrix as it is."""
+    512-bit build (q4_k and int4, not q6_k, on an AVX2 one); 17 rows, other formats,
+    QSERVE_CPU_REPACK=0 and builds without the kernels keep the matrix as it is."""
     for base in ("q4_k", "q6_k"):
         q = random_weight(base, 32, 256)
         out = cpu_ops.runtime_layout(q)
@@ -570,7 +570,8 @@ def test_runtime_layout_picks_x16_only_where_it_runs(monkeypatch):
     from qserve.quant.schemes import WeightScheme, quantize
 
     q = quantize(torch.randn(32, 64), WeightScheme(4, 32, True))
-    assert cpu_ops.runtime_layout(q).format == ("int4_x16" if VNNI else "int4")
+    assert cpu_ops.runtime_layout(q).format == ("int4_x16" if GEMM else "int4")
+    assert _x16_runs("int4_x16") == GEMM
 
 
 @pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 8, 13, 32, 40])
