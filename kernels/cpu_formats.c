@@ -1021,6 +1021,41 @@ static void x16_dequant_row(const wdesc *W, int64_t n, float *out)
     }
 }
 
+/* Row n of an int4_x16 W, chunks k0 / 32 .. k1 / 32, as the int8 GEMM's codes (gemm_codes_row):
+ * u the 32 codes in input order, one scale and offset per 16 inputs (0 offsets where
+ * symmetric: the GEMM's traits take the zero point 8) */
+static void x16i4_codes_row(const wdesc *W, int64_t n, int64_t k0, int64_t k1, uint8_t *u,
+                            float *s, float *o)
+{
+    const int64_t Kp = W->Kp, G = Kp / W->group_size, cpg = W->group_size / CHUNK;
+    const int64_t g = n / X16, r = n % X16;
+    const uint8_t *grp = (const uint8_t *)W->w + g * X16 * (Kp / 2);
+    const half *sc = W->scales + g * X16 * G, *of = W->offsets ? W->offsets + g * X16 * G : NULL;
+    const __m128i idx = _mm_setr_epi32(0, 64, 128, 192), m4 = _mm_set1_epi8(15);
+    for (int64_t c = k0 / CHUNK; c < k1 / CHUNK; c++) {
+        const int64_t j = c - k0 / CHUNK, gi = c / cpg;
+        const __m128i v = _mm_i32gather_epi32((const int *)(grp + c * 256 + 4 * r), idx, 1);
+        _mm_storeu_si128((__m128i *)(u + 32 * j), _mm_and_si128(v, m4));
+        _mm_storeu_si128((__m128i *)(u + 32 * j + 16), _mm_and_si128(_mm_srli_epi16(v, 4), m4));
+        s[2 * j] = s[2 * j + 1] = (float)sc[X16 * gi + r];
+        o[2 * j] = o[2 * j + 1] = of ? (float)of[X16 * gi + r] : 0.f;
+    }
+}
+
+/* Row n of an int4_x16 W, its first K inputs: q s + o, as q4_dequant_row (q s is exact in
+ * fp32, so one rounding either way) */
+static void x16i4_dequant_row(const wdesc *W, int64_t n, float *out)
+{
+    for (int64_t c = 0; c * CHUNK < W->K; c++) {
+        uint8_t u[CHUNK];
+        float s[2], o[2];
+        x16i4_codes_row(W, n, c * CHUNK, (c + 1) * CHUNK, u, s, o);
+        const float ov = W->offsets ? o[0] : -8.f * s[0];
+        for (int64_t k = c * CHUNK; k < W->K && k < (c + 1) * CHUNK; k++)
+            out[k] = (float)u[k - c * CHUNK] * s[0] + ov;
+    }
+}
+
 #ifndef HAVE_ZMM_PATH
 /* AVX2: one group's 16 rows against activation rows m0 .. m0 + mt (int8, ACT_PLAIN): res[16 i +
  * r]. Each 64-byte vector of the layout is two ymm, rows 0-7 (h = 0) and 8-15 (h = 1), taken in
@@ -1169,97 +1204,6 @@ static void x16i4_rows(const wdesc *W, int64_t g, const qacts *a, int64_t m0, in
 #undef CALL
 }
 
-static void x16i4_dequant_row(const wdesc *W, int64_t n, float *out);
-
-/* y = x W^T (+ bias) for a q4_k_x16 or int4_x16 W on AVX2: as the 512-bit x16_matmul */
-static void x16_matmul(const wdesc *W, const float *x, int64_t M, int64_t ldx, float *y,
-                       int64_t ldy, int i8, int nthreads)
-{
-    const int i4 = W->kind == KIND_INT4_X16;
-    const int64_t nb = W->K / QK_K, groups = W->N / X16, Kp = i4 ? W->Kp : W->K;
-    const int64_t rb = i4 ? W->Kp / 2 : W->row_bytes; /* int4: row_bytes is not set */
-    const int64_t item = row_item(X16 * rb) / ROW_ITEM; /* groups of ~32 KB */
-    if (!i8) {
-#pragma omp parallel num_threads(nthreads)
-        {
-            float *w = aligned_alloc(64, sizeof(float) * (size_t)((W->K + 15) / 16 * 16));
-#pragma omp for schedule(dynamic, item * X16)
-            for (int64_t n = 0; n < W->N; n++) {
-                if (i4)
-                    x16i4_dequant_row(W, n, w);
-                else
-                    x16_dequant_row(W, n, w);
-                for (int64_t m = 0; m < M; m++)
-                    y[m * ldy + n] = dot(w, x + m * ldx, (int)W->K) + (W->bias ? W->bias[n] : 0.f);
-            }
-            free(w);
-        }
-        return;
-    }
-    qacts a = quantize_activations(x, M, W->K, ldx, Kp, ACT_PLAIN, 0, nthreads);
-    const int64_t run = (groups + 4 * nthreads - 1) / (4 * (int64_t)nthreads);
-#pragma omp parallel for num_threads(nthreads) schedule(dynamic, run)
-    for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *grp = (const uint8_t *)W->w + g * X16 * W->row_bytes;
-        for (int64_t m0 = 0; m0 < M; m0 += MTI) {
-            float res[MTI * X16] __attribute__((aligned(32)));
-            const int mt = M - m0 < MTI ? (int)(M - m0) : MTI;
-            if (i4)
-                x16i4_rows(W, g, &a, m0, mt, res);
-            else
-                x16_rows(grp, nb, &a, m0, W->K, mt, res);
-            for (int i = 0; i < mt; i++)
-                for (int h = 0; h < 2; h++) {
-                    const int64_t n = X16 * g + 8 * h;
-                    const __m256 bias = W->bias ? _mm256_loadu_ps(W->bias + n) : _mm256_setzero_ps();
-                    _mm256_storeu_ps(y + (m0 + i) * ldy + n,
-                                     _mm256_add_ps(_mm256_load_ps(res + X16 * i + 8 * h), bias));
-                }
-        }
-    }
-    free_activations(a);
-}
-/* Row n of an int4_x16 W, its first K inputs (as the 512-bit one) */
-static void x16i4_dequant_row(const wdesc *W, int64_t n, float *out)
-{
-    const int64_t Kp = W->Kp, G = Kp / W->group_size, cpg = W->group_size / CHUNK;
-    const int64_t g = n / X16, r = n % X16;
-    const uint8_t *grp = (const uint8_t *)W->w + g * X16 * (Kp / 2);
-    const half *sc = W->scales + g * X16 * G, *of = W->offsets ? W->offsets + g * X16 * G : NULL;
-    const __m128i idx = _mm_setr_epi32(0, 64, 128, 192), m4 = _mm_set1_epi8(15);
-    for (int64_t c = 0; c * CHUNK < W->K; c++) {
-        const int64_t gi = c / cpg;
-        const float sv = (float)sc[X16 * gi + r];
-        const float ov = of ? (float)of[X16 * gi + r] : -8.f * sv;
-        const __m128i v = _mm_i32gather_epi32((const int *)(grp + c * 256 + 4 * r), idx, 1);
-        uint8_t u[32];
-        _mm_storeu_si128((__m128i *)u, _mm_and_si128(v, m4));
-        _mm_storeu_si128((__m128i *)(u + 16), _mm_and_si128(_mm_srli_epi16(v, 4), m4));
-        for (int64_t k = c * CHUNK; k < W->K && k < (c + 1) * CHUNK; k++)
-            out[k] = (float)u[k - c * CHUNK] * sv + ov;
-    }
-}
-
-/* Row n of an int4_x16 W, chunks k0 / 32 .. k1 / 32, as the int8 GEMM's codes (gemm_codes_row):
- * u the 32 codes in input order, one scale and offset per 16 inputs (0 offsets where
- * symmetric: the GEMM's traits take the zero point 8) */
-static void x16i4_codes_row(const wdesc *W, int64_t n, int64_t k0, int64_t k1, uint8_t *u,
-                            float *s, float *o)
-{
-    const int64_t Kp = W->Kp, G = Kp / W->group_size, cpg = W->group_size / CHUNK;
-    const int64_t g = n / X16, r = n % X16;
-    const uint8_t *grp = (const uint8_t *)W->w + g * X16 * (Kp / 2);
-    const half *sc = W->scales + g * X16 * G, *of = W->offsets ? W->offsets + g * X16 * G : NULL;
-    const __m128i idx = _mm_setr_epi32(0, 64, 128, 192), m4 = _mm_set1_epi8(15);
-    for (int64_t c = k0 / CHUNK; c < k1 / CHUNK; c++) {
-        const int64_t j = c - k0 / CHUNK, gi = c / cpg;
-        const __m128i v = _mm_i32gather_epi32((const int *)(grp + c * 256 + 4 * r), idx, 1);
-        _mm_storeu_si128((__m128i *)(u + 32 * j), _mm_and_si128(v, m4));
-        _mm_storeu_si128((__m128i *)(u + 32 * j + 16), _mm_and_si128(_mm_srli_epi16(v, 4), m4));
-        s[2 * j] = s[2 * j + 1] = (float)sc[X16 * gi + r];
-        o[2 * j] = o[2 * j + 1] = of ? (float)of[X16 * gi + r] : 0.f;
-    }
-}
 #endif /* !HAVE_ZMM_PATH */
 
 #endif /* HAVE_I8_PATH */
@@ -1347,69 +1291,8 @@ static void x16_rows(const uint8_t *grp, int64_t nb, const qacts *a, int64_t m0,
 static void x16q6_dequant_row(const wdesc *W, int64_t n, float *out);
 static void x16q6_rows(const uint8_t *grp, int64_t nb, const qacts *a, int64_t m0, int64_t K,
                        int mt, float *res);
-static void x16i4_dequant_row(const wdesc *W, int64_t n, float *out);
 static void x16i4_rows(const wdesc *W, int64_t g, const qacts *a, int64_t m0, int mt, float *res);
 #define X16Q6_MT 4 /* q6_k_x16's activation rows a tile: more would spill the accumulators */
-
-/* Row n of a q4_k_x16 / q6_k_x16 / int4_x16 W */
-static void x16_any_dequant_row(const wdesc *W, int64_t n, float *out)
-{
-    if (W->kind == KIND_Q6_K_X16)
-        x16q6_dequant_row(W, n, out);
-    else if (W->kind == KIND_INT4_X16)
-        x16i4_dequant_row(W, n, out);
-    else
-        x16_dequant_row(W, n, out);
-}
-
-/* y = x W^T (+ bias) for a q4_k_x16 / q6_k_x16 / int4_x16 W: with int8 activations 16 rows at
- * a time (x16_rows, x16q6_rows, x16i4_rows); with fp32 ones, each row dequantized (as
- * wdequant) and dotted with every activation row. */
-static void x16_matmul(const wdesc *W, const float *x, int64_t M, int64_t ldx, float *y,
-                       int64_t ldy, int i8, int nthreads)
-{
-    const int q6 = W->kind == KIND_Q6_K_X16, i4 = W->kind == KIND_INT4_X16;
-    const int tile = q6 ? X16Q6_MT : MTI;
-    const int64_t nb = W->K / QK_K, groups = W->N / X16, Kp = i4 ? W->Kp : W->K;
-    const int64_t rb = i4 ? W->Kp / 2 : W->row_bytes; /* int4: row_bytes is not set */
-    const int64_t item = row_item(X16 * rb) / ROW_ITEM; /* groups of ~32 KB */
-    if (!i8) {
-#pragma omp parallel num_threads(nthreads)
-        {
-            float *w = aligned_alloc(64, sizeof(float) * (size_t)((W->K + 15) / 16 * 16));
-#pragma omp for schedule(dynamic, item * X16)
-            for (int64_t n = 0; n < W->N; n++) {
-                x16_any_dequant_row(W, n, w);
-                for (int64_t m = 0; m < M; m++)
-                    y[m * ldy + n] = dot(w, x + m * ldx, (int)W->K) + (W->bias ? W->bias[n] : 0.f);
-            }
-            free(w);
-        }
-        return;
-    }
-    qacts a = quantize_activations(x, M, W->K, ldx, Kp, ACT_PLAIN, q6, nthreads);
-    /* runs of consecutive groups, 4 a thread, as run_item hands out rows */
-    const int64_t run = (groups + 4 * nthreads - 1) / (4 * (int64_t)nthreads);
-#pragma omp parallel for num_threads(nthreads) schedule(dynamic, run)
-    for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *grp = (const uint8_t *)W->w + g * X16 * W->row_bytes;
-        const __m512 bias = W->bias ? _mm512_loadu_ps(W->bias + X16 * g) : _mm512_setzero_ps();
-        for (int64_t m0 = 0; m0 < M; m0 += tile) {
-            float res[MTI * X16] __attribute__((aligned(64)));
-            const int mt = M - m0 < tile ? (int)(M - m0) : tile;
-            if (q6)
-                x16q6_rows(grp, nb, &a, m0, W->K, mt, res);
-            else if (i4)
-                x16i4_rows(W, g, &a, m0, mt, res);
-            else
-                x16_rows(grp, nb, &a, m0, W->K, mt, res);
-            for (int i = 0; i < mt; i++)
-                _mm512_storeu_ps(y + (m0 + i) * ldy + X16 * g,
-                                 _mm512_add_ps(_mm512_load_ps(res + X16 * i), bias));
-        }
-    }
-    free_activations(a);
-}
 
 /* Chunks c0 .. c0 + cn (whole super-blocks) of the 16 rows from n0 (a group) as the int8 GEMM's
  * tile, scales and offsets (gemm_pack_tile's layout): the low and high nibbles of each 64-byte
@@ -1700,33 +1583,6 @@ static void x16i4_rows(const wdesc *W, int64_t g, const qacts *a, int64_t m0, in
 #undef CALL
 }
 
-/* Row n of an int4_x16 W, its first K inputs: q s + o, as q4_dequant_row (q s is exact in
- * fp32, so one rounding either way) */
-static void x16i4_dequant_row(const wdesc *W, int64_t n, float *out)
-{
-    const int64_t Kp = W->Kp, G = Kp / W->group_size, cpg = W->group_size / CHUNK;
-    const int64_t g = n / X16, r = n % X16;
-    const uint8_t *grp = (const uint8_t *)W->w + g * X16 * (Kp / 2);
-    const half *sc = W->scales + g * X16 * G, *of = W->offsets ? W->offsets + g * X16 * G : NULL;
-    const __m128i idx = _mm_setr_epi32(0, 64, 128, 192), m4 = _mm_set1_epi8(15);
-    for (int64_t c = 0; c * CHUNK < W->K; c++) {
-        const int64_t gi = c / cpg;
-        const float sv = (float)sc[X16 * gi + r];
-        const float ov = of ? (float)of[X16 * gi + r] : -8.f * sv;
-        const __m128i v = _mm_i32gather_epi32((const int *)(grp + c * 256 + 4 * r), idx, 1);
-        const __m128i parts[2] = {_mm_and_si128(v, m4), _mm_and_si128(_mm_srli_epi16(v, 4), m4)};
-        for (int h = 0; h < 2; h++) {
-            const int64_t k0 = c * CHUNK + 16 * h;
-            if (k0 >= W->K)
-                break;
-            const int64_t left = W->K - k0;
-            const __mmask16 keep = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1);
-            const __m512 y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(parts[h])),
-                                             _mm512_set1_ps(sv), _mm512_set1_ps(ov));
-            _mm512_mask_storeu_ps(out + k0, keep, y);
-        }
-    }
-}
 
 /* The int8 GEMM's tile of int4_x16 rows n0 .. n0 + 15, chunks c0 .. c0 + cn: each 64-byte
  * vector's low nibbles are tile vector lg of its chunk, its high nibbles vector 4 + lg. */
@@ -1755,3 +1611,78 @@ static void x16i4_pack_tile(const wdesc *W, int64_t n0, int64_t c0, int64_t cn, 
     }
 }
 #endif /* HAVE_ZMM_PATH */
+
+#ifdef HAVE_I8_PATH
+/* Row n of a q4_k_x16 / q6_k_x16 / int4_x16 W (q6_k_x16: the 512-bit kernels only) */
+static void x16_any_dequant_row(const wdesc *W, int64_t n, float *out)
+{
+#ifdef HAVE_ZMM_PATH
+    if (W->kind == KIND_Q6_K_X16) {
+        x16q6_dequant_row(W, n, out);
+        return;
+    }
+#endif
+    if (W->kind == KIND_INT4_X16)
+        x16i4_dequant_row(W, n, out);
+    else
+        x16_dequant_row(W, n, out);
+}
+
+/* y = x W^T (+ bias) for a q4_k_x16 / q6_k_x16 / int4_x16 W: with int8 activations 16 rows at
+ * a time (x16_rows, x16q6_rows, x16i4_rows: 512-bit or, q6_k_x16 aside, AVX2); with fp32 ones,
+ * each row dequantized (as wdequant) and dotted with every activation row. */
+static void x16_matmul(const wdesc *W, const float *x, int64_t M, int64_t ldx, float *y,
+                       int64_t ldy, int i8, int nthreads)
+{
+    const int q6 = W->kind == KIND_Q6_K_X16, i4 = W->kind == KIND_INT4_X16;
+#ifdef HAVE_ZMM_PATH
+    const int tile = q6 ? X16Q6_MT : MTI;
+#else
+    const int tile = MTI;
+#endif
+    const int64_t nb = W->K / QK_K, groups = W->N / X16, Kp = i4 ? W->Kp : W->K;
+    const int64_t rb = i4 ? W->Kp / 2 : W->row_bytes; /* int4: row_bytes is not set */
+    const int64_t item = row_item(X16 * rb) / ROW_ITEM; /* groups of ~32 KB */
+    if (!i8) {
+#pragma omp parallel num_threads(nthreads)
+        {
+            float *w = aligned_alloc(64, sizeof(float) * (size_t)((W->K + 15) / 16 * 16));
+#pragma omp for schedule(dynamic, item * X16)
+            for (int64_t n = 0; n < W->N; n++) {
+                x16_any_dequant_row(W, n, w);
+                for (int64_t m = 0; m < M; m++)
+                    y[m * ldy + n] = dot(w, x + m * ldx, (int)W->K) + (W->bias ? W->bias[n] : 0.f);
+            }
+            free(w);
+        }
+        return;
+    }
+    qacts a = quantize_activations(x, M, W->K, ldx, Kp, ACT_PLAIN, q6, nthreads);
+    /* runs of consecutive groups, 4 a thread, as run_item hands out rows */
+    const int64_t run = (groups + 4 * nthreads - 1) / (4 * (int64_t)nthreads);
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, run)
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *grp = (const uint8_t *)W->w + g * X16 * W->row_bytes;
+        for (int64_t m0 = 0; m0 < M; m0 += tile) {
+            float res[MTI * X16] __attribute__((aligned(64)));
+            const int mt = M - m0 < tile ? (int)(M - m0) : tile;
+            if (i4)
+                x16i4_rows(W, g, &a, m0, mt, res);
+#ifdef HAVE_ZMM_PATH
+            else if (q6)
+                x16q6_rows(grp, nb, &a, m0, W->K, mt, res);
+#endif
+            else
+                x16_rows(grp, nb, &a, m0, W->K, mt, res);
+            for (int i = 0; i < mt; i++) /* 8 rows at a time: a ymm on either ISA */
+                for (int h = 0; h < X16; h += 8) {
+                    const int64_t n = X16 * g + h;
+                    const __m256 bias = W->bias ? _mm256_loadu_ps(W->bias + n) : _mm256_setzero_ps();
+                    _mm256_storeu_ps(y + (m0 + i) * ldy + n,
+                                     _mm256_add_ps(_mm256_load_ps(res + X16 * i + h), bias));
+                }
+        }
+    }
+    free_activations(a);
+}
+#endif /* HAVE_I8_PATH */

@@ -1833,12 +1833,10 @@ static void gemm_codes_row(const wdesc *W, int64_t n, int64_t k0, int64_t k1, ui
         }
         return;
     }
-#ifndef HAVE_ZMM_PATH
     if (W->kind == KIND_INT4_X16) { /* AVX2, as q4_k_x16 below */
         x16i4_codes_row(W, n, k0, k1, u, s, o);
         return;
     }
-#endif
     if (W->kind == KIND_Q4_K_X16) { /* AVX2 (the 512-bit GEMM reads its vectors) */
         const uint8_t *grp = (const uint8_t *)W->w + n / X16 * X16 * W->row_bytes;
         for (int64_t b = k0 / QK_K; b < k1 / QK_K; b++) {
