@@ -959,7 +959,7 @@ static void half_dequant_row(const wdesc *W, int64_t n, float *out)
         out[k] = (float)w[k];
 }
 
-/* ---- q4_k_x16: Q4_K with 16 rows interleaved (AVX-512 VNNI builds) -------------------------
+/* ---- q4_k_x16: Q4_K with 16 rows interleaved (AVX-512 VNNI and AVX2 builds) ----------------
  * qserve/formats/ggml.py interleave_q4_k lays out a q4_k matrix whose row count is a multiple of
  * 16 by groups of 16 rows. Group g (rows 16g .. 16g + 15) is its K / 256 super-blocks in order,
  * X16_SB bytes each:

@@ -43,7 +43,8 @@ typedef _Float16 half;
 enum {
     KIND_F32 = 0, KIND_INT4 = 1, KIND_INT8 = 2, KIND_F16 = 3, KIND_BF16 = 4, KIND_INT4Z = 5,
     KIND_Q4_K_X16 = 6, KIND_Q6_K_X16 = 7, KIND_INT4_X16 = 8, /* 16 rows interleaved
-                                           * (kernels/cpu_formats.c; AVX-512 VNNI) */
+                                           * (kernels/cpu_formats.c; AVX-512 VNNI, and
+                                           * AVX2 but q6_k_x16) */
     KIND_Q5_0 = 16 + 6, KIND_Q5_1 = 16 + 7, KIND_Q2_K = 16 + 10, KIND_Q3_K = 16 + 11,
     KIND_Q4_K = 16 + 12, KIND_Q5_K = 16 + 13, KIND_Q6_K = 16 + 14,
 };

@@ -388,9 +388,10 @@ def supports(qt: QuantizedTensor) -> bool:
 def runtime_layout(qt: QuantizedTensor) -> QuantizedTensor:
     """qt as the CPU kernels run it fastest: a q4_k / q6_k / int4 matrix with a multiple of 16
     rows (int4: groups of a multiple of 32 inputs) becomes its _x16 layout (16 rows
-    interleaved, ggml.interleave: the same codes, so the same weights) where the kernels are
-    the 512-bit ones; anything else is returned as it is. QSERVE_CPU_REPACK=0 keeps the
-    file's layout (for comparisons)."""
+    interleaved, ggml.interleave: the same codes, so the same weights) where this build's
+    kernels run it (X16_BASES: the 512-bit ones all three, the AVX2 ones q4_k and int4);
+    anything else is returned as it is. QSERVE_CPU_REPACK=0 keeps the file's layout (for
+    comparisons)."""
     if (qt.qweight.device.type != "cpu" or runtime_format(qt.format, qt.shape) == qt.format
             or (qt.format == "int4" and qt.group_size % 32)):
         return qt

@@ -37,7 +37,7 @@ class QuantLinear(nn.Module):
                   device: torch.device) -> "QuantLinear":
         """A QuantLinear on `device` with its segments in the layout that device's kernels run
         fastest: on the CPU cpu_ops.runtime_layout (q4_k, q6_k and int4 with 16 rows
-        interleaved: the same weights)."""
+        interleaved where the kernels run that: the same weights)."""
         if device.type == "cpu":
             segments = [cpu_ops.runtime_layout(s) for s in segments]
         return cls(segments, bias).to(device)
