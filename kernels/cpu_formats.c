@@ -1513,7 +1513,7 @@ static void x16q6_pack_tile(const wdesc *W, int64_t n0, int64_t c0, int64_t cn, 
 /* ---- int4_x16: qserve's int4 with 16 rows interleaved, alike ----------------------------------
  * qweight, Kp / 2 bytes a row as for int4: group g's chunk c (32 inputs) is 4 vectors of 64 bytes,
  * [lg][r][t] = row r's codes of inputs 32c + 4 lg + t (low nibble) and 32c + 16 + 4 lg + t
- * (high); scales and offsets fp16, [G][16] per group of rows (qserve/formats/interleaved.py).
+ * (high); scales and offsets fp16, [G][16] per group of rows (qserve/formats/ggml.py).
  * w = q s + o (asymmetric), (q - 8) s (symmetric), as int4. */
 static inline __attribute__((always_inline)) void
 x16i4_rows_z(const wdesc *W, int64_t g, const qacts *a, int64_t m0, const int mt, float *res)

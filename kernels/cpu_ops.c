@@ -1725,13 +1725,14 @@ typedef struct {
 } gemm_traits;
 
 /* The most vpmaddubsw results (each lane a pair of code x activation products, |x| <= 127) an
- * int16 lane holds exactly: 8, 4 or 2; 0 when not even one pair fits (int8's codes). */
+ * int16 lane holds exactly: 8, 4 or 2 (the AVX2 kernel's runs); 0 when not even 2 fit (int8's
+ * codes: one pair alone would saturate). */
 static int gemm_run(int umax)
 {
     for (int run = 8; run >= 2; run /= 2)
         if (run * 2 * umax * 127 < 32768)
             return run;
-    return 2 * umax * 127 < 32768 ? 1 : 0;
+    return 0;
 }
 
 /* W's codes' traits; 0, or -1 where the GEMM does not take W (dense kinds; an int8 matrix whose
@@ -1745,7 +1746,7 @@ static int gemm_traits_of(const wdesc *W, gemm_traits *t)
 #ifdef HAVE_ZMM_PATH
     return 0;
 #else
-    return t->run >= 2 ? 0 : -1; /* int8: a pair of products would saturate int16 */
+    return t->run ? 0 : -1; /* int8: a pair of products would saturate int16 */
 #endif
 }
 

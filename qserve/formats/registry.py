@@ -128,7 +128,7 @@ def _x16_validate(qt: QuantizedTensor) -> str | None:
     return None
 
 
-# Not a file's type: how the CPU kernels run a q4_k / q6_k matrix (kernels/cpu_ops.py
+# Not a file's type: how the CPU kernels run a q4_k / q6_k / int4 matrix (kernels/cpu_ops.py
 # runtime_layout), never stored.
 def _int4_x16_validate(qt: QuantizedTensor) -> str | None:
     problem = _grouped_validate(qt)
