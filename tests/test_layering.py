@@ -85,3 +85,19 @@ def test_the_probe_catches_an_upward_import(tmp_path):
     r = subprocess.run([sys.executable, "-c", code, "fakeq.low"], capture_output=True,
                        text=True, timeout=60, cwd=tmp_path)
     assert r.returncode != 0 and "upward import" in r.stderr
+
+
+def test_the_repository_root_shadows_no_installed_package():
+    """kernels/ (imported as qserve.kernels) is no regular package of its own: from the
+    repository root (on sys.path under `python -m pytest` or a script that adds it), `import
+    kernels` must still find Hugging Face's `kernels` distribution, which transformers 5
+    imports, not this directory."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    code = ("import importlib.util as u; s = u.find_spec('kernels'); "
+            "print(s.origin if s and s.origin else '')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=60, cwd=root)
+    assert r.returncode == 0, r.stderr
+    assert not r.stdout.strip().startswith(str(root / "kernels")), r.stdout
