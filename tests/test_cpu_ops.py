@@ -369,9 +369,9 @@ def test_fused_decode_step_matches_layer_by_layer(quant, kw, kv, monkeypatch):
         qkv = model.layers[0].self_attn.qkv_proj
         fmts = kw["formats"]
         assert len(qkv.segments) == (2 if fmts is Q4_K_M else 3 if fmts is MIXED else 1)
-        # on a 512-bit build q4_k / q6_k run as their 16-row interleaved layouts
+        # the layouts this build runs interleaved (X16_BASES) run as their _x16
         want = fmts.get("v", "f32")
-        x16 = cpu_ops.kernel_isa() == "avx512-vnni" and want in ("q4_k", "q6_k")
+        x16 = want in cpu_ops.X16_BASES.get(cpu_ops.kernel_isa(), ())
         assert qkv.formats[-1] == (want + "_x16" if x16 else want)
     cache = torch.zeros(1, 4, arch.num_kv_heads, arch.head_dim)
     assert cpu_ops.CpuDecoder.build(model, [{"k": cache, "v": cache}]) is not None
