@@ -17,9 +17,9 @@ On a CPU the plan is the process's peak RSS, term by term (measured with
                 there (swap preemption, layer-wise offload): untouched, its pages take nothing
     scratch     the buffer a prefill matmul dequantizes the largest matrix into, kept for reuse
                 (kernels/cpu_ops.py _scratch): bf16 where the CPU multiplies bf16 fast
-    activations one step's transient peak: the larger of the attention (torch's CPU SDPA
-                on 3-D inputs materializes fp32 scores and probabilities, heads x chunk x
-                context each) and the MLP's fused gate/up product, beside the residual stream
+    activations one step's transient peak: the larger of the attention (torch's CPU flash
+                kernel; soft-capped scores are materialized, heads x chunk x context) and the
+                MLP's fused gate/up product, beside the residual stream
 """
 from __future__ import annotations
 
@@ -182,13 +182,18 @@ def activation_bytes(arch: ModelArchConfig, tokens: int, context: int, logit_row
     Live through a layer: the residual stream (x, residual, normed), q/k/v, and what the
     allocator keeps of the previous MLP: (6 hidden + 3 intermediate) fp32 values a token, as
     measured on the 1B and 8B shapes. The MLP: its fused gate/up product in fp32, with the
-    bf16 and fp32 GEMM results it is copied from, and the activation. On a CPU the attention
-    is torch's SDPA math path (3-D inputs), which materializes fp32 scores and probabilities
-    (heads, tokens, context): measured 9 bytes a score at 500-2,000 tokens, plus K/V expanded
-    to every head and the output."""
+    bf16 and fp32 GEMM results it is copied from, and the activation. The attention: q, its
+    output and K/V; on a CPU, torch's flash kernel works in blocks (kernels/paged_attention.py
+    _attend), with a chunk's mask as fp32 (tokens x context); soft-capped scores
+    (models/softcap_attention.py) are materialized, fp32 scores and probabilities (heads,
+    tokens, context): 9 bytes a score, as measured for torch's math path at 500-2,000
+    tokens."""
     h, i, H, d = arch.hidden_size, arch.intermediate_size, arch.num_heads, arch.head_dim
     live = tokens * (6 * h + 3 * i) * 4
-    attention = tokens * 3 * H * d * 4 + (9 * H * tokens * context if cpu else 0)
+    attention = tokens * 3 * H * d * 4
+    if cpu:
+        attention += (9 * H * tokens * context if arch.attn_logit_softcapping
+                      else 4 * tokens * context)
     mlp = tokens * (2 * i * (4 + 2 + 4) + 2 * h + i * 4)
     logits = 2 * min(logit_rows, tokens) * arch.vocab_size * 4
     return live + max(attention, mlp) + logits
