@@ -18,7 +18,7 @@ On a CPU the plan is the process's peak RSS, term by term (measured with
     scratch     the buffer a prefill matmul dequantizes the largest matrix into, kept for reuse
                 (kernels/cpu_ops.py _scratch): bf16 where the CPU multiplies bf16 fast
     activations one step's transient peak: the larger of the attention (torch's CPU flash
-                kernel; soft-capped scores are materialized, heads x chunk x context) and the
+                kernel; soft-capped scores are materialized, heads x 256 rows x context) and the
                 MLP's fused gate/up product, beside the residual stream
 """
 from __future__ import annotations
@@ -31,6 +31,7 @@ import torch
 
 from qserve.config import EngineConfig, ModelArchConfig
 from qserve.errors import ConfigError
+from qserve.models.softcap_attention import QUERY_BLOCK
 
 GiB = 1 << 30
 # The interpreter, torch (215 MiB of it), qserve and its kernel library before any model, and
@@ -186,13 +187,13 @@ def activation_bytes(arch: ModelArchConfig, tokens: int, context: int, logit_row
     output and K/V; on a CPU, torch's flash kernel works in blocks (kernels/paged_attention.py
     _attend), with a chunk's mask as fp32 (tokens x context); soft-capped scores
     (models/softcap_attention.py) are materialized, fp32 scores and probabilities (heads,
-    tokens, context): 9 bytes a score, as measured for torch's math path at 500-2,000
-    tokens."""
+    QUERY_BLOCK rows, context): 9 bytes a score, as measured for torch's math path at
+    500-2,000 tokens."""
     h, i, H, d = arch.hidden_size, arch.intermediate_size, arch.num_heads, arch.head_dim
     live = tokens * (6 * h + 3 * i) * 4
     attention = tokens * 3 * H * d * 4
     if cpu:
-        attention += (9 * H * tokens * context if arch.attn_logit_softcapping
+        attention += (9 * H * min(tokens, QUERY_BLOCK) * context if arch.attn_logit_softcapping
                       else 4 * tokens * context)
     mlp = tokens * (2 * i * (4 + 2 + 4) + 2 * h + i * 4)
     logits = 2 * min(logit_rows, tokens) * arch.vocab_size * 4

@@ -33,22 +33,32 @@ def softcap_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out
 
 
+# Query rows a pass: the scores this attention materializes are (heads, rows, context) fp32,
+# so a long prompt's are computed a block of rows at a time (engine/memory_plan.py counts one)
+QUERY_BLOCK = 256
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, softcap: float,
             window: int | None) -> torch.Tensor:
-    """One sequence: q (n, H, d) are the last n positions of k, v (L, Hkv, d) -> (n, H, d)."""
+    """One sequence: q (n, H, d) are the last n positions of k, v (L, Hkv, d) -> (n, H, d),
+    QUERY_BLOCK query rows at a time (each row's scores are its own)."""
     n, H, _ = q.shape
     L, hkv = k.shape[:2]
     g = H // hkv
-    qh = q.transpose(0, 1)  # (H, n, d)
     kh = k.transpose(0, 1).repeat_interleave(g, dim=0)  # (H, L, d): head h reads kv head h // g
     vh = v.transpose(0, 1).repeat_interleave(g, dim=0)
-    scores = torch.matmul(qh, kh.transpose(1, 2)) * scale  # (H, n, L)
-    scores = torch.tanh(scores / softcap) * softcap
-    qpos = torch.arange(L - n, L, device=q.device).unsqueeze(1)
     kpos = torch.arange(L, device=q.device).unsqueeze(0)
-    mask = kpos <= qpos  # (n, L)
-    if window is not None:
-        mask &= kpos > qpos - window
-    scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
-    return torch.matmul(probs, vh).transpose(0, 1)  # (n, H, d)
+    out = torch.empty_like(q)
+    for r0 in range(0, n, QUERY_BLOCK):
+        r1 = min(n, r0 + QUERY_BLOCK)
+        qh = q[r0:r1].transpose(0, 1)  # (H, rows, d)
+        scores = torch.matmul(qh, kh.transpose(1, 2)) * scale  # (H, rows, L)
+        scores = torch.tanh(scores / softcap) * softcap
+        qpos = torch.arange(L - n + r0, L - n + r1, device=q.device).unsqueeze(1)
+        mask = kpos <= qpos  # (rows, L)
+        if window is not None:
+            mask &= kpos > qpos - window
+        scores = scores.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+        out[r0:r1] = torch.matmul(probs, vh).transpose(0, 1)  # (rows, H, d)
+    return out
