@@ -2,6 +2,7 @@
 int8 and int4 (keys coded per channel by a codebook, rotated 4-bit values) blocks against
 attention over the dequantized values, block moves, and the byte accounting behind
 `qserve info` (int4 holds >= 3.5x the tokens of fp16)."""
+import os
 from pathlib import Path
 
 import pytest
@@ -319,25 +320,28 @@ def test_copy_and_swap_move_values_and_scales(name):
         assert torch.equal(t[:, 0], b[:, 3])
 
 
-@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
+@pytest.mark.skipif(not Path("/proc/self/pagemap").exists(), reason="reads /proc")
 @pytest.mark.parametrize("name", ["fp32", "int8"])
 def test_cpu_pool_takes_memory_as_blocks_are_written(name):
     """The CPU pool reads as zeros but becomes resident only where written: a 256-block pool
     of 65-256 MiB has nothing resident at startup (torch.zeros would write it all), and writing
-    16 blocks makes about their share resident. Residency is the pool's own mappings' (their
-    Rss in /proc/self/smaps), not the process's, which the allocator's temporaries move."""
+    16 blocks makes about their share resident. Residency is counted page by page over the
+    pool's own bytes in /proc/self/pagemap: not the process's RSS, which the allocator's
+    temporaries move, nor a mapping's Rss in smaps, since the kernel may merge the pool's
+    mapping with a neighbouring anonymous one that is resident."""
+    page = os.sysconf("SC_PAGE_SIZE")
+
     def resident_kib(tensors) -> int:
-        spans = [(t.data_ptr(), t.data_ptr() + t.nbytes) for t in tensors]
-        total, current = 0, None
-        with open("/proc/self/smaps") as f:
-            for line in f:
-                head = line.split()[0]
-                if "-" in head and not head.endswith(":"):  # a mapping's address range
-                    lo, hi = (int(a, 16) for a in head.split("-"))
-                    current = any(lo < e and s < hi for s, e in spans)
-                elif head == "Rss:" and current:
-                    total += int(line.split()[1])
-        return total
+        # an entry per page: bit 63 present, bit 56 mapped by this process alone. A read of an
+        # untouched private page maps the kernel's shared zero page, present but not exclusive.
+        counted = 0
+        with open("/proc/self/pagemap", "rb") as f:
+            for t in tensors:
+                first, end = t.data_ptr() // page, -(-(t.data_ptr() + t.nbytes) // page)
+                f.seek(first * 8)
+                entries = memoryview(f.read((end - first) * 8)).cast("Q")
+                counted += sum(1 for e in entries if e >> 63 and (e >> 56) & 1)
+        return counted * page >> 10
 
     arch = ModelArchConfig("llama", 10, 1024, 256, 8, 8, 8, 128)
     ce = CacheEngine(arch, CacheConfig(block_size=16), 256, 0, torch.device("cpu"),
