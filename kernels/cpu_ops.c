@@ -1644,6 +1644,22 @@ int wdequant(const wdesc *W, float *out, int nthreads)
     return 0;
 }
 
+/* out (n, K) fp32 = rows rows[0 .. n) of W: a token embedding's lookup, through the same row
+ * decoders (the reference's weights exactly). 0, -1 for a kind this build does not know, -2
+ * for a row outside W (nothing written). */
+int wdequant_rows(const wdesc *W, const int64_t *rows, int64_t n, float *out, int nthreads)
+{
+    if (!wkind_known(W->kind))
+        return -1;
+    for (int64_t i = 0; i < n; i++)
+        if (rows[i] < 0 || rows[i] >= W->N)
+            return -2;
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, ROW_ITEM) if (n >= 64)
+    for (int64_t i = 0; i < n; i++)
+        dequant_row(W, rows[i], out + i * W->K);
+    return 0;
+}
+
 /* out (N, K) bf16 = W, rounded to nearest even as torch rounds: the prefill path's GEMM in bf16
  * where the CPU multiplies bf16 fast (AMX / AVX512-BF16 through torch's oneDNN). Each row is
  * dequantized in fp32 into a thread's buffer in L1/L2, so memory sees only the bf16 copy. */

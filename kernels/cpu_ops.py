@@ -94,6 +94,7 @@ _SIGNATURES = {  # name: (argtypes, restype)
     "wmatmul": ([_WDESC, _ptr, _i64, _i64, _ptr, _i64, _int, _int], _int),
     "wdequant": ([_WDESC, _ptr, _int], _int),
     "wdequant_bf16": ([_WDESC, _ptr, _int], _int),
+    "wdequant_rows": ([_WDESC, _ptr, _i64, _ptr, _int], _int),
     "wgemm_i8": ([_WDESC, _ptr, _i64, _i64, _ptr, _i64, _int], _int),
     "wkind_known": ([_i64], _int),
     "gemm_min_rows": ([_WDESC], _int),
@@ -487,6 +488,22 @@ def weight_matmul(x: torch.Tensor, qt: QuantizedTensor, bias: torch.Tensor | Non
     assert L.wmatmul(ctypes.byref(desc), _p(x), M, x.stride(0), _p(out), out.stride(0),
                      int(int8_activations), _threads()) == 0
     return out
+
+
+def weight_rows(qt: QuantizedTensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` (integers, any shape) of qt in fp32, (*ids.shape, in_features): a token
+    embedding's lookup through the row decoders of wdequant, which give the reference's
+    weights exactly, without the Python deinterleaving of an _x16 table's groups. IndexError
+    for an id outside qt's rows. The caller has checked supports(qt)."""
+    L = lib()
+    assert L is not None
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    out = torch.empty(flat.numel(), qt.in_features, dtype=torch.float32)
+    rc = L.wdequant_rows(ctypes.byref(_desc(qt)), _p(flat), flat.numel(), _p(out), _threads())
+    if rc == -2:
+        raise IndexError(f"a token id outside the embedding table's {qt.shape[0]} rows")
+    assert rc == 0, rc
+    return out.reshape(*ids.shape, qt.in_features)
 
 
 # ---- KV cache --------------------------------------------------------------------------------

@@ -609,6 +609,33 @@ def test_x16_int8_gemm(fmt, M, gemm_prefill):
     _check_int8_gemm(out - bias.double(), x, w)
 
 
+@pytest.mark.parametrize("fmt", X16 + GGML + DENSE + ["int4", "int8"])
+def test_embedding_lookup_through_the_kernels_is_the_reference(fmt):
+    """QuantEmbedding's lookup on the CPU goes through the C row decoders (wdequant_rows): the
+    rows it returns are the reference's rows bit for bit, in the ids' shape and order (repeats
+    included), and an id outside the table is an IndexError, as the reference's lookup."""
+    from qserve.layers.quant_linear import QuantEmbedding
+
+    if fmt in X16:
+        _skip_unless_x16_runs(fmt)
+    qt = (_mixed_formats_weight(fmt, 48, 77) if fmt in ("int4", "int8")
+          else random_weight(fmt, 48, _in_sizes(fmt)[-1] if fmt in GGML + DENSE else 512))
+    emb = QuantEmbedding(qt, torch.float32)
+    ids = torch.tensor([[47, 0, 17], [17, 31, 16]])
+    calls = []
+    real = cpu_ops.weight_rows
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cpu_ops, "weight_rows", lambda *a: calls.append(1) or real(*a))
+        got = emb(ids)
+    assert calls, "the lookup did not go through the C row decoders"
+    assert got.shape == (2, 3, qt.in_features)
+    assert torch.equal(got, qt.dequantize()[ids])
+    with pytest.raises(IndexError):
+        emb(torch.tensor([3, 48]))
+    with pytest.raises(IndexError):
+        emb(torch.tensor([-1]))
+
+
 @pytest.mark.parametrize("M", [32, 40])
 @pytest.mark.parametrize("fmt", X16)
 def test_x16_reads_back_the_reference_weights(fmt, M):

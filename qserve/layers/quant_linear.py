@@ -81,6 +81,7 @@ class QuantEmbedding(nn.Module):
         super().__init__()
         self.num_embeddings, self.embedding_dim, self.dtype = qt.shape[0], qt.in_features, dtype
         self.format = qt.format
+        self._c_rows_for: tuple = (None, False)  # (the table's storage, whether C decodes it)
         for part in _PARTS:
             self.register_buffer(part, getattr(qt, part))  # (vocab, ...) rows
 
@@ -100,8 +101,20 @@ class QuantEmbedding(nn.Module):
                                self.embedding_dim)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """(T,) -> (T, hidden)."""
-        return self.table.rows(input_ids).dequantize().to(self.dtype)
+        """(T,) -> (T, hidden). On the CPU, through the C row decoders where they take the
+        table (about 0.6 ms less a decode step than deinterleaving an _x16 table's group of 16
+        rows in torch, for the same weights)."""
+        table = self.table
+        if input_ids.device.type == "cpu" and self._c_rows(table):
+            return cpu_ops.weight_rows(table, input_ids).to(self.dtype)
+        return table.rows(input_ids).dequantize().to(self.dtype)
+
+    def _c_rows(self, table: QuantizedTensor) -> bool:
+        """Whether the C kernels decode this table's rows; asked once per table storage."""
+        key = (self.qweight.data_ptr(), self.qweight.device)
+        if self._c_rows_for[0] != key:
+            self._c_rows_for = (key, cpu_ops.supports(table))
+        return self._c_rows_for[1]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(S, hidden) -> (S, vocab) fp32: hidden @ table^T."""
