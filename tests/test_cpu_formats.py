@@ -283,6 +283,41 @@ def test_int8_gemm_qserve_formats(fmt, N, K, M, gemm_prefill):
 
 
 @pytest.mark.skipif(not GEMM, reason=NO_GEMM)
+@pytest.mark.parametrize("fmt,N,K", [("int4-sym", 28, 2080), ("int4-sym-x16", 48, 512),
+                                     ("q5_0", 20, 512), ("q4_k", 24, 512), ("int4", 28, 96)])
+def test_int8_gemm_rows_do_not_depend_on_their_neighbours(fmt, N, K, gemm_prefill):
+    """Each output of the int8 GEMM is the same bits whether its weight row runs in an 8-row
+    slice of W alone or beside the others: the AVX2 build runs two 8-row tiles at once for codes
+    without offsets (gemm_tile2_i8; here whole pairs and a partial one), and that must be
+    gemm_tile_i8's arithmetic exactly, so a row's result never depends on how N falls into
+    tiles. int4_x16 (Q4_0's repack) packs its tiles from the interleaved layout, its slices
+    from plain int4: the same codes."""
+    M = 24
+    base = fmt.removesuffix("-x16")
+    if base in GGML:
+        qt, w, x, bias = _case(base, N, K, M)
+    else:
+        qt = _mixed_formats_weight(base, N, K)
+        w = qt.dequantize().double()
+        g = torch.Generator().manual_seed(N + K)
+        x, bias = torch.randn(M, K, generator=g), torch.randn(N, generator=g)
+    if fmt.endswith("-x16"):
+        qt = cpu_ops.runtime_layout(qt)
+        assert qt.format == "int4_x16"
+    cpu_ops.set_gemm_rows(1)  # the GEMM even where a decode batch would take the row kernels
+    try:
+        out = cpu_ops.weight_matmul(x, qt, bias, int8_activations=True)
+        for r0 in range(0, N, 8):
+            part = qt.rows(slice(r0, r0 + 8))
+            assert cpu_ops.gemm_min_rows(part) == 1
+            alone = cpu_ops.weight_matmul(x, part, bias[r0:r0 + 8], int8_activations=True)
+            assert torch.equal(out[:, r0:r0 + 8], alone), r0
+    finally:
+        cpu_ops.set_gemm_rows(None)
+    _check_int8_gemm(out.double() - bias.double(), x, w)
+
+
+@pytest.mark.skipif(not GEMM, reason=NO_GEMM)
 @pytest.mark.parametrize("fmt,N,K,M", [("q4_k", 40, 2304, 45), ("q6_k", 24, 4352, 40),
                                        ("q5_0", 17, 2080, 24), ("int4", 33, 2080, 24),
                                        ("int4z-g128", 16, 4224, 45), ("int8", 24, 2081, 45),
