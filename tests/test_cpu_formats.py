@@ -288,10 +288,10 @@ def test_int8_gemm_qserve_formats(fmt, N, K, M, gemm_prefill):
 def test_int8_gemm_rows_do_not_depend_on_their_neighbours(fmt, N, K, gemm_prefill):
     """Each output of the int8 GEMM is the same bits whether its weight row runs in an 8-row
     slice of W alone or beside the others: the AVX2 build runs two 8-row tiles at once for codes
-    without offsets (gemm_tile2_i8; here whole pairs and a partial one), and that must be
-    gemm_tile_i8's arithmetic exactly, so a row's result never depends on how N falls into
-    tiles. int4_x16 (Q4_0's repack) packs its tiles from the interleaved layout, its slices
-    from plain int4: the same codes."""
+    without offsets (gemm_tile2_i8; int4-sym and q5_0 here: whole pairs and a partial one), and
+    that must be gemm_tile_i8's arithmetic exactly, so a row's result never depends on how N
+    falls into tiles; q4_k and int4 (offsets) run one tile at a time. int4_x16 (Q4_0's repack)
+    packs its tiles from the interleaved layout, its slices from plain int4: the same codes."""
     M = 24
     base = fmt.removesuffix("-x16")
     if base in GGML:
@@ -306,6 +306,7 @@ def test_int8_gemm_rows_do_not_depend_on_their_neighbours(fmt, N, K, gemm_prefil
         assert qt.format == "int4_x16"
     cpu_ops.set_gemm_rows(1)  # the GEMM even where a decode batch would take the row kernels
     try:
+        assert cpu_ops.gemm_min_rows(qt) == 1
         out = cpu_ops.weight_matmul(x, qt, bias, int8_activations=True)
         for r0 in range(0, N, 8):
             part = qt.rows(slice(r0, r0 + 8))
