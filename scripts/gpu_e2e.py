@@ -502,10 +502,17 @@ def run_all(args) -> None:
             r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
                                timeout=max(30, min(budget, left(args.deadline) - 30)))
             text = (r.stdout + r.stderr).strip()
+            if out is not None:  # the whole output beside the report's tail
+                (out / (name.replace(" ", "-") + ".log")).write_text(text + "\n")
             print(text if name != "kernel tests" else "\n".join(text.splitlines()[-15:]))
             if r.returncode != 0:
                 Report.failures.append(name)
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired as e:
+            part = e.stdout or b""
+            part = (part.decode(errors="replace") if isinstance(part, bytes) else part).strip()
+            print("\n".join(part.splitlines()[-15:]))
+            if out is not None:
+                (out / (name.replace(" ", "-") + ".log")).write_text(part + "\n")
             print(f"(stopped after its {budget} s budget)")
             Report.failures.append(f"{name} (timeout)")
     check(args)
