@@ -22,9 +22,6 @@ from qserve.kernels import cpu_ops
 
 SHAPES = [(2048, 8192), (8192, 2048), (2048, 2048)]  # (K, N): gate/up, down, q/o
 FORMATS = ["int4", "q4_k", "q6_k", "q5_k", "q3_k", "q2_k", "q5_0", "int8", "f16"]
-# byte offsets of the fp16 fields (d, and dmin / m) in a block of each GGML type timed here
-FP16_FIELDS = {"q5_0": (0,), "q2_k": (80, 82), "q3_k": (108,), "q4_k": (0, 2), "q5_k": (0, 2),
-               "q6_k": (208,)}
 
 
 def random_weight(fmt: str, N: int, K: int, g: torch.Generator) -> QuantizedTensor:
@@ -41,7 +38,8 @@ def random_weight(fmt: str, N: int, K: int, g: torch.Generator) -> QuantizedTens
     t = ggml.TYPES[fmt]
     blocks = torch.randint(0, 256, (N * K // t.block, t.block_bytes), dtype=torch.uint8,
                            generator=g)
-    for off in FP16_FIELDS[fmt]:  # a checkpoint's scales: no NaN, inf or subnormal arithmetic
+    # a checkpoint's scales: no NaN, inf or subnormal arithmetic
+    for off in ggml.TYPES[fmt].fp16_fields:
         d = torch.randn(blocks.shape[0], 1, generator=g) * 0.01
         blocks[:, off:off + 2] = d.half().view(torch.uint8)
     return QuantizedTensor(fmt, blocks.view(N, -1), None, None, K)

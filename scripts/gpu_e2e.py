@@ -481,13 +481,21 @@ def _hf_row(shape: str, batch: int, dev: str, args, compiled: bool) -> None:
 
 
 # ---- all -----------------------------------------------------------------------------------
+def _xdist() -> list[str]:
+    """pytest-xdist's workers where it is installed (the GPU machine has it): the kernel
+    tests' Triton compiles then run on several cores."""
+    import importlib.util
+
+    return ["-n", "8"] if importlib.util.find_spec("xdist") else []
+
+
 def run_all(args) -> None:
     """Kernel tests, check, gpu_check's perf sections, bench; then the Triton cache to --out."""
     out = Path(args.out) if args.out else None
     steps = [
-        ("kernel tests", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--maxfail=8",
-                          "tests/test_triton_kernels.py", "tests/test_triton_ggml.py",
-                          "tests/test_cuda_path.py"], 150),
+        ("kernel tests", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          "--maxfail=8", *_xdist(), "tests/test_triton_kernels.py",
+                          "tests/test_triton_ggml.py", "tests/test_cuda_path.py"], 150),
         ("gpu_check perf", [sys.executable, "scripts/gpu_check.py", "--skip-tests",
                             "--sections", "copy,gemm,decode,prefill"], 120),
     ]

@@ -29,10 +29,6 @@ GGML = list(ggml.IN_PLACE)  # q5_0 q5_1 q2_k q3_k q4_k q5_k q6_k
 DENSE = ["f16", "bf16"]
 U = 2.0 ** -24  # fp32 unit roundoff
 
-# Byte offsets of each in-place type's fp16 fields (d, and dmin / m where it has them).
-FP16_FIELDS = {"q5_0": (0,), "q5_1": (0, 2), "q2_k": (80, 82), "q3_k": (108,),
-               "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
-
 
 def random_weight(fmt: str, N: int, K: int, seed: int = 0, std: float | None = None
                   ) -> QuantizedTensor:
@@ -56,7 +52,8 @@ def random_weight(fmt: str, N: int, K: int, seed: int = 0, std: float | None = N
     t = ggml.TYPES[fmt]
     n = N * K // t.block
     blocks = torch.randint(0, 256, (n, t.block_bytes), dtype=torch.uint8, generator=g)
-    fields = {off: torch.randn(n, 1, generator=g) * 0.01 for off in FP16_FIELDS[fmt]}
+    fields = {off: torch.randn(n, 1, generator=g) * 0.01
+              for off in ggml.TYPES[fmt].fp16_fields}
     if std is not None:
         for off, d in fields.items():
             blocks[:, off:off + 2] = d.half().view(torch.uint8)

@@ -13,26 +13,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
+from ggml_blocks import random_rows
 from qserve.formats import QuantizedTensor, ggml
-
-# Byte offsets of each type's fp16 fields (d, and dmin / m where it has them).
-FP16_FIELDS = {
-    "q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "q8_0": (0,),
-    "q2_k": (80, 82), "q3_k": (108,), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,),
-}
-
-
-def random_rows(name: str, out: int, in_features: int, seed: int = 0) -> torch.Tensor:
-    """(out, in_features / block * block_bytes) uint8: random blocks of type `name` whose fp16
-    fields hold randn * 0.01."""
-    t = ggml.TYPES[name]
-    g = torch.Generator().manual_seed(seed)
-    n = out * in_features // t.block
-    blocks = torch.randint(0, 256, (n, t.block_bytes), dtype=torch.uint8, generator=g)
-    for off in FP16_FIELDS[name]:
-        d = (torch.randn(n, 1, generator=g) * 0.01).half()
-        blocks[:, off:off + 2] = d.view(torch.uint8)
-    return blocks.view(out, -1)
 
 
 def gguf_dequantize(name: str, rows: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ if not ON_GPU and not IMPORTED_TOO_LATE:  # too late: leave it unset, so later m
     os.environ["TRITON_INTERPRET"] = "1"
 triton = pytest.importorskip("triton")
 
-from test_ggml_formats import random_rows  # noqa: E402
+from ggml_blocks import random_rows  # noqa: E402
 from qserve.formats import QuantizedTensor, ggml  # noqa: E402
 from qserve.kernels.triton_ggml import ggml_matmul  # noqa: E402
 

@@ -24,15 +24,16 @@ class GGMLType:
     type_id: int  # GGMLQuantizationType value
     block: int  # inputs per block
     block_bytes: int
+    fp16_fields: tuple[int, ...]  # byte offsets of a block's fp16 scales (d, and dmin / m)
 
 
 TYPES = {
-    "q4_0": GGMLType(2, 32, 18), "q4_1": GGMLType(3, 32, 20),
-    "q5_0": GGMLType(6, 32, 22), "q5_1": GGMLType(7, 32, 24),
-    "q8_0": GGMLType(8, 32, 34),
-    "q2_k": GGMLType(10, 256, 84), "q3_k": GGMLType(11, 256, 110),
-    "q4_k": GGMLType(12, 256, 144), "q5_k": GGMLType(13, 256, 176),
-    "q6_k": GGMLType(14, 256, 210),
+    "q4_0": GGMLType(2, 32, 18, (0,)), "q4_1": GGMLType(3, 32, 20, (0, 2)),
+    "q5_0": GGMLType(6, 32, 22, (0,)), "q5_1": GGMLType(7, 32, 24, (0, 2)),
+    "q8_0": GGMLType(8, 32, 34, (0,)),
+    "q2_k": GGMLType(10, 256, 84, (80, 82)), "q3_k": GGMLType(11, 256, 110, (108,)),
+    "q4_k": GGMLType(12, 256, 144, (0, 2)), "q5_k": GGMLType(13, 256, 176, (0, 2)),
+    "q6_k": GGMLType(14, 256, 210, (208,)),
 }
 # Every GGML type a GGUF file may name: id -> (name, inputs per block, bytes per block), so a
 # file's header is read (and a type qserve cannot run is named) without the gguf package.
