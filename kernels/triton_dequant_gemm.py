@@ -12,6 +12,11 @@ what else is running):
     kernel; rows go ROWS_PER_LAUNCH at a time so the partials stay a few MB. Prefill pays for
     the fixed tile by reading W once per 16 rows (from L2, mostly; unmeasured on a GPU).
 
+The launch configuration (BLOCK_N, the largest BLOCK_K, warps, pipeline stages, and how many
+programs per multiprocessor split-K aims for) comes from a per-device table measured on that
+GPU (`scripts/gpu_check.py --sections tune` writes kernels/tuned/<device>.json), keyed by
+format, group, N and K: never by M, so the table keeps batch invariance.
+
 Scales are applied per K tile, not per weight: when a tile lies inside one group,
 
     sum_k x_k (q_k s + m) = s * (x . q) + m * sum_k x_k
@@ -27,7 +32,11 @@ dequantizing each weight before the dot.
 """
 from __future__ import annotations
 
+import functools
+import json
 import os
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import triton
@@ -190,14 +199,65 @@ def _num_sms(device: torch.device) -> int:
 
 
 def split_plan(device: torch.device, N: int, k_units: int, BLOCK_N: int,
-               split_k: int | None) -> tuple[int, int]:
-    """How many programs share K, and how many K units each: enough to fill the GPU with
-    N / BLOCK_N tiles per split. Chosen from N and K, never M, so a row's sum runs in the
-    same order in any batch. Returns (split_k, units per split)."""
+               split_k: int | None, fill: int = 2) -> tuple[int, int]:
+    """How many programs share K, and how many K units each: enough to fill the GPU (`fill`
+    programs per multiprocessor) with N / BLOCK_N tiles per split. Chosen from N and K, never
+    M, so a row's sum runs in the same order in any batch. Returns (split_k, units per
+    split)."""
     if split_k is None:
-        split_k = max(1, min(k_units, 2 * _num_sms(device) // triton.cdiv(N, BLOCK_N)))
+        split_k = max(1, min(k_units, fill * _num_sms(device) // triton.cdiv(N, BLOCK_N)))
     per_split = triton.cdiv(k_units, split_k)
     return triton.cdiv(k_units, per_split), per_split  # no empty splits
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """How _dequant_matmul_kernel is launched for one weight: chosen from the weight's format,
+    group, N and K, never from M, so batch invariance holds whatever the table says."""
+    block_n: int = 64
+    max_block_k: int = 128  # the group rule may make a tile smaller (dequant_matmul)
+    num_warps: int = 4
+    num_stages: int = 3
+    fill: int = 2  # split K until about fill programs per multiprocessor run
+
+
+DEFAULT_CONFIG = GemmConfig()
+TUNED_DIR = Path(__file__).resolve().parent / "tuned"  # <device name>.json, by gpu_check tune
+
+
+def tuning_key(fmt: str, group: int, N: int, K: int) -> str:
+    """A tuned table's key for a weight: group 0 is one scale per row."""
+    return f"{fmt} g{group} {N}x{K}"
+
+
+def device_slug(name: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")
+
+
+@functools.lru_cache(maxsize=None)
+def _tuned_table(device_name: str, override: str | None) -> dict[str, GemmConfig]:
+    """The tuned configurations for a device: $QSERVE_TRITON_TUNING's file if set, else
+    kernels/tuned/<device>.json if it exists, else none (every weight gets DEFAULT_CONFIG).
+    A file that cannot be read is an error, not a silent fallback."""
+    path = Path(override) if override else TUNED_DIR / f"{device_slug(device_name)}.json"
+    if not path.is_file():
+        if override:
+            raise FileNotFoundError(f"QSERVE_TRITON_TUNING: no such file {path}")
+        return {}
+    try:
+        entries = json.loads(path.read_text())["dequant_matmul"]
+        return {key: GemmConfig(**cfg) for key, cfg in entries.items()}
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not a dequant_matmul tuning table ({e})") from None
+
+
+def gemm_config(device: torch.device, fmt: str, group: int, N: int, K: int) -> GemmConfig:
+    """The configuration dequant_matmul launches a weight with on `device`."""
+    if device.type != "cuda":
+        return DEFAULT_CONFIG
+    table = _tuned_table(torch.cuda.get_device_name(device),
+                         os.environ.get("QSERVE_TRITON_TUNING") or None)
+    return table.get(tuning_key(fmt, group, N, K), DEFAULT_CONFIG)
 
 
 def run_split(x: torch.Tensor, N: int, split_k: int, launch) -> torch.Tensor:
@@ -221,10 +281,13 @@ def run_split(x: torch.Tensor, N: int, split_k: int, launch) -> torch.Tensor:
 
 
 def dequant_matmul(x: torch.Tensor, qt: QuantizedTensor, bias: torch.Tensor | None = None,
-                   split_k: int | None = None) -> torch.Tensor:
+                   split_k: int | None = None, config: GemmConfig | None = None
+                   ) -> torch.Tensor:
     """x (M, K) fp16/bf16/fp32, qt packing an (N, K) weight -> (M, N) in x's dtype.
 
     split_k: programs along K (None picks one from N and K: enough to fill the GPU).
+    config: the launch configuration (None: the device's tuned one for this weight, else
+    DEFAULT_CONFIG).
     """
     assert x.dim() == 2 and x.dtype in _TL_DTYPE, (x.shape, x.dtype)
     M, K = x.shape
@@ -241,16 +304,20 @@ def dequant_matmul(x: torch.Tensor, qt: QuantizedTensor, bias: torch.Tensor | No
     if M == 0:
         return x.new_empty(0, N)
 
-    BLOCK_N = 64
+    if config is None:
+        config = gemm_config(x.device, qt.format, group if G > 1 else 0, N, K)
+    BLOCK_N = config.block_n
     if G == 1:  # one scale per row: any tile lies in the one group
-        BLOCK_K, scale_per_tile = min(128, max(32, triton.next_power_of_2(K))), True
-    else:  # a tile inside one group: the largest power of two dividing it, up to 128
-        BLOCK_K = min(128, group & -group)
+        BLOCK_K = min(config.max_block_k, max(32, triton.next_power_of_2(K)))
+        scale_per_tile = True
+    else:  # a tile inside one group: the largest power of two dividing it, up to the cap
+        BLOCK_K = min(config.max_block_k, group & -group)
         # tl.dot needs K >= 16, and an int4 tile is two dots over its halves; else scale each
         # weight (any even group: both nibbles of a byte share it)
         scale_per_tile = BLOCK_K >= 16 * (8 // qt.bits)
         BLOCK_K = BLOCK_K if scale_per_tile else 32
-    split_k, per_split = split_plan(x.device, N, triton.cdiv(K, BLOCK_K), BLOCK_N, split_k)
+    split_k, per_split = split_plan(x.device, N, triton.cdiv(K, BLOCK_K), BLOCK_N, split_k,
+                                    config.fill)
     s = qt.scales
     o = qt.offsets if qt.offsets is not None else s  # int4z: zero points; unread when symmetric
 
@@ -270,6 +337,7 @@ def dequant_matmul(x: torch.Tensor, qt: QuantizedTensor, bias: torch.Tensor | No
             SCALE_PER_TILE=scale_per_tile, DOT_DTYPE=dot_dtype(x.dtype),
             PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32: no tf32 rounding
             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+            num_warps=config.num_warps, num_stages=config.num_stages,
         )
 
     return run_split(x, N, split_k, launch)

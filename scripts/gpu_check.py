@@ -9,8 +9,9 @@ decode speed of a random-weight 8B-shaped model built from them. Markdown tables
     python scripts/gpu_check.py --compile-only   # no GPU needed: compile every kernel variant
                                                  # the benchmarks launch, for sm_90 (--arch)
     python scripts/gpu_check.py --sections gemm,decode --deadline 120
-                                                 # some sections (tests, copy, gemm, decode,
-                                                 # prefill, e2e); none starts after 120 s
+                                                 # some sections (tests, copy, tune, gemm,
+                                                 # decode, prefill, e2e); none starts after
+                                                 # 120 s
 
 The run ends with a go / no-go summary: GO when every section that ran passed.
 
@@ -29,6 +30,7 @@ mode checks the code.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 import subprocess
@@ -41,7 +43,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 FAILURES: list[str] = []
-SECTIONS = ("tests", "copy", "gemm", "decode", "prefill", "e2e")
+SECTIONS = ("tests", "copy", "tune", "gemm", "decode", "prefill", "e2e")
 SELECTED = set(SECTIONS)  # --sections
 DEADLINE: float | None = None  # --deadline: seconds from START after which no section starts
 START = time.monotonic()
@@ -85,14 +87,17 @@ class Ctx:
         if tiny:
             self.gemm_shapes = [(64, 48), (48, 96), (96, 48)]  # (K, N)
             self.gemm_rows = [1, 16, 40]
+            self.tune_rows = [1, 16]
             self.heads, self.kv_heads, self.head_dim, self.page = 4, 2, 32, 16
             self.contexts = [(1, 40), (2, 100)]  # (batch, context)
             self.prefill_len, self.write_tokens = 32, (4,)
             self.model = dict(layers=1, hidden=64, inter=96, vocab=256, group=32)
             self.e2e_batches, self.e2e_context = [1, 2], 20
         else:
-            self.gemm_shapes = [(4096, 4096), (4096, 14336), (14336, 4096)]
-            self.gemm_rows = [1, 16, 512]
+            # the engine's fused Llama-3-8B weights: qkv, o, gate_up, down
+            self.gemm_shapes = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]
+            self.gemm_rows = [1, 32, 512]
+            self.tune_rows = [1, 32]
             self.heads, self.kv_heads, self.head_dim, self.page = 32, 8, 128, 16
             self.contexts = [(1, 1024), (1, 8192), (1, 32768), (32, 1024), (32, 4096)]
             self.prefill_len, self.write_tokens = 4096, (32, 4096)
@@ -108,6 +113,35 @@ class Ctx:
         import triton.testing
 
         return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+
+    def bench_weights(self, fn, weights: list) -> float:
+        """Median milliseconds of one fn(w), over distinct copies `weights` (together a few
+        times the L2, so each comes from DRAM as a model's layers do), run back to back in
+        one replayed CUDA graph: kernel time, none of the host's launch time."""
+        if self.tiny:
+            return self.bench(lambda: fn(weights[0]))
+        import torch
+        import triton.testing
+
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # compile and allocate outside the capture
+            for w in weights:
+                fn(w)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for w in weights:
+                fn(w)
+        ms = triton.testing.do_bench(graph.replay, warmup=3, rep=20, return_mode="median")
+        del graph
+        return ms / len(weights)
+
+    def copies(self, n: int, k: int, fmt: str, group: int) -> list:
+        """Distinct random weights of one shape, 2 to 8 of them, together >= 3 x 60 MB L2."""
+        one = random_weight(n, k, fmt, self.device, group)
+        count = 1 if self.tiny else min(8, max(2, -(-180_000_000 // weight_bytes(one))))
+        return [one] + [random_weight(n, k, fmt, self.device, group) for _ in range(count - 1)]
 
     def gbs(self, nbytes: int, ms: float) -> str:
         bw = nbytes / ms / 1e6
@@ -247,24 +281,118 @@ def bench_gemm(ctx: Ctx) -> None:
     print("| K x N | M | weights | us | GB/s | % of copy | TFLOP/s | x torch fp16 |")
     print("|---|---|---|---|---|---|---|---|")
     for k, n in ctx.gemm_shapes:
-        weights = {f: random_weight(n, k, f, ctx.device, ctx.model["group"])
+        weights = {f: ctx.copies(n, k, f, ctx.model["group"])
                    for f in ("fp16", "w8", "w4", "w4a")}
         for m in ctx.gemm_rows:
             x = torch.randn(m, k, device=ctx.device, dtype=torch.float16)
             base = None
-            for fmt, w in weights.items():
+            for fmt, ws in weights.items():
                 if fmt == "fp16":
-                    ms = ctx.bench(lambda: F.linear(x, w))
+                    ms = ctx.bench_weights(lambda w: F.linear(x, w), ws)
                     base = ms
                 else:
-                    ms = ctx.bench(lambda: dequant_matmul(x, w))
-                nbytes = weight_bytes(w) + 2 * m * (k + n)
+                    ms = ctx.bench_weights(lambda w: dequant_matmul(x, w), ws)
+                nbytes = weight_bytes(ws[0]) + 2 * m * (k + n)
                 label = {"fp16": "fp16 (torch)", "w8": "int8 per-channel",
                          "w4": f"int4 g{ctx.model['group']} sym",
                          "w4a": f"int4 g{ctx.model['group']} asym"}[fmt]
                 print(f"| {k} x {n} | {m} | {label} | {ms * 1e3:.1f} | {ctx.gbs(nbytes, ms)} | "
                       f"{2 * m * n * k / ms / 1e9:.1f} | {base / ms:.2f} |", flush=True)
         del weights
+
+
+# Launch configurations the tune section tries (kernels/triton_dequant_gemm.GemmConfig)
+TUNE_SPACE = dict(block_n=(32, 64, 128), max_block_k=(64, 128), num_warps=(4, 8),
+                  num_stages=(2, 3, 4), fill=(1, 2, 4))
+TUNE_OUT: Path | None = None  # --tune-out
+TUNE_BUDGET = 150.0  # --tune-budget: seconds the sweep may take
+
+
+@section("Tune `dequant_matmul`: launch configurations per weight shape", "tune")
+def tune_gemm(ctx: Ctx) -> None:
+    """For int4 g128 and int8 per-channel weights of each shape: every configuration of
+    TUNE_SPACE (compiled configurations first reused), timed at ctx.tune_rows[0] rows (batch-1
+    decode); the best few also at the others. The one with the least summed time relative to
+    each row count's best is the shape's entry, kept only if it beats the default; the table
+    goes to --tune-out (kernels/tuned/<device>.json format). Configurations depend on the
+    weight, never on M, so batch invariance holds."""
+    import itertools
+    import json
+
+    import torch
+
+    from qserve.kernels import triton_dequant_gemm as gemm
+
+    t_end = time.monotonic() + TUNE_BUDGET
+    keys = list(TUNE_SPACE)
+    space = [gemm.GemmConfig(**dict(zip(keys, v)))
+             for v in itertools.product(*TUNE_SPACE.values())]
+    # the default first, then by compiled variant, so a deadline cuts whole variants
+    space.sort(key=lambda c: (c != gemm.DEFAULT_CONFIG, c.block_n, c.max_block_k, c.num_warps,
+                              c.num_stages, c.fill))
+    if ctx.tiny:  # the interpreter checks the code, not the speed
+        space = space[:3] + [gemm.GemmConfig(32, 64, 8, 4, 4)]
+    table, rows = {}, ctx.tune_rows
+    print(f"{len(space)} configurations of {', '.join(keys)}; time per call in us at "
+          f"{rows[0]} row(s), the best 4 then at {', '.join(map(str, rows[1:]))}; graph "
+          f"replays over copies of the weight (kernel time from DRAM)\n")
+    print("| weight | K x N | config (block_n, max_block_k, warps, stages, fill) | "
+          + " | ".join(f"us at {m}" for m in rows) + " | % of copy at 1 | x default |")
+    print("|---|---|---|" + "---|" * len(rows) + "---|---|")
+    for fmt, label in (("w4", f"int4 g{ctx.model['group']}"), ("w8", "int8 per-channel")):
+        for k, n in ctx.gemm_shapes:
+            if time.monotonic() > t_end:
+                print(f"| {label} | {k} x {n} | skipped (budget) |" + " |" * (len(rows) + 2))
+                continue
+            ws = ctx.copies(n, k, fmt, ctx.model["group"])
+            xs = {m: torch.randn(m, k, device=ctx.device, dtype=torch.float16) for m in rows}
+            times: dict = {}
+            for cfg in space:
+                if time.monotonic() > t_end:
+                    break
+                try:
+                    times[cfg] = {rows[0]: ctx.bench_weights(
+                        lambda w: gemm.dequant_matmul(xs[rows[0]], w, config=cfg), ws)}
+                except Exception as e:  # noqa: BLE001 - e.g. out of shared memory
+                    print(f"<!-- {cfg}: {type(e).__name__}: {str(e)[:80]} -->")
+            if not times:
+                continue
+            default = times.get(gemm.DEFAULT_CONFIG)
+            best = sorted(times, key=lambda c: times[c][rows[0]])[:4]
+            if default is not None and gemm.DEFAULT_CONFIG not in best:
+                best.append(gemm.DEFAULT_CONFIG)
+            for cfg in best:
+                for m in rows[1:]:
+                    times[cfg][m] = ctx.bench_weights(
+                        lambda w: gemm.dequant_matmul(xs[m], w, config=cfg), ws)
+            lowest = {m: min(times[c][m] for c in best) for m in rows}
+            score = {c: sum(times[c][m] / lowest[m] for m in rows) for c in best}
+            pick = min(best, key=score.get)
+            nbytes = weight_bytes(ws[0]) + 2 * (k + n)
+            for cfg in best:
+                t = times[cfg]
+                mark = " (picked)" if cfg == pick else " (default)" if cfg == gemm.DEFAULT_CONFIG \
+                    else ""
+                vs = f"{times[gemm.DEFAULT_CONFIG][rows[0]] / t[rows[0]]:.2f}" \
+                    if default is not None else "?"
+                print(f"| {label} | {k} x {n} | {cfg.block_n}, {cfg.max_block_k}, "
+                      f"{cfg.num_warps}, {cfg.num_stages}, {cfg.fill}{mark} | "
+                      + " | ".join(f"{t[m] * 1e3:.1f}" for m in rows)
+                      + f" | {ctx.gbs(nbytes, t[rows[0]]).split(' | ')[1]} | {vs} |",
+                      flush=True)
+            if pick != gemm.DEFAULT_CONFIG:
+                w = ws[0]
+                group = w.group_size if w.scales.shape[1] > 1 else 0
+                table[gemm.tuning_key(w.format, group, n, k)] = dataclasses.asdict(pick)
+            del ws
+            if not ctx.tiny:
+                torch.cuda.empty_cache()
+    name = "cpu (interpreter)" if ctx.tiny else torch.cuda.get_device_name()
+    print(f"\n{len(table)} shape(s) tuned away from the default on {name}")
+    if TUNE_OUT is not None:
+        out = TUNE_OUT / f"{gemm.device_slug(name)}.json" if TUNE_OUT.is_dir() else TUNE_OUT
+        out.write_text(json.dumps({"device": name, "dequant_matmul": table}, indent=1) + "\n")
+        print(f"written to {out}")
 
 
 @section("Paged attention, decode (`decode_attention`) vs torch SDPA on contiguous fp16 K/V",
@@ -530,9 +658,15 @@ def main() -> int:
                          "benchmark does: they are reported against it)")
     ap.add_argument("--deadline", type=float, default=None,
                     help="seconds from start after which no further section starts")
+    ap.add_argument("--tune-out", default=None,
+                    help="tune: where the table goes (a folder: <device>.json in it)")
+    ap.add_argument("--tune-budget", type=float, default=150.0,
+                    help="tune: seconds the sweep may take")
     args = ap.parse_args()
-    global DEADLINE
+    global DEADLINE, TUNE_OUT, TUNE_BUDGET
     DEADLINE = args.deadline
+    TUNE_OUT = Path(args.tune_out) if args.tune_out else None
+    TUNE_BUDGET = args.tune_budget
     SELECTED.clear()
     SELECTED.update(s.strip() for s in args.sections.split(",") if s.strip())
     unknown = SELECTED - set(SECTIONS)
@@ -542,7 +676,7 @@ def main() -> int:
         return 2
     if args.skip_tests:
         SELECTED.discard("tests")
-    if SELECTED & {"gemm", "decode", "prefill", "e2e"}:
+    if SELECTED & {"tune", "gemm", "decode", "prefill", "e2e"}:
         SELECTED.add("copy")
     if args.tiny:  # before triton is imported: triton.jit reads it when it decorates
         os.environ["TRITON_INTERPRET"] = "1"
@@ -566,6 +700,7 @@ def main() -> int:
     run_tests(ctx)
     measure_copy(ctx)
     if ctx.copy_gbs is not None:
+        tune_gemm(ctx)
         bench_gemm(ctx)
         bench_decode(ctx)
         bench_prefill_and_write(ctx)

@@ -490,45 +490,77 @@ def _xdist() -> list[str]:
 
 
 def run_all(args) -> None:
-    """Kernel tests, check, gpu_check's perf sections, bench; then the Triton cache to --out."""
+    """Kernel tests, gpu_check's perf sections (tune first: its table then serves the rest of
+    the run), check, bench, in --parts' order; then the Triton cache to --out."""
     out = Path(args.out) if args.out else None
-    steps = [
-        ("kernel tests", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          "--maxfail=8", *_xdist(), "tests/test_triton_kernels.py",
-                          "tests/test_triton_ggml.py", "tests/test_cuda_path.py"], 150),
-        ("gpu_check perf", [sys.executable, "scripts/gpu_check.py", "--skip-tests",
-                            "--sections", "copy,gemm,decode,prefill"], 120),
-    ]
-    for name, cmd, budget in steps:
-        if left(args.deadline) < 60:
-            Report.failures.append(f"{name} (deadline)")
-            continue
-        print(f"\n## {name}\n\n`{' '.join(cmd[1:])}`\n", flush=True)
-        if name == "gpu_check perf":
-            cmd += ["--deadline", str(int(min(budget, left(args.deadline) - 200)))]
-        try:
-            r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
-                               timeout=max(30, min(budget, left(args.deadline) - 30)))
-            text = (r.stdout + r.stderr).strip()
-            if out is not None:  # the whole output beside the report's tail
-                (out / (name.replace(" ", "-") + ".log")).write_text(text + "\n")
-            print(text if name != "kernel tests" else "\n".join(text.splitlines()[-15:]))
-            if r.returncode != 0:
-                Report.failures.append(name)
-        except subprocess.TimeoutExpired as e:
-            part = e.stdout or b""
-            part = (part.decode(errors="replace") if isinstance(part, bytes) else part).strip()
-            print("\n".join(part.splitlines()[-15:]))
-            if out is not None:
-                (out / (name.replace(" ", "-") + ".log")).write_text(part + "\n")
-            print(f"(stopped after its {budget} s budget)")
-            Report.failures.append(f"{name} (timeout)")
-    check(args)
-    bench(args)
+    parts = args.parts.split(",")
+    unknown = set(parts) - {"kernels", "perf", "check", "bench"}
+    if unknown:
+        raise SystemExit(f"error: unknown part(s) {', '.join(sorted(unknown))}")
+    for i, part in enumerate(parts):
+        if part == "kernels":
+            _subprocess_part(args, out, "kernel tests", [
+                sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--maxfail=8",
+                *_xdist(), "tests/test_triton_kernels.py", "tests/test_triton_ggml.py",
+                "tests/test_cuda_path.py"], 150)
+        elif part == "perf":
+            later = {"check", "bench"} & set(parts[i + 1:])
+            budget = 120 + args.tune_budget
+            cmd = [sys.executable, "scripts/gpu_check.py", "--skip-tests", "--sections",
+                   args.perf_sections, "--tune-budget", str(args.tune_budget),
+                   "--deadline", str(int(min(budget, left(args.deadline)
+                                             - (200 if later else 30))))]
+            _subprocess_part(args, out, "gpu_check perf",
+                             cmd + (["--tune-out", str(out)] if out is not None else []), budget)
+            _use_tuning(out)
+        elif part == "check":
+            check(args)
+        else:
+            bench(args)
     cache = os.environ.get("TRITON_CACHE_DIR")
     if out is not None and cache and Path(cache).is_dir():
         shutil.make_archive(str(out / "triton-cache"), "gztar", cache)
         print(f"\nTriton cache saved to {out / 'triton-cache.tar.gz'}")
+
+
+def _subprocess_part(args, out: Path | None, name: str, cmd: list[str], budget: float) -> None:
+    """One part run as a subprocess within its budget and the deadline; its whole output to
+    out/<name>.log, the report gets its tail (all of it for gpu_check's tables)."""
+    if left(args.deadline) < 60:
+        Report.failures.append(f"{name} (deadline)")
+        return
+    print(f"\n## {name}\n\n`{' '.join(cmd[1:])}`\n", flush=True)
+    log = out / (name.replace(" ", "-") + ".log") if out is not None else None
+    try:
+        r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
+                           timeout=max(30, min(budget, left(args.deadline) - 30)))
+        text = (r.stdout + r.stderr).strip()
+        failed = r.returncode != 0
+    except subprocess.TimeoutExpired as e:
+        text = e.stdout or b""
+        text = (text.decode(errors="replace") if isinstance(text, bytes) else text).strip()
+        text += f"\n(stopped after its {budget:.0f} s budget)"
+        name += " (timeout)"
+        failed = True
+    if log is not None:
+        log.write_text(text + "\n")
+    print(text if name.startswith("gpu_check") else "\n".join(text.splitlines()[-15:]))
+    if failed:
+        Report.failures.append(name)
+
+
+def _use_tuning(out: Path | None) -> None:
+    """The table gpu_check's tune section wrote to `out` serves the rest of this run."""
+    import torch
+
+    from qserve.kernels.triton_dequant_gemm import device_slug
+
+    if out is None or not torch.cuda.is_available():
+        return
+    tuned = out / f"{device_slug(torch.cuda.get_device_name())}.json"
+    if tuned.is_file():
+        os.environ["QSERVE_TRITON_TUNING"] = str(tuned)
+        print(f"\n(dequant_matmul tuned by {tuned.name} from here on)")
 
 
 def main() -> int:
@@ -547,7 +579,14 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=32, help="bench: decode steps timed")
     ap.add_argument("--deadline", type=float, default=None,
                     help="seconds from start after which no new case or row starts")
-    ap.add_argument("--out", default=None, help="all: where to save the Triton cache")
+    ap.add_argument("--out", default=None,
+                    help="all: where the Triton cache, the logs and the tuned table go")
+    ap.add_argument("--parts", default="kernels,perf,check,bench",
+                    help="all: which of kernels, perf, check, bench to run")
+    ap.add_argument("--perf-sections", default="copy,tune,gemm,decode,prefill",
+                    help="all: gpu_check's sections")
+    ap.add_argument("--tune-budget", type=float, default=90.0,
+                    help="all: seconds gpu_check's tune section may take")
     args = ap.parse_args()
     if args.device == "cuda":
         import torch

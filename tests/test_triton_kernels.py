@@ -10,6 +10,7 @@ reference reads a clean copy, so a kernel that reads outside its tokens fails.
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -191,6 +192,55 @@ def test_dequant_matmul_batch_invariant(monkeypatch, bits, group, sym, dtype):
     for i in (0, 16, 32):
         assert torch.equal(dequant_matmul(x[i:i + 1], qt)[0], batch[i]), i
         assert torch.equal(dequant_matmul(x[i:i + 5], qt)[0], batch[i]), i
+
+
+# Launch configurations a tuned table may name (gpu_check tune sweeps these and more): every
+# tile size and split target must give the reference's result, each row alone or in a batch.
+CONFIGS = [dict(block_n=32, max_block_k=64, num_warps=4, num_stages=2, fill=1),
+           dict(block_n=128, max_block_k=128, num_warps=8, num_stages=4, fill=4),
+           dict(block_n=64, max_block_k=32, num_warps=2, num_stages=1, fill=8)]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS)
+@pytest.mark.parametrize("bits,group,sym", [(4, 128, True), (4, 32, False), (8, None, True)])
+def test_dequant_matmul_configs(cfg, bits, group, sym):
+    from qserve.kernels.triton_dequant_gemm import GemmConfig
+
+    torch.manual_seed(5)
+    qt = quantize(torch.randn(150, 576), WeightScheme(bits, group, sym))
+    qt.qweight, qt.scales = qt.qweight.to(DEVICE), qt.scales.to(DEVICE)
+    qt.offsets = None if qt.offsets is None else qt.offsets.to(DEVICE)
+    x = torch.randn(20, 576, device=DEVICE).to(F16)
+    config = GemmConfig(**cfg)
+    out = dequant_matmul(x, qt, config=config)
+    assert_rel_close(out, x.float() @ qt.dequantize().T, GEMM_TOL[F16])
+    for i in (0, 16):  # rows at the top of a tile (see test_dequant_matmul_batch_invariant)
+        assert torch.equal(dequant_matmul(x[i:i + 1], qt, config=config)[0], out[i]), i
+
+
+def test_tuned_table(tmp_path, monkeypatch):
+    """A tuned table is read by device and key; a missing override file or a malformed table
+    is an error, and a weight the table does not name gets the default configuration."""
+    import qserve.kernels.triton_dequant_gemm as gemm
+
+    table = tmp_path / "t.json"
+    cfg = dict(block_n=128, max_block_k=64, num_warps=8, num_stages=4, fill=1)
+    table.write_text(json.dumps({"device": "x", "dequant_matmul": {
+        gemm.tuning_key("int4", 128, 4096, 14336): cfg}}))
+    got = gemm._tuned_table("x", str(table))
+    assert got == {"int4 g128 4096x14336": gemm.GemmConfig(**cfg)}
+    assert gemm.device_slug("NVIDIA H200") == "nvidia-h200"
+    assert gemm._tuned_table("no such device", None) == {}
+    with pytest.raises(FileNotFoundError, match="QSERVE_TRITON_TUNING"):
+        gemm._tuned_table("x", str(tmp_path / "missing.json"))
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"dequant_matmul": {"k": {"block_m": 3}}}))
+    with pytest.raises(ValueError, match="not a dequant_matmul tuning table"):
+        gemm._tuned_table("x", str(bad))
+    # a CPU tensor (the interpreter) always gets the default
+    monkeypatch.setenv("QSERVE_TRITON_TUNING", str(table))
+    assert gemm.gemm_config(torch.device("cpu"), "int4", 128, 4096, 14336) == \
+        gemm.DEFAULT_CONFIG
 
 
 # ---- paged cache fixtures ----------------------------------------------------------------
