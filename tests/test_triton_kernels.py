@@ -218,6 +218,35 @@ def test_dequant_matmul_configs(cfg, bits, group, sym):
         assert torch.equal(dequant_matmul(x[i:i + 1], qt, config=config)[0], out[i]), i
 
 
+def _shipped_configs() -> list:
+    from pathlib import Path
+
+    tables = sorted((Path(__file__).resolve().parent.parent / "kernels" / "tuned").glob("*.json"))
+    return [(t.name, key, cfg) for t in tables
+            for key, cfg in json.loads(t.read_text())["dequant_matmul"].items()]
+
+
+@pytest.mark.parametrize("table,key,cfg", _shipped_configs())
+def test_shipped_tuned_configs(table, key, cfg):
+    """Every configuration a shipped table names loads by its device's name and gives the
+    reference's result (on a small weight of its format; the interpreter ignores warps and
+    stages, a GPU run of these tests does not)."""
+    import qserve.kernels.triton_dequant_gemm as gemm
+
+    path = gemm.TUNED_DIR / table
+    device = json.loads(path.read_text())["device"]
+    assert gemm.device_slug(device) + ".json" == table
+    assert gemm._tuned_table(device, None)[key] == gemm.GemmConfig(**cfg)
+    fmt, group = key.split()[0], int(key.split()[1][1:])
+    torch.manual_seed(9)
+    qt = quantize(torch.randn(140, 512), WeightScheme(4 if fmt == "int4" else 8,
+                                                      group or None, True))
+    qt.qweight, qt.scales = qt.qweight.to(DEVICE), qt.scales.to(DEVICE)
+    x = torch.randn(17, 512, device=DEVICE).to(F16)
+    out = dequant_matmul(x, qt, config=gemm.GemmConfig(**cfg))
+    assert_rel_close(out, x.float() @ qt.dequantize().T, GEMM_TOL[F16])
+
+
 def test_tuned_table(tmp_path, monkeypatch):
     """A tuned table is read by device and key; a missing override file or a malformed table
     is an error, and a weight the table does not name gets the default configuration."""
