@@ -15,7 +15,11 @@ what else is running):
 The launch configuration (BLOCK_N, the largest BLOCK_K, warps, pipeline stages, and how many
 programs per multiprocessor split-K aims for) comes from a per-device table measured on that
 GPU (`scripts/gpu_check.py --sections tune` writes kernels/tuned/<device>.json), keyed by
-format, group, N and K: never by M, so the table keeps batch invariance.
+format, group, N and K: never by M, so the table keeps batch invariance. A configuration may
+swap the dot's operands (`swap_ab`): y^T = W . x^T, the weight tile (BLOCK_N rows) the wide
+operand and x's 16 rows the narrow one, the usual shape of a small-batch GEMM. On Hopper that
+variant compiles to wgmma, the unswapped one to mma.sync with the weight tile through shared
+memory (both read the weights with cp.async), so which is faster is the tuner's to measure.
 
 Scales are applied per K tile, not per weight: when a tile lies inside one group,
 
@@ -111,6 +115,33 @@ def _scaled_dot(acc, x, q, cols, g, offs_n, mask_n, K, s_ptr, o_ptr, stride_sn, 
 
 
 @triton.jit
+def _scaled_dot_t(acc, xt, q, cols, g, offs_n, mask_n, K, s_ptr, o_ptr, stride_sn, stride_sg,
+                  GROUP, SYM: tl.constexpr, ZP: tl.constexpr, SCALE_PER_TILE: tl.constexpr,
+                  DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+    """_scaled_dot with A and B swapped: acc (BN, BM) + W (BN, BK') . xt (BK', BM), W = codes q
+    (BN, BK') of input columns `cols` times their scales (plus offsets). The weight tile is
+    the MMA's wide operand and the few rows of x its narrow one (small-batch GEMM's usual
+    swap), so a decode step's 16-row tile fills no more of the tensor core than it has."""
+    if SCALE_PER_TILE:
+        offs = offs_n * stride_sn + g * stride_sg
+        s = tl.load(s_ptr + offs, mask=mask_n, other=0.0).to(tl.float32)
+        qx = tl.dot(q.to(DOT_DTYPE), xt.to(DOT_DTYPE), input_precision=PRECISION)  # (BN, BM)
+        acc += qx * s[:, None]
+        if not SYM:
+            m = _offsets(o_ptr, offs, mask_n, s, ZP)
+            acc += m[:, None] * tl.sum(xt.to(tl.float32), axis=0)[None, :]
+    else:
+        g2 = offs_n[:, None] * stride_sn + (cols // GROUP)[None, :] * stride_sg
+        mask = mask_n[:, None] & (cols < K)[None, :]
+        s = tl.load(s_ptr + g2, mask=mask, other=0.0).to(tl.float32)
+        w = q * s
+        if not SYM:
+            w += _offsets(o_ptr, g2, mask, s, ZP)
+        acc += tl.dot(w.to(DOT_DTYPE), xt.to(DOT_DTYPE), input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
 def _dequant_matmul_kernel(
     # pointers
     x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr,
@@ -125,6 +156,7 @@ def _dequant_matmul_kernel(
     BITS: tl.constexpr, SYM: tl.constexpr, ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
     SCALE_PER_TILE: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SWAP_AB: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -133,6 +165,30 @@ def _dequant_matmul_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
     mask_n = offs_n < N
+    if SWAP_AB:  # acc is y's tile transposed: (BN, BM)
+        _swapped_loop(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, M, N, K, KP, GROUP,
+                      k_tiles_per_split, stride_xm, stride_xk, stride_wn, stride_wk,
+                      stride_sn, stride_sg, stride_os, stride_om, stride_on, pid_k,
+                      offs_m, offs_n, mask_m, mask_n, BITS, SYM, ZP, HAS_BIAS,
+                      SCALE_PER_TILE, DOT_DTYPE, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+    else:
+        _plain_loop(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, M, N, K, KP, GROUP,
+                    k_tiles_per_split, stride_xm, stride_xk, stride_wn, stride_wk,
+                    stride_sn, stride_sg, stride_os, stride_om, stride_on, pid_k,
+                    offs_m, offs_n, mask_m, mask_n, BITS, SYM, ZP, HAS_BIAS,
+                    SCALE_PER_TILE, DOT_DTYPE, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def _plain_loop(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, M, N, K, KP, GROUP,
+                k_tiles_per_split, stride_xm, stride_xk, stride_wn, stride_wk,
+                stride_sn, stride_sg, stride_os, stride_om, stride_on, pid_k,
+                offs_m, offs_n, mask_m, mask_n,
+                BITS: tl.constexpr, SYM: tl.constexpr, ZP: tl.constexpr,
+                HAS_BIAS: tl.constexpr, SCALE_PER_TILE: tl.constexpr,
+                DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The kernel's K loop and store: acc is y's (BM, BN) tile."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
 
     k_lo = pid_k * k_tiles_per_split * BLOCK_K
@@ -173,6 +229,52 @@ def _dequant_matmul_kernel(
     out_ptrs = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om \
         + offs_n[None, :] * stride_on
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _swapped_loop(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, M, N, K, KP, GROUP,
+                  k_tiles_per_split, stride_xm, stride_xk, stride_wn, stride_wk,
+                  stride_sn, stride_sg, stride_os, stride_om, stride_on, pid_k,
+                  offs_m, offs_n, mask_m, mask_n,
+                  BITS: tl.constexpr, SYM: tl.constexpr, ZP: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, SCALE_PER_TILE: tl.constexpr,
+                  DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The kernel's loop and store with the weight tile as the dot's first operand: the same
+    tiles, loads and scale algebra as the unswapped loop, transposed (_scaled_dot_t)."""
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    k_lo = pid_k * k_tiles_per_split * BLOCK_K
+    k_hi = tl.minimum(k_lo + k_tiles_per_split * BLOCK_K, K)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        if BITS == 4:
+            offs_j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_j[None, :] * stride_wk
+            packed = tl.load(w_ptrs, mask=mask_n[:, None] & (offs_j < KP)[None, :], other=0)
+            packed = packed.to(tl.int32)
+            lo = _codes(packed & 0xF, SYM, DOT_DTYPE)  # (BN, BK / 2)
+            hi = _codes((packed >> 4) & 0xF, SYM, DOT_DTYPE)
+            for half in tl.static_range(2):
+                cols = 2 * offs_j + half
+                xt_ptrs = x_ptr + cols[:, None] * stride_xk + offs_m[None, :] * stride_xm
+                xt = tl.load(xt_ptrs, mask=(cols < K)[:, None] & mask_m[None, :], other=0.0)
+                acc = _scaled_dot_t(acc, xt, lo if half == 0 else hi, cols, k0 // GROUP,
+                                    offs_n, mask_n, K, s_ptr, o_ptr, stride_sn, stride_sg,
+                                    GROUP, SYM, ZP, SCALE_PER_TILE, DOT_DTYPE, PRECISION)
+        else:
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            xt_ptrs = x_ptr + offs_k[:, None] * stride_xk + offs_m[None, :] * stride_xm
+            xt = tl.load(xt_ptrs, mask=(offs_k < K)[:, None] & mask_m[None, :], other=0.0)
+            w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk
+            q = tl.load(w_ptrs, mask=mask_n[:, None] & (offs_k < K)[None, :], other=0)
+            acc = _scaled_dot_t(acc, xt, q.to(tl.float32), offs_k, k0 // GROUP, offs_n, mask_n,
+                                K, s_ptr, o_ptr, stride_sn, stride_sg, GROUP,
+                                SYM, ZP, SCALE_PER_TILE, DOT_DTYPE, PRECISION)
+    if HAS_BIAS:
+        if pid_k == 0:
+            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+    out_ptrs = out_ptr + pid_k * stride_os + offs_n[:, None] * stride_on \
+        + offs_m[None, :] * stride_om
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
 
 
 @triton.jit
@@ -219,6 +321,7 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     fill: int = 2  # split K until about fill programs per multiprocessor run
+    swap_ab: bool = False  # the weight tile as the dot's first (wide) operand
 
 
 DEFAULT_CONFIG = GemmConfig()
@@ -336,7 +439,7 @@ def dequant_matmul(x: torch.Tensor, qt: QuantizedTensor, bias: torch.Tensor | No
             HAS_BIAS=bias is not None,
             SCALE_PER_TILE=scale_per_tile, DOT_DTYPE=dot_dtype(x.dtype),
             PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32: no tf32 rounding
-            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SWAP_AB=config.swap_ab,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
 

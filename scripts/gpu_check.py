@@ -301,9 +301,13 @@ def bench_gemm(ctx: Ctx) -> None:
         del weights
 
 
-# Launch configurations the tune section tries (kernels/triton_dequant_gemm.GemmConfig)
-TUNE_SPACE = dict(block_n=(32, 64, 128), max_block_k=(64, 128), num_warps=(4, 8),
-                  num_stages=(2, 3, 4), fill=(1, 2, 4))
+# Launch configurations the tune section tries (kernels/triton_dequant_gemm.GemmConfig): the
+# neighbourhood of the unswapped kernel's winners on an H200 (2026-12-04), and the swapped
+# variant (weights as the dot's wide operand: wgmma on Hopper) more widely
+TUNE_SPACE = [dict(block_n=(64, 128), max_block_k=(128,), num_warps=(4,), num_stages=(2, 3),
+                   fill=(2, 4), swap_ab=(False,)),
+              dict(block_n=(64, 128, 256), max_block_k=(64, 128), num_warps=(4, 8),
+                   num_stages=(2, 3, 4), fill=(2, 4), swap_ab=(True,))]
 TUNE_OUT: Path | None = None  # --tune-out
 TUNE_BUDGET = 150.0  # --tune-budget: seconds the sweep may take
 
@@ -324,19 +328,20 @@ def tune_gemm(ctx: Ctx) -> None:
     from qserve.kernels import triton_dequant_gemm as gemm
 
     t_end = time.monotonic() + TUNE_BUDGET
-    keys = list(TUNE_SPACE)
-    space = [gemm.GemmConfig(**dict(zip(keys, v)))
-             for v in itertools.product(*TUNE_SPACE.values())]
+    keys = [f.name for f in dataclasses.fields(gemm.GemmConfig)]
+    space = {gemm.DEFAULT_CONFIG} | {
+        gemm.GemmConfig(**dict(zip(part, v)))
+        for part in TUNE_SPACE for v in itertools.product(*part.values())}
     # the default first, then by compiled variant, so a deadline cuts whole variants
-    space.sort(key=lambda c: (c != gemm.DEFAULT_CONFIG, c.block_n, c.max_block_k, c.num_warps,
-                              c.num_stages, c.fill))
+    space = sorted(space, key=lambda c: (c != gemm.DEFAULT_CONFIG, c.swap_ab, c.block_n,
+                                         c.max_block_k, c.num_warps, c.num_stages, c.fill))
     if ctx.tiny:  # the interpreter checks the code, not the speed
-        space = space[:3] + [gemm.GemmConfig(32, 64, 8, 4, 4)]
+        space = space[:3] + [gemm.GemmConfig(32, 64, 8, 4, 4, swap_ab=True)]
     table, rows = {}, ctx.tune_rows
     print(f"{len(space)} configurations of {', '.join(keys)}; time per call in us at "
           f"{rows[0]} row(s), the best 4 then at {', '.join(map(str, rows[1:]))}; graph "
           f"replays over copies of the weight (kernel time from DRAM)\n")
-    print("| weight | K x N | config (block_n, max_block_k, warps, stages, fill) | "
+    print("| weight | K x N | config (block_n, max_block_k, warps, stages, fill, swap) | "
           + " | ".join(f"us at {m}" for m in rows) + " | % of copy at 1 | x default |")
     print("|---|---|---|" + "---|" * len(rows) + "---|---|")
     for fmt, label in (("w4", f"int4 g{ctx.model['group']}"), ("w8", "int8 per-channel")):
@@ -376,7 +381,8 @@ def tune_gemm(ctx: Ctx) -> None:
                 vs = f"{times[gemm.DEFAULT_CONFIG][rows[0]] / t[rows[0]]:.2f}" \
                     if default is not None else "?"
                 print(f"| {label} | {k} x {n} | {cfg.block_n}, {cfg.max_block_k}, "
-                      f"{cfg.num_warps}, {cfg.num_stages}, {cfg.fill}{mark} | "
+                      f"{cfg.num_warps}, {cfg.num_stages}, {cfg.fill}, "
+                      f"{'swap' if cfg.swap_ab else '-'}{mark} | "
                       + " | ".join(f"{t[m] * 1e3:.1f}" for m in rows)
                       + f" | {ctx.gbs(nbytes, t[rows[0]]).split(' | ')[1]} | {vs} |",
                       flush=True)
@@ -598,38 +604,52 @@ def compile_only(arch: int) -> None:
 
     def compile_launch(self, *args, grid, warmup, **kwargs):
         bound = dict(zip(self.arg_names, args), **kwargs)
-        sig, constexprs = {}, {}
+        # the launcher's specialization: 16-byte aligned pointers and integers divisible by
+        # 16 are marked so (what lets loads vectorise), integers equal to 1 become constants
+        sig, constexprs, attrs = {}, {}, {}
         for i, (name, p) in enumerate(zip(self.arg_names, self.params)):
             v = bound[name]
             if p.is_constexpr:
                 sig[name], constexprs[(i,)] = "constexpr", v
             elif isinstance(v, torch.Tensor):
                 sig[name] = "*" + tys[v.dtype]
+                if v.data_ptr() % 16 == 0:
+                    attrs[(i,)] = [["tt.divisibility", 16]]
             elif isinstance(v, bool):
                 sig[name] = "i1"
+            elif isinstance(v, int) and v == 1 and not p.do_not_specialize:
+                sig[name], constexprs[(i,)] = "constexpr", 1
             elif isinstance(v, int):
                 sig[name] = "i64" if abs(v) >= 2 ** 31 else "i32"
+                if v % 16 == 0 and not p.do_not_specialize:
+                    attrs[(i,)] = [["tt.divisibility", 16]]
             else:
                 sig[name] = "fp32"
         meta = ", ".join(f"{self.arg_names[i[0]]}={v}" for i, v in constexprs.items())
-        if (self.fn.__name__, meta) in seen:
+        key = (self.fn.__name__, meta, kwargs.get("num_warps"), kwargs.get("num_stages"))
+        if key in seen:
             return
-        seen.add((self.fn.__name__, meta))
+        seen.add(key)
         t0 = time.perf_counter()
-        c = triton.compile(ASTSource(self, sig, constexprs=constexprs),
-                           target=GPUTarget("cuda", arch, 32))
+        options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
+        meta += "".join(f", {k}={v}" for k, v in options.items())
+        c = triton.compile(ASTSource(self, sig, constexprs=constexprs, attrs=attrs),
+                           target=GPUTarget("cuda", arch, 32), options=options)
         print(f"| {self.fn.__name__} | {meta} | {c.metadata.shared} | {c.metadata.num_warps} | "
               f"{time.perf_counter() - t0:.1f} |", flush=True)
 
     JITFunction.run = compile_launch
-    from qserve.kernels.triton_dequant_gemm import dequant_matmul
+    from qserve.kernels.triton_dequant_gemm import GemmConfig, dequant_matmul
     from qserve.kernels.triton_kv_write import write_kv
     from qserve.kernels.triton_paged_attention import decode_attention
     from qserve.kernels.triton_prefill_attention import prefill_attention
 
+    swapped = GemmConfig(block_n=128, num_stages=2, fill=4, swap_ab=True)
     for fmt in ("w8", "w4", "w4a"):
         for m, dtype in ((1, torch.float16), (512, torch.float16), (1, torch.bfloat16)):
-            dequant_matmul(torch.randn(m, 256).to(dtype), random_weight(128, 256, fmt, "cpu"))
+            for cfg in (None, swapped):  # the default (or the device's tuned) and swapped
+                dequant_matmul(torch.randn(m, 256).to(dtype),
+                               random_weight(128, 256, fmt, "cpu"), config=cfg)
     dequant_matmul(torch.randn(2, 256), random_weight(128, 256, "w8", "cpu"),
                    torch.randn(128))  # fp32 (ieee dots), with a bias
     dequant_matmul(torch.randn(2, 48).half(), random_weight(128, 48, "w4a", "cpu", group=24))

@@ -398,7 +398,9 @@ def _hf_rate(shape: str, batch: int, steps: int, device: str, compiled: bool) ->
     kw = {}
     if compiled:
         model.generation_config.cache_implementation = "static"
-        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+        # inductor without its CUDA graphs: "reduce-overhead" failed under generate's loop on
+        # the first GPU run (a graph's output read after the next replay overwrote it)
+        model.forward = torch.compile(model.forward, mode="default", fullgraph=True)
     ids = torch.randint(0, s["vocab_size"], (batch, 32), device=device)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 

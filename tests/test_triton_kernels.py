@@ -115,6 +115,23 @@ def test_dequant_matmul(M, N, K, bits, group, sym, dtype):
 GEMM_TOL = {F16: 1e-3, BF16: 8e-3, F32: 1e-5}
 
 
+@pytest.mark.parametrize("M,N,K,bits,group,sym,dtype", GEMM_CASES)
+def test_dequant_matmul_swapped(M, N, K, bits, group, sym, dtype):
+    """The swapped-operand variant (weights as the dot's wide operand) over the same cases,
+    dtypes and bound as test_dequant_matmul."""
+    from qserve.kernels.triton_dequant_gemm import GemmConfig
+
+    torch.manual_seed(M * 1000 + N + 1)
+    qt = quantize(torch.randn(N, K), WeightScheme(bits, group, sym))
+    qt.qweight, qt.scales = qt.qweight.to(DEVICE), qt.scales.to(DEVICE)
+    qt.offsets = None if qt.offsets is None else qt.offsets.to(DEVICE)
+    x = torch.randn(M, 2 * K, device=DEVICE).to(dtype)[:, ::2]
+    bias = torch.randn(N, device=DEVICE).to(dtype)
+    out = dequant_matmul(x, qt, bias, config=GemmConfig(block_n=128, swap_ab=True))
+    assert out.shape == (M, N) and out.dtype == dtype
+    assert_rel_close(out, x.float() @ qt.dequantize().T + bias.float(), GEMM_TOL[dtype])
+
+
 # int4z (AWQ / GPTQ's integer zero points): (M, N, K, group, x dtype). K 576 pads to 640 at
 # g128 and 200 to 256 at g64 (padded codes meet x = 0); g24 has no 16-input tile, so each
 # weight is dequantized before the dot (the other path to the offsets -z s).
@@ -198,11 +215,15 @@ def test_dequant_matmul_batch_invariant(monkeypatch, bits, group, sym, dtype):
 # tile size and split target must give the reference's result, each row alone or in a batch.
 CONFIGS = [dict(block_n=32, max_block_k=64, num_warps=4, num_stages=2, fill=1),
            dict(block_n=128, max_block_k=128, num_warps=8, num_stages=4, fill=4),
-           dict(block_n=64, max_block_k=32, num_warps=2, num_stages=1, fill=8)]
+           dict(block_n=64, max_block_k=32, num_warps=2, num_stages=1, fill=8),
+           dict(block_n=128, max_block_k=128, num_warps=4, num_stages=3, fill=4, swap_ab=True),
+           dict(block_n=64, max_block_k=64, num_warps=8, num_stages=2, fill=1, swap_ab=True),
+           dict(block_n=32, max_block_k=32, num_warps=4, num_stages=2, fill=2, swap_ab=True)]
 
 
 @pytest.mark.parametrize("cfg", CONFIGS)
-@pytest.mark.parametrize("bits,group,sym", [(4, 128, True), (4, 32, False), (8, None, True)])
+@pytest.mark.parametrize("bits,group,sym", [(4, 128, True), (4, 32, False), (8, None, True),
+                                            (4, 24, False)])
 def test_dequant_matmul_configs(cfg, bits, group, sym):
     from qserve.kernels.triton_dequant_gemm import GemmConfig
 
@@ -210,12 +231,13 @@ def test_dequant_matmul_configs(cfg, bits, group, sym):
     qt = quantize(torch.randn(150, 576), WeightScheme(bits, group, sym))
     qt.qweight, qt.scales = qt.qweight.to(DEVICE), qt.scales.to(DEVICE)
     qt.offsets = None if qt.offsets is None else qt.offsets.to(DEVICE)
-    x = torch.randn(20, 576, device=DEVICE).to(F16)
+    x = torch.randn(20, 2 * 576, device=DEVICE).to(F16)[:, ::2]  # strided columns
+    bias = torch.randn(150, device=DEVICE).to(F16)
     config = GemmConfig(**cfg)
-    out = dequant_matmul(x, qt, config=config)
-    assert_rel_close(out, x.float() @ qt.dequantize().T, GEMM_TOL[F16])
+    out = dequant_matmul(x, qt, bias, config=config)
+    assert_rel_close(out, x.float() @ qt.dequantize().T + bias.float(), GEMM_TOL[F16])
     for i in (0, 16):  # rows at the top of a tile (see test_dequant_matmul_batch_invariant)
-        assert torch.equal(dequant_matmul(x[i:i + 1], qt, config=config)[0], out[i]), i
+        assert torch.equal(dequant_matmul(x[i:i + 1], qt, bias, config=config)[0], out[i]), i
 
 
 def _shipped_configs() -> list:
