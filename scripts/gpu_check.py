@@ -87,7 +87,7 @@ class Ctx:
         if tiny:
             self.gemm_shapes = [(64, 48), (48, 96), (96, 48)]  # (K, N)
             self.gemm_rows = [1, 16, 40]
-            self.tune_rows = [1, 16]
+            self.tune_rows = [1, 16, 40]
             self.heads, self.kv_heads, self.head_dim, self.page = 4, 2, 32, 16
             self.contexts = [(1, 40), (2, 100)]  # (batch, context)
             self.prefill_len, self.write_tokens = 32, (4,)
@@ -97,7 +97,7 @@ class Ctx:
             # the engine's fused Llama-3-8B weights: qkv, o, gate_up, down
             self.gemm_shapes = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]
             self.gemm_rows = [1, 32, 512]
-            self.tune_rows = [1, 32]
+            self.tune_rows = [1, 32, 512]
             self.heads, self.kv_heads, self.head_dim, self.page = 32, 8, 128, 16
             self.contexts = [(1, 1024), (1, 8192), (1, 32768), (32, 1024), (32, 4096)]
             self.prefill_len, self.write_tokens = 4096, (32, 4096)
@@ -307,7 +307,7 @@ def bench_gemm(ctx: Ctx) -> None:
 TUNE_SPACE = [dict(block_n=(64, 128), max_block_k=(128,), num_warps=(4,), num_stages=(2, 3),
                    fill=(2, 4), swap_ab=(False,)),
               dict(block_n=(64, 128, 256), max_block_k=(64, 128), num_warps=(4, 8),
-                   num_stages=(2, 3, 4), fill=(2, 4), swap_ab=(True,))]
+                   num_stages=(2, 3), fill=(2, 4), swap_ab=(True,), block_m=(16, 64))]
 TUNE_OUT: Path | None = None  # --tune-out
 TUNE_BUDGET = 150.0  # --tune-budget: seconds the sweep may take
 
@@ -316,8 +316,9 @@ TUNE_BUDGET = 150.0  # --tune-budget: seconds the sweep may take
 def tune_gemm(ctx: Ctx) -> None:
     """For int4 g128 and int8 per-channel weights of each shape: every configuration of
     TUNE_SPACE (compiled configurations first reused), timed at ctx.tune_rows[0] rows (batch-1
-    decode); the best few also at the others. The one with the least summed time relative to
-    each row count's best is the shape's entry, kept only if it beats the default; the table
+    decode); the best 3 of each row tile (block_m) also at the others (a batch's decode,
+    prefill). The one with the least summed time relative to each row count's best is the
+    shape's entry, kept only if it is not the default; the table
     goes to --tune-out (kernels/tuned/<device>.json format). Configurations depend on the
     weight, never on M, so batch invariance holds."""
     import itertools
@@ -333,15 +334,18 @@ def tune_gemm(ctx: Ctx) -> None:
         gemm.GemmConfig(**dict(zip(part, v)))
         for part in TUNE_SPACE for v in itertools.product(*part.values())}
     # the default first, then by compiled variant, so a deadline cuts whole variants
-    space = sorted(space, key=lambda c: (c != gemm.DEFAULT_CONFIG, c.swap_ab, c.block_n,
-                                         c.max_block_k, c.num_warps, c.num_stages, c.fill))
+    space = sorted(space, key=lambda c: (c != gemm.DEFAULT_CONFIG, c.swap_ab, c.block_m,
+                                         c.block_n, c.max_block_k, c.num_warps, c.num_stages,
+                                         c.fill))
     if ctx.tiny:  # the interpreter checks the code, not the speed
-        space = space[:3] + [gemm.GemmConfig(32, 64, 8, 4, 4, swap_ab=True)]
+        space = space[:3] + [gemm.GemmConfig(32, 64, 8, 4, 4, swap_ab=True, block_m=64)]
     table, rows = {}, ctx.tune_rows
     print(f"{len(space)} configurations of {', '.join(keys)}; time per call in us at "
-          f"{rows[0]} row(s), the best 4 then at {', '.join(map(str, rows[1:]))}; graph "
+          f"{rows[0]} row(s), the best 3 of each block_m then at "
+          f"{', '.join(map(str, rows[1:]))}; graph "
           f"replays over copies of the weight (kernel time from DRAM)\n")
-    print("| weight | K x N | config (block_n, max_block_k, warps, stages, fill, swap) | "
+    print("| weight | K x N | config (block_n, max_block_k, warps, stages, fill, swap, "
+          "block_m) | "
           + " | ".join(f"us at {m}" for m in rows) + " | % of copy at 1 | x default |")
     print("|---|---|---|" + "---|" * len(rows) + "---|---|")
     for fmt, label in (("w4", f"int4 g{ctx.model['group']}"), ("w8", "int8 per-channel")):
@@ -363,7 +367,10 @@ def tune_gemm(ctx: Ctx) -> None:
             if not times:
                 continue
             default = times.get(gemm.DEFAULT_CONFIG)
-            best = sorted(times, key=lambda c: times[c][rows[0]])[:4]
+            best = []  # the 3 fastest at one row for each row tile, and the default
+            for bm in sorted({c.block_m for c in times}):
+                best += sorted((c for c in times if c.block_m == bm),
+                               key=lambda c: times[c][rows[0]])[:3]
             if default is not None and gemm.DEFAULT_CONFIG not in best:
                 best.append(gemm.DEFAULT_CONFIG)
             for cfg in best:
@@ -382,7 +389,7 @@ def tune_gemm(ctx: Ctx) -> None:
                     if default is not None else "?"
                 print(f"| {label} | {k} x {n} | {cfg.block_n}, {cfg.max_block_k}, "
                       f"{cfg.num_warps}, {cfg.num_stages}, {cfg.fill}, "
-                      f"{'swap' if cfg.swap_ab else '-'}{mark} | "
+                      f"{'swap' if cfg.swap_ab else '-'}, {cfg.block_m}{mark} | "
                       + " | ".join(f"{t[m] * 1e3:.1f}" for m in rows)
                       + f" | {ctx.gbs(nbytes, t[rows[0]]).split(' | ')[1]} | {vs} |",
                       flush=True)
@@ -645,9 +652,10 @@ def compile_only(arch: int) -> None:
     from qserve.kernels.triton_prefill_attention import prefill_attention
 
     swapped = GemmConfig(block_n=128, num_stages=2, fill=4, swap_ab=True)
+    wide = GemmConfig(block_n=128, num_warps=8, num_stages=2, swap_ab=True, block_m=64)
     for fmt in ("w8", "w4", "w4a"):
         for m, dtype in ((1, torch.float16), (512, torch.float16), (1, torch.bfloat16)):
-            for cfg in (None, swapped):  # the default (or the device's tuned) and swapped
+            for cfg in (None, swapped, wide):  # the default (or tuned), swapped variants
                 dequant_matmul(torch.randn(m, 256).to(dtype),
                                random_weight(128, 256, fmt, "cpu"), config=cfg)
     dequant_matmul(torch.randn(2, 256), random_weight(128, 256, "w8", "cpu"),

@@ -218,7 +218,10 @@ CONFIGS = [dict(block_n=32, max_block_k=64, num_warps=4, num_stages=2, fill=1),
            dict(block_n=64, max_block_k=32, num_warps=2, num_stages=1, fill=8),
            dict(block_n=128, max_block_k=128, num_warps=4, num_stages=3, fill=4, swap_ab=True),
            dict(block_n=64, max_block_k=64, num_warps=8, num_stages=2, fill=1, swap_ab=True),
-           dict(block_n=32, max_block_k=32, num_warps=4, num_stages=2, fill=2, swap_ab=True)]
+           dict(block_n=32, max_block_k=32, num_warps=4, num_stages=2, fill=2, swap_ab=True),
+           dict(block_n=64, max_block_k=128, num_warps=4, num_stages=2, fill=2, swap_ab=True,
+                block_m=64),
+           dict(block_n=64, max_block_k=64, num_warps=4, num_stages=3, fill=2, block_m=32)]
 
 
 @pytest.mark.parametrize("cfg", CONFIGS)
@@ -236,7 +239,8 @@ def test_dequant_matmul_configs(cfg, bits, group, sym):
     config = GemmConfig(**cfg)
     out = dequant_matmul(x, qt, bias, config=config)
     assert_rel_close(out, x.float() @ qt.dequantize().T + bias.float(), GEMM_TOL[F16])
-    for i in (0, 16):  # rows at the top of a tile (see test_dequant_matmul_batch_invariant)
+    # rows at the top of a tile (see test_dequant_matmul_batch_invariant)
+    for i in range(0, x.shape[0], config.block_m):
         assert torch.equal(dequant_matmul(x[i:i + 1], qt, bias, config=config)[0], out[i]), i
 
 
@@ -285,9 +289,10 @@ def test_tuned_table(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match="QSERVE_TRITON_TUNING"):
         gemm._tuned_table("x", str(tmp_path / "missing.json"))
     bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps({"dequant_matmul": {"k": {"block_m": 3}}}))
-    with pytest.raises(ValueError, match="not a dequant_matmul tuning table"):
-        gemm._tuned_table("x", str(bad))
+    for entry in ({"block_q": 64}, {"block_m": 24}, {"num_warps": 3}, {"fill": 0}):
+        bad.write_text(json.dumps({"dequant_matmul": {"k": entry}}))
+        with pytest.raises(ValueError, match="not a dequant_matmul tuning table"):
+            gemm._tuned_table("x", str(bad))
     # a CPU tensor (the interpreter) always gets the default
     monkeypatch.setenv("QSERVE_TRITON_TUNING", str(table))
     assert gemm.gemm_config(torch.device("cpu"), "int4", 128, 4096, 14336) == \
