@@ -18,8 +18,8 @@ The run ends with a go / no-go summary: GO when every section that ran passed.
 Bandwidth is bytes the kernel must move (packed weights, scales, activations; K/V values and
 scales of the context) over its median time (`triton.testing.do_bench` of CUDA-graph replays,
 so kernel time without the host's launch time; GEMV weights in copies that stream from DRAM),
-as a fraction of a
-device-to-device copy of 1 GiB measured in the same run (read + write bytes). Targets (issue 4):
+as a fraction of a device-to-device copy of 1 GiB measured in the same run (read + write
+bytes). Targets (issue 4):
 W4 GEMV >= 75% of copy and >= 3x torch fp16 at batch 1; int8-KV decode attention >= 70% at 8k.
 
 The end-to-end model is a layer loop written here over the kernels alone (the engine's own
