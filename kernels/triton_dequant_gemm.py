@@ -347,7 +347,9 @@ def tuning_key(fmt: str, group: int, N: int, K: int) -> str:
 
 
 def device_slug(name: str) -> str:
-    return "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")
+    """A device name as a file name: "NVIDIA H200" -> "nvidia-h200"."""
+    slug = "".join(c if c.isalnum() else "-" for c in name.lower())
+    return "-".join(part for part in slug.split("-") if part)
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,5 +1,5 @@
-"""scripts/gpu_check.py --tiny runs its whole path (tests, copy, GEMM, attention, KV write,
-end-to-end decode) on CPU under Triton's interpreter, so the script is known to work before a
+"""scripts/gpu_check.py --tiny runs its whole path (tests, copy, tuning, GEMM, attention, KV
+write, end-to-end decode) on CPU under Triton's interpreter, so the script is known to work before a
 GPU ever runs it."""
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import pytest
 
 pytest.importorskip("triton")
 REPO = Path(__file__).resolve().parent.parent
-HEADERS = ("## Kernel tests", "## Copy bandwidth", "## Dequant GEMV / GEMM",
+HEADERS = ("## Kernel tests", "## Copy bandwidth", "## Tune `dequant_matmul`",
+           "## Dequant GEMV / GEMM",
            "## Paged attention, decode", "## Prefill attention", "## End-to-end decode",
            "| K x N | M | weights |", "| batch | context | KV |", "| weights | KV | batch |")
 
@@ -45,4 +46,31 @@ def test_gpu_check_sections_deadline_and_verdict():
     r = subprocess.run([sys.executable, script, "--tiny", "--sections", "gemm,nope"], cwd=REPO,
                        env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 2 and r.stderr.strip() == (
-        "error: unknown section(s) nope; choose from tests, copy, gemm, decode, prefill, e2e")
+        "error: unknown section(s) nope; choose from tests, copy, tune, gemm, decode, prefill, "
+        "e2e")
+
+
+def test_gpu_check_tune_writes_a_table_the_kernel_reads(tmp_path):
+    """The tune section's table (in the interpreter: a few configurations, times that mean
+    nothing) is one dequant_matmul reads back: every entry a valid configuration."""
+    import json
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_check.py"), "--tiny",
+                        "--sections", "tune", "--tune-out", str(tmp_path)],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert "| tune | ok |" in r.stdout and "(picked)" in r.stdout
+    table = tmp_path / "cpu-interpreter.json"  # the device name made a file name
+    data = json.loads(table.read_text())
+    assert data["device"] == "cpu (interpreter)"
+    # read back in a subprocess: importing triton here, before the Triton test modules set
+    # TRITON_INTERPRET, would send them to their fresh-process fallback
+    code = ("import json, sys; from qserve.kernels.triton_dequant_gemm import GemmConfig, "
+            "_tuned_table; t = _tuned_table('cpu (interpreter)', sys.argv[1]); "
+            "d = json.load(open(sys.argv[1]))['dequant_matmul']; "
+            "assert t == {k: GemmConfig(**v) for k, v in d.items()}, t; print(len(t))")
+    r = subprocess.run([sys.executable, "-c", code, str(table)], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == str(len(data["dequant_matmul"])), \
+        r.stderr[-2000:]
