@@ -87,7 +87,7 @@ class Ctx:
         self.device = torch.device("cpu" if tiny else "cuda")
         self.copy_gbs = None
         if tiny:
-            self.gemm_shapes = [(64, 48), (48, 96), (96, 48)]  # (K, N)
+            self.gemm_shapes = [(64, 48), (48, 96), (96, 48), (256, 40)]  # (K, N)
             self.gemm_rows = [1, 16, 40]
             self.tune_rows = [1, 16, 40]
             self.heads, self.kv_heads, self.head_dim, self.page = 4, 2, 32, 16
@@ -163,13 +163,24 @@ class Ctx:
 # ---- random weights and caches ------------------------------------------------------------
 def random_weight(n: int, k: int, fmt: str, device, group: int = 128):
     """An (n, k) weight whose x @ W^T keeps x's scale: fp16 tensor, or a QuantizedTensor
-    with random codes ("w8": int8 per channel; "w4": int4 g`group` symmetric; "w4a": asym)."""
+    with random codes ("w8": int8 per channel; "w4": int4 g`group` symmetric; "w4a": asym;
+    a GGML in-place type such as "q4_k": random blocks, read by triton_ggml)."""
     import torch
 
     from qserve.formats import QuantizedTensor
 
     if fmt == "fp16":
         return (torch.randn(n, k, device=device) * k ** -0.5).half()
+    from qserve.formats import ggml
+
+    if fmt in ggml.IN_PLACE:  # random GGML blocks, fp16 fields of a checkpoint's size
+        t = ggml.TYPES[fmt]
+        blocks = torch.randint(0, 256, (n * k // t.block, t.block_bytes), dtype=torch.uint8,
+                               device=device)
+        for off in t.fp16_fields:
+            d = (torch.randn(blocks.shape[0], 1, device=device) * 0.01).half()
+            blocks[:, off:off + 2] = d.view(torch.uint8)
+        return QuantizedTensor(fmt, blocks.view(n, -1), None, None, k)
     if fmt == "w8":
         q = torch.randint(-127, 128, (n, k), device=device, dtype=torch.int8)
         s = torch.full((n, 1), 1 / (73 * k ** 0.5), device=device, dtype=torch.float16)
@@ -288,13 +299,15 @@ def bench_gemm(ctx: Ctx) -> None:
     import torch
     import torch.nn.functional as F
 
-    from qserve.kernels.triton_dequant_gemm import dequant_matmul
+    from qserve.kernels.dispatch import _triton_matmul
 
     print("| K x N | M | weights | us | GB/s | % of copy | TFLOP/s | x torch fp16 |")
     print("|---|---|---|---|---|---|---|---|")
     for k, n in ctx.gemm_shapes:
+        # GGML Q4_K and Q6_K (a Q4_K_M file's two types) where K holds whole super-blocks
         weights = {f: ctx.copies(n, k, f, ctx.model["group"])
-                   for f in ("fp16", "w8", "w4", "w4a")}
+                   for f in ("fp16", "w8", "w4", "w4a", "q4_k", "q6_k")
+                   if not f.startswith("q") or k % 256 == 0}
         for m in ctx.gemm_rows:
             x = torch.randn(m, k, device=ctx.device, dtype=torch.float16)
             base = None
@@ -302,12 +315,13 @@ def bench_gemm(ctx: Ctx) -> None:
                 if fmt == "fp16":
                     ms = ctx.bench_weights(lambda w: F.linear(x, w), ws)
                     base = ms
-                else:
-                    ms = ctx.bench_weights(lambda w: dequant_matmul(x, w), ws)
+                else:  # the kernel the engine dispatches the format to
+                    ms = ctx.bench_weights(lambda w: _triton_matmul(x, w), ws)
                 nbytes = weight_bytes(ws[0]) + 2 * m * (k + n)
                 label = {"fp16": "fp16 (torch)", "w8": "int8 per-channel",
                          "w4": f"int4 g{ctx.model['group']} sym",
-                         "w4a": f"int4 g{ctx.model['group']} asym"}[fmt]
+                         "w4a": f"int4 g{ctx.model['group']} asym",
+                         "q4_k": "GGML Q4_K", "q6_k": "GGML Q6_K"}[fmt]
                 print(f"| {k} x {n} | {m} | {label} | {ms * 1e3:.1f} | {ctx.gbs(nbytes, ms)} | "
                       f"{2 * m * n * k / ms / 1e9:.1f} | {base / ms:.2f} |", flush=True)
         del weights
@@ -673,6 +687,12 @@ def compile_only(arch: int) -> None:
     dequant_matmul(torch.randn(2, 256), random_weight(128, 256, "w8", "cpu"),
                    torch.randn(128))  # fp32 (ieee dots), with a bias
     dequant_matmul(torch.randn(2, 48).half(), random_weight(128, 48, "w4a", "cpu", group=24))
+    from qserve.formats import ggml
+    from qserve.kernels.triton_ggml import ggml_matmul
+
+    for fmt in ggml.IN_PLACE:  # the GGML formats read in place (a Q4_K_M file's Q4_K, Q6_K)
+        for m, dtype in ((1, torch.float16), (512, torch.bfloat16)):
+            ggml_matmul(torch.randn(m, 256).to(dtype), random_weight(128, 256, fmt, "cpu"))
     for kv in ("fp16", "int8", "int4"):
         cache, meta = random_cache(2, 300, 8, 128, 16, kv, "cpu")
         meta.sliding_window = 256 if kv == "int8" else None

@@ -293,15 +293,16 @@ SHAPES = {  # Hugging Face config fields of the layer shapes benchmarked
     "llama8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                     num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
                     tie_word_embeddings=False),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
-                 tie_word_embeddings=False),
+                 tie_word_embeddings=False),  # K of 256 and 512: whole GGML super-blocks
 }
 
 
 def random_loaded(shape: str, weights: str, device: str, tokenizer):
-    """A LoadedModel of random weights with `shape`'s layers: fp16 dense, or int4 g128
-    symmetric / int8 per channel codes (gpu_check.random_weight), made on the device."""
+    """A LoadedModel of random weights with `shape`'s layers: fp16 dense, int4 g128
+    symmetric / int8 per channel codes, or "q4km": random GGML blocks as a Q4_K_M file mixes
+    them (gpu_check.random_weight), made on the device."""
     import torch
 
     from qserve.config import ModelArchConfig
@@ -316,18 +317,23 @@ def random_loaded(shape: str, weights: str, device: str, tokenizer):
                            intermediate_size=inter, num_layers=L, num_heads=H, num_kv_heads=hkv,
                            head_dim=d, max_position_embeddings=4096,
                            tie_word_embeddings=s["tie_word_embeddings"])
-    fmt = {"fp16": "fp16", "w4": "w4", "w8": "w8"}[weights]
+    def fmt(name: str) -> str:
+        if weights != "q4km":
+            return {"fp16": "fp16", "w4": "w4", "w8": "w8"}[weights]
+        # a Q4_K_M file's mix: Q6_K for the value and down projections and the output
+        return "q6_k" if name.split(".")[-1] in ("v_proj", "down_proj", "lm_head") else "q4_k"
+
     w = {"model.embed_tokens.weight": random_weight(s["vocab_size"], h, "fp16", device),
          "model.norm.weight": torch.ones(h, device=device)}
     if not arch.tie_word_embeddings:
-        w["lm_head.weight"] = random_weight(s["vocab_size"], h, "fp16", device)
+        w["lm_head.weight"] = random_weight(s["vocab_size"], h, fmt("lm_head"), device)
     for i in range(L):
         p = f"model.layers.{i}."
         for name, (n, k) in {"self_attn.q_proj": (H * d, h), "self_attn.k_proj": (hkv * d, h),
                              "self_attn.v_proj": (hkv * d, h), "self_attn.o_proj": (h, H * d),
                              "mlp.gate_proj": (inter, h), "mlp.up_proj": (inter, h),
                              "mlp.down_proj": (h, inter)}.items():
-            w[p + name + ".weight"] = random_weight(n, k, fmt, device,
+            w[p + name + ".weight"] = random_weight(n, k, fmt(name), device,
                                                     group=128 if k % 128 == 0 else 64)
         w[p + "input_layernorm.weight"] = torch.ones(h, device=device)
         w[p + "post_attention_layernorm.weight"] = torch.ones(h, device=device)
@@ -575,7 +581,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=None, help="check: fewer tokens")
     ap.add_argument("--cases", default=",".join(CASES), help="check: " + ", ".join(CASES))
     ap.add_argument("--shapes", default="smollm2,llama8b", help="bench: " + ", ".join(SHAPES))
-    ap.add_argument("--weights", default="fp16,w4,w8", help="bench: weight formats")
+    ap.add_argument("--weights", default="fp16,w4,w8,q4km",
+                    help="bench: weight formats (fp16, w4, w8, q4km)")
     ap.add_argument("--kv-bench", default="fp16,int8,int4", help="bench: KV dtypes")
     ap.add_argument("--batches", default="1,32", help="bench: batch sizes")
     ap.add_argument("--steps", type=int, default=32, help="bench: decode steps timed")
