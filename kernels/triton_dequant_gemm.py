@@ -92,54 +92,52 @@ def _offsets(o_ptr, offs, mask, s, ZP: tl.constexpr):
 
 
 @triton.jit
-def _scaled_dot(acc, x, q, cols, g, offs_n, mask_n, K, s_ptr, o_ptr, stride_sn, stride_sg, GROUP,
-                SYM: tl.constexpr, ZP: tl.constexpr, SCALE_PER_TILE: tl.constexpr,
-                DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
-    """acc (BM, BN) + x (BM, BK') . W where W (BK', BN) = codes q of input columns `cols`
-    times their scales (plus offsets). Columns past K meet x = 0 (group padding vanishes)."""
-    if SCALE_PER_TILE:  # the tile lies in group g: scale after the dot
-        offs = offs_n * stride_sn + g * stride_sg
-        s = tl.load(s_ptr + offs, mask=mask_n, other=0.0).to(tl.float32)
-        xq = tl.dot(x.to(DOT_DTYPE), q.to(DOT_DTYPE), input_precision=PRECISION)  # (BM, BN)
-        acc += xq * s[None, :]
-        if not SYM:
-            m = _offsets(o_ptr, offs, mask_n, s, ZP)
-            acc += tl.sum(x.to(tl.float32), axis=1)[:, None] * m[None, :]
-    else:  # each column's own group
-        g2 = (cols // GROUP)[:, None] * stride_sg + offs_n[None, :] * stride_sn
-        mask = (cols < K)[:, None] & mask_n[None, :]
-        s = tl.load(s_ptr + g2, mask=mask, other=0.0).to(tl.float32)
-        w = q * s
-        if not SYM:
-            w += _offsets(o_ptr, g2, mask, s, ZP)
-        acc += tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE), input_precision=PRECISION)
-    return acc
+def _grid(offs_a, offs_b, T: tl.constexpr):
+    """(offs_a[:, None], offs_b[None, :]) for an (A, B) tile, or laid out (B, A) when T: index
+    and mask arithmetic written once for both the plain and the swapped kernel."""
+    if T:  # one return statement: a compiled jit function's returns must agree in shape
+        a, b = offs_a[None, :], offs_b[:, None]
+    else:
+        a, b = offs_a[:, None], offs_b[None, :]
+    return a, b
 
 
 @triton.jit
-def _scaled_dot_t(acc, xt, q, cols, g, offs_n, mask_n, K, s_ptr, o_ptr, stride_sn, stride_sg,
-                  GROUP, SYM: tl.constexpr, ZP: tl.constexpr, SCALE_PER_TILE: tl.constexpr,
-                  DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
-    """_scaled_dot with A and B swapped: acc (BN, BM) + W (BN, BK') . xt (BK', BM), W = codes q
-    (BN, BK') of input columns `cols` times their scales (plus offsets). The weight tile is
-    the MMA's wide operand and the few rows of x its narrow one (small-batch GEMM's usual
-    swap), so a decode step's 16-row tile fills no more of the tensor core than it has."""
-    if SCALE_PER_TILE:
+def _scaled_dot(acc, x, q, cols, g, offs_n, mask_n, K, s_ptr, o_ptr, stride_sn, stride_sg, GROUP,
+                SYM: tl.constexpr, ZP: tl.constexpr, SCALE_PER_TILE: tl.constexpr,
+                DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, T: tl.constexpr):
+    """acc (BM, BN) + x (BM, BK') . W where W (BK', BN) = codes q of input columns `cols`
+    times their scales (plus offsets). Columns past K meet x = 0 (group padding vanishes).
+    T (swap_ab): everything transposed, acc (BN, BM) + W (BN, BK') . x (BK', BM), so the
+    weight tile is the dot's wide operand and x's few rows its narrow one."""
+    if SCALE_PER_TILE:  # the tile lies in group g: scale after the dot
         offs = offs_n * stride_sn + g * stride_sg
         s = tl.load(s_ptr + offs, mask=mask_n, other=0.0).to(tl.float32)
-        qx = tl.dot(q.to(DOT_DTYPE), xt.to(DOT_DTYPE), input_precision=PRECISION)  # (BN, BM)
-        acc += qx * s[:, None]
+        if T:
+            xq = tl.dot(q.to(DOT_DTYPE), x.to(DOT_DTYPE), input_precision=PRECISION)  # (BN, BM)
+            acc += xq * s[:, None]
+        else:
+            xq = tl.dot(x.to(DOT_DTYPE), q.to(DOT_DTYPE), input_precision=PRECISION)  # (BM, BN)
+            acc += xq * s[None, :]
         if not SYM:
             m = _offsets(o_ptr, offs, mask_n, s, ZP)
-            acc += m[:, None] * tl.sum(xt.to(tl.float32), axis=0)[None, :]
-    else:
-        g2 = offs_n[:, None] * stride_sn + (cols // GROUP)[None, :] * stride_sg
-        mask = mask_n[:, None] & (cols < K)[None, :]
+            if T:
+                acc += m[:, None] * tl.sum(x.to(tl.float32), axis=0)[None, :]
+            else:
+                acc += tl.sum(x.to(tl.float32), axis=1)[:, None] * m[None, :]
+    else:  # each column's own group
+        gk, nn = _grid(cols // GROUP, offs_n, T)
+        ck, mn = _grid(cols < K, mask_n, T)
+        g2 = gk * stride_sg + nn * stride_sn
+        mask = ck & mn
         s = tl.load(s_ptr + g2, mask=mask, other=0.0).to(tl.float32)
         w = q * s
         if not SYM:
             w += _offsets(o_ptr, g2, mask, s, ZP)
-        acc += tl.dot(w.to(DOT_DTYPE), xt.to(DOT_DTYPE), input_precision=PRECISION)
+        if T:
+            acc += tl.dot(w.to(DOT_DTYPE), x.to(DOT_DTYPE), input_precision=PRECISION)
+        else:
+            acc += tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE), input_precision=PRECISION)
     return acc
 
 
@@ -158,7 +156,7 @@ def _dequant_matmul_kernel(
     BITS: tl.constexpr, SYM: tl.constexpr, ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
     SCALE_PER_TILE: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SWAP_AB: tl.constexpr,
+    SWAP_AB: tl.constexpr,  # every tile transposed (_scaled_dot's T): acc is (BN, BM)
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -167,31 +165,10 @@ def _dequant_matmul_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    if SWAP_AB:  # acc is y's tile transposed: (BN, BM)
-        _swapped_loop(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, M, N, K, KP, GROUP,
-                      k_tiles_per_split, stride_xm, stride_xk, stride_wn, stride_wk,
-                      stride_sn, stride_sg, stride_os, stride_om, stride_on, pid_k,
-                      offs_m, offs_n, mask_m, mask_n, BITS, SYM, ZP, HAS_BIAS,
-                      SCALE_PER_TILE, DOT_DTYPE, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
-        _plain_loop(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, M, N, K, KP, GROUP,
-                    k_tiles_per_split, stride_xm, stride_xk, stride_wn, stride_wk,
-                    stride_sn, stride_sg, stride_os, stride_om, stride_on, pid_k,
-                    offs_m, offs_n, mask_m, mask_n, BITS, SYM, ZP, HAS_BIAS,
-                    SCALE_PER_TILE, DOT_DTYPE, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
-
-
-@triton.jit
-def _plain_loop(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, M, N, K, KP, GROUP,
-                k_tiles_per_split, stride_xm, stride_xk, stride_wn, stride_wk,
-                stride_sn, stride_sg, stride_os, stride_om, stride_on, pid_k,
-                offs_m, offs_n, mask_m, mask_n,
-                BITS: tl.constexpr, SYM: tl.constexpr, ZP: tl.constexpr,
-                HAS_BIAS: tl.constexpr, SCALE_PER_TILE: tl.constexpr,
-                DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The kernel's K loop and store: acc is y's (BM, BN) tile."""
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
 
     k_lo = pid_k * k_tiles_per_split * BLOCK_K
     k_hi = tl.minimum(k_lo + k_tiles_per_split * BLOCK_K, K)
@@ -203,80 +180,44 @@ def _plain_loop(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, M, N, K, KP, GROU
             # Masked on the packed index against KP, qweight's own width (the group padding
             # past K is stored; it meets x = 0), so whole 16-byte runs load at once.
             offs_j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            w_ptrs = w_ptr + offs_j[:, None] * stride_wk + offs_n[None, :] * stride_wn
-            packed = tl.load(w_ptrs, mask=(offs_j < KP)[:, None] & mask_n[None, :], other=0)
+            jj, nn = _grid(offs_j, offs_n, SWAP_AB)
+            jm, nm = _grid(offs_j < KP, mask_n, SWAP_AB)
+            packed = tl.load(w_ptr + jj * stride_wk + nn * stride_wn, mask=jm & nm, other=0)
             packed = packed.to(tl.int32)
-            lo = _codes(packed & 0xF, SYM, DOT_DTYPE)  # (BK / 2, BN)
+            lo = _codes(packed & 0xF, SYM, DOT_DTYPE)  # (BK / 2, BN), or (BN, BK / 2)
             hi = _codes((packed >> 4) & 0xF, SYM, DOT_DTYPE)
             for half in tl.static_range(2):
                 cols = 2 * offs_j + half  # (BK / 2,) input columns of this nibble
-                x_ptrs = x_ptr + offs_m[:, None] * stride_xm + cols[None, :] * stride_xk
-                x = tl.load(x_ptrs, mask=mask_m[:, None] & (cols < K)[None, :], other=0.0)
+                mm, cc = _grid(offs_m, cols, SWAP_AB)
+                mmask, cmask = _grid(mask_m, cols < K, SWAP_AB)
+                x = tl.load(x_ptr + mm * stride_xm + cc * stride_xk, mask=mmask & cmask,
+                            other=0.0)
                 acc = _scaled_dot(acc, x, lo if half == 0 else hi, cols, k0 // GROUP, offs_n,
                                   mask_n, K, s_ptr, o_ptr, stride_sn, stride_sg, GROUP,
-                                  SYM, ZP, SCALE_PER_TILE, DOT_DTYPE, PRECISION)
+                                  SYM, ZP, SCALE_PER_TILE, DOT_DTYPE, PRECISION, SWAP_AB)
         else:
             offs_k = k0 + tl.arange(0, BLOCK_K)
-            x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
-            x = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0)
-            w_ptrs = w_ptr + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
-            q = tl.load(w_ptrs, mask=(offs_k < K)[:, None] & mask_n[None, :], other=0)
+            mm, kk = _grid(offs_m, offs_k, SWAP_AB)
+            mmask, kmask = _grid(mask_m, offs_k < K, SWAP_AB)
+            x = tl.load(x_ptr + mm * stride_xm + kk * stride_xk, mask=mmask & kmask, other=0.0)
+            kk, nn = _grid(offs_k, offs_n, SWAP_AB)
+            kmask, nmask = _grid(offs_k < K, mask_n, SWAP_AB)
+            q = tl.load(w_ptr + kk * stride_wk + nn * stride_wn, mask=kmask & nmask, other=0)
             acc = _scaled_dot(acc, x, q.to(tl.float32), offs_k, k0 // GROUP, offs_n, mask_n, K,
                               s_ptr, o_ptr, stride_sn, stride_sg, GROUP,
-                              SYM, ZP, SCALE_PER_TILE, DOT_DTYPE, PRECISION)
+                              SYM, ZP, SCALE_PER_TILE, DOT_DTYPE, PRECISION, SWAP_AB)
 
     if HAS_BIAS:
         if pid_k == 0:
-            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    out_ptrs = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om \
-        + offs_n[None, :] * stride_on
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
-
-
-@triton.jit
-def _swapped_loop(x_ptr, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, M, N, K, KP, GROUP,
-                  k_tiles_per_split, stride_xm, stride_xk, stride_wn, stride_wk,
-                  stride_sn, stride_sg, stride_os, stride_om, stride_on, pid_k,
-                  offs_m, offs_n, mask_m, mask_n,
-                  BITS: tl.constexpr, SYM: tl.constexpr, ZP: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, SCALE_PER_TILE: tl.constexpr,
-                  DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The kernel's loop and store with the weight tile as the dot's first operand: the same
-    tiles, loads and scale algebra as the unswapped loop, transposed (_scaled_dot_t)."""
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    k_lo = pid_k * k_tiles_per_split * BLOCK_K
-    k_hi = tl.minimum(k_lo + k_tiles_per_split * BLOCK_K, K)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        if BITS == 4:
-            offs_j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_j[None, :] * stride_wk
-            packed = tl.load(w_ptrs, mask=mask_n[:, None] & (offs_j < KP)[None, :], other=0)
-            packed = packed.to(tl.int32)
-            lo = _codes(packed & 0xF, SYM, DOT_DTYPE)  # (BN, BK / 2)
-            hi = _codes((packed >> 4) & 0xF, SYM, DOT_DTYPE)
-            for half in tl.static_range(2):
-                cols = 2 * offs_j + half
-                xt_ptrs = x_ptr + cols[:, None] * stride_xk + offs_m[None, :] * stride_xm
-                xt = tl.load(xt_ptrs, mask=(cols < K)[:, None] & mask_m[None, :], other=0.0)
-                acc = _scaled_dot_t(acc, xt, lo if half == 0 else hi, cols, k0 // GROUP,
-                                    offs_n, mask_n, K, s_ptr, o_ptr, stride_sn, stride_sg,
-                                    GROUP, SYM, ZP, SCALE_PER_TILE, DOT_DTYPE, PRECISION)
-        else:
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            xt_ptrs = x_ptr + offs_k[:, None] * stride_xk + offs_m[None, :] * stride_xm
-            xt = tl.load(xt_ptrs, mask=(offs_k < K)[:, None] & mask_m[None, :], other=0.0)
-            w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :] * stride_wk
-            q = tl.load(w_ptrs, mask=mask_n[:, None] & (offs_k < K)[None, :], other=0)
-            acc = _scaled_dot_t(acc, xt, q.to(tl.float32), offs_k, k0 // GROUP, offs_n, mask_n,
-                                K, s_ptr, o_ptr, stride_sn, stride_sg, GROUP,
-                                SYM, ZP, SCALE_PER_TILE, DOT_DTYPE, PRECISION)
-    if HAS_BIAS:
-        if pid_k == 0:
-            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
-    out_ptrs = out_ptr + pid_k * stride_os + offs_n[:, None] * stride_on \
-        + offs_m[None, :] * stride_om
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_n[:, None] & mask_m[None, :])
+            b = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            if SWAP_AB:
+                acc += b[:, None]
+            else:
+                acc += b[None, :]
+    mm, nn = _grid(offs_m, offs_n, SWAP_AB)
+    mmask, nmask = _grid(mask_m, mask_n, SWAP_AB)
+    out_ptrs = out_ptr + pid_k * stride_os + mm * stride_om + nn * stride_on
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mmask & nmask)
 
 
 @triton.jit
