@@ -74,3 +74,19 @@ def test_gpu_check_tune_writes_a_table_the_kernel_reads(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == str(len(data["dequant_matmul"])), \
         r.stderr[-2000:]
+
+
+def test_gpu_check_compiles_every_kernel_for_sm90():
+    """--compile-only runs the wrappers with each launch compiled for sm_90 (the launcher's
+    specialization, ptxas from Triton's wheel), no GPU: what the interpreter lets pass but a
+    GPU's compiler rejects (a jit function whose returns disagree in shape, say) fails here."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_check.py"), "--compile-only"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-3000:]
+    rows = [line for line in r.stdout.splitlines() if line.startswith("| _")]
+    assert any("SWAP_AB=True" in row and "BLOCK_M=64" in row for row in rows)
+    assert any(row.startswith("| _ggml_matmul_kernel") and "FORMAT=q4_k" in row for row in rows)
+    assert {row.split(" | ")[0][2:] for row in rows} >= {
+        "_dequant_matmul_kernel", "_ggml_matmul_kernel", "_decode_kernel", "_prefill_kernel",
+        "_kv_write_kernel"}
