@@ -29,9 +29,9 @@ Scales are applied per K tile, not per weight: when a tile lies inside one group
 
 so the inner loop dots x with the raw codes (small integers, exact in fp16/bf16) and the
 scale costs BLOCK_N multiplies per tile. int4z's integer zero points z become m = -z s in
-fp32, exact (an 8-bit z times an fp16 s), so its weights q s + m are (q - z) s exactly. An int4 tile is two dots, x's even columns with
-the low nibbles and its odd columns with the high ones, so packed bytes load as contiguous
-runs and are never interleaved; the load is masked on the packed byte index (not on the
+fp32, exact (an 8-bit z times an fp16 s), so its weights q s + m are (q - z) s exactly. An
+int4 tile is two dots, x's even columns with the low nibbles and its odd columns with the
+high ones, so packed bytes load as contiguous runs and are never interleaved; the load is masked on the packed byte index (not on the
 input column), so it vectorises, and a nibble becomes a float by one bitcast (_codes). A
 group the tile cannot lie in (only the "divisor" plan makes one, e.g. g24) falls back to
 dequantizing each weight before the dot.

@@ -317,6 +317,7 @@ def random_loaded(shape: str, weights: str, device: str, tokenizer):
                            intermediate_size=inter, num_layers=L, num_heads=H, num_kv_heads=hkv,
                            head_dim=d, max_position_embeddings=4096,
                            tie_word_embeddings=s["tie_word_embeddings"])
+
     def fmt(name: str) -> str:
         if weights != "q4km":
             return {"fp16": "fp16", "w4": "w4", "w8": "w8"}[weights]
