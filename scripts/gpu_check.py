@@ -343,8 +343,8 @@ def tune_gemm(ctx: Ctx) -> None:
     """For int4 g128 and int8 per-channel weights of each shape: every configuration of
     TUNE_SPACE (compiled configurations first reused), timed at ctx.tune_rows[0] rows (batch-1
     decode); the best 3 of each row tile (block_m) also at the others (a batch's decode,
-    prefill). The one with the least summed time relative to each row count's best is the
-    shape's entry, kept only if it is not the default; the table
+    prefill). The one with the least summed time relative to each row count's best (one row
+    counted twice) is the shape's entry, kept only if it is not the default; the table
     goes to --tune-out (kernels/tuned/<device>.json format). Configurations depend on the
     weight, never on M, so batch invariance holds."""
     import itertools
@@ -404,7 +404,9 @@ def tune_gemm(ctx: Ctx) -> None:
                     times[cfg][m] = ctx.bench_weights(
                         lambda w: gemm.dequant_matmul(xs[m], w, config=cfg), ws)
             lowest = {m: min(times[c][m] for c in best) for m in rows}
-            score = {c: sum(times[c][m] / lowest[m] for m in rows) for c in best}
+            # batch-1 decode counts twice: a model spends most steps there
+            score = {c: sum((2 if i == 0 else 1) * times[c][m] / lowest[m]
+                            for i, m in enumerate(rows)) for c in best}
             pick = min(best, key=score.get)
             nbytes = weight_bytes(ws[0]) + 2 * (k + n)
             for cfg in best:
