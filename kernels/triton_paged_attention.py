@@ -118,18 +118,26 @@ def load_kv_tile(v_ptr, s_ptr, o_ptr, blk, off, kv_head, mask_n, D,
     base = v_ptr + row[:, None]
     scale = tl.where(mask_n, 1.0, 0.0)  # (BN,)
     offset = tl.zeros_like(scale)
+    if QUANT == 2:  # the token's D / 2 packed bytes, one contiguous (vectorised) run
+        offs_b = tl.arange(0, BLOCK_D // 2)
+        packed = tl.load(base + offs_b[None, :] * stride_vd,
+                         mask=mask_n[:, None] & (offs_b < D // 2)[None, :], other=0)
+        packed = packed.to(tl.int32)  # (BN, BD / 2)
     if QUANT == 2 and KEYS:
         first, shift, bits, step_units = key_fields(cb_width, cb_start, D)
-        ptrs = base + first[None, :] * stride_vd
-        lo = tl.load(ptrs, mask=mask, other=0).to(tl.int32)
-        hi = tl.load(ptrs + stride_vd, mask=mask, other=0).to(tl.int32)
+        # each channel's two bytes, gathered from the row in registers rather than loaded
+        # one byte per element from memory
+        at = first[None, :] + tl.zeros_like(blk)[:, None]  # (BN, BD)
+        lo = tl.gather(packed, at, axis=1)
+        hi = tl.gather(packed, at + 1, axis=1)
         code = (((hi << 8) | lo) >> shift[None, :]) & bits[None, :]  # (BN, BD)
+        code = tl.where(mask, code, 0)
         t = tl.load(s_ptr + srow, mask=mask_n, other=0.0).to(tl.float32)[:, None]
         x = dequant_key(code.to(tl.float32), t, step_units[None, :], cb_sigma[None, :])
     else:
-        if QUANT == 2:
-            b = tl.load(base + (offs_d // 2)[None, :] * stride_vd, mask=mask, other=0)
-            x = ((b.to(tl.int32) >> ((offs_d % 2) * 4)[None, :]) & 15).to(tl.float32)
+        if QUANT == 2:  # element e at bit 4 (e % 2) of byte e // 2: the nibbles interleaved
+            x = tl.reshape(tl.join(packed & 15, packed >> 4), (blk.shape[0], BLOCK_D))
+            x = x.to(tl.float32)
         else:
             x = tl.load(base + offs_d[None, :] * stride_vd, mask=mask, other=0.0).to(tl.float32)
         if QUANT > 0:
