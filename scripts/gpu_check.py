@@ -336,6 +336,7 @@ TUNE_SPACE = [dict(block_n=(64, 128), max_block_k=(128,), num_warps=(4,), num_st
               dict(block_n=(64, 128, 256), max_block_k=(128,), num_warps=(4, 8),
                    num_stages=(2, 3), fill=(2, 4), swap_ab=(True,), block_m=(16, 32, 64))]
 TUNE_OUT: Path | None = None  # --tune-out
+E2E_KV = ("fp16", "int8", "int4")  # --e2e-kv
 TUNE_BUDGET = 150.0  # --tune-budget: seconds the sweep may take
 
 
@@ -580,7 +581,7 @@ def bench_e2e(ctx: Ctx) -> None:
     print("|---|---|---|---|---|---|")
     for weights in ("fp16", "w8", "w4"):
         model = RandomLlama(ctx, weights)
-        for kv in ("fp16", "int8", "int4"):
+        for kv in E2E_KV:
             for batch in ctx.e2e_batches:
                 caches, meta = [], None
                 for _ in range(m["layers"]):
@@ -725,8 +726,14 @@ def main() -> int:
                     help="tune: where the table goes (a folder: <device>.json in it)")
     ap.add_argument("--tune-budget", type=float, default=150.0,
                     help="tune: seconds the sweep may take")
+    ap.add_argument("--e2e-kv", default="fp16,int8,int4",
+                    help="e2e: KV dtypes (fp16, int8, int4)")
     args = ap.parse_args()
-    global DEADLINE, TUNE_OUT, TUNE_BUDGET
+    global DEADLINE, TUNE_OUT, TUNE_BUDGET, E2E_KV
+    E2E_KV = tuple(k for k in args.e2e_kv.split(",") if k)
+    if not E2E_KV or set(E2E_KV) - {"fp16", "int8", "int4"}:
+        print(f"error: --e2e-kv takes fp16, int8, int4; got {args.e2e_kv!r}", file=sys.stderr)
+        return 2
     DEADLINE = args.deadline
     TUNE_OUT = Path(args.tune_out) if args.tune_out else None
     TUNE_BUDGET = args.tune_budget

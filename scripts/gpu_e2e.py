@@ -517,6 +517,7 @@ def run_all(args) -> None:
             budget = 120 + args.tune_budget
             cmd = [sys.executable, "scripts/gpu_check.py", "--skip-tests", "--sections",
                    args.perf_sections, "--tune-budget", str(args.tune_budget),
+                   "--e2e-kv", args.kv_bench,
                    "--deadline", str(int(min(budget, left(args.deadline)
                                              - (200 if later else 30))))]
             _subprocess_part(args, out, "gpu_check perf",
@@ -584,7 +585,8 @@ def main() -> int:
     ap.add_argument("--shapes", default="smollm2,llama8b", help="bench: " + ", ".join(SHAPES))
     ap.add_argument("--weights", default="fp16,w4,w8,q4km",
                     help="bench: weight formats (fp16, w4, w8, q4km)")
-    ap.add_argument("--kv-bench", default="fp16,int8,int4", help="bench: KV dtypes")
+    ap.add_argument("--kv-bench", default="fp16,int8,int4",
+                    help="bench (and gpu_check's e2e section): KV dtypes")
     ap.add_argument("--batches", default="1,32", help="bench: batch sizes")
     ap.add_argument("--steps", type=int, default=32, help="bench: decode steps timed")
     ap.add_argument("--deadline", type=float, default=None,
@@ -594,7 +596,7 @@ def main() -> int:
     ap.add_argument("--parts", default="kernels,perf,check,bench",
                     help="all: which of kernels, perf, check, bench to run")
     ap.add_argument("--perf-sections", default="copy,tune,gemm,decode,prefill",
-                    help="all: gpu_check's sections")
+                    help="all: gpu_check's sections (e2e adds its torch fp16 eager layer loop)")
     ap.add_argument("--tune-budget", type=float, default=90.0,
                     help="all: seconds gpu_check's tune section may take")
     args = ap.parse_args()
