@@ -514,7 +514,7 @@ def run_all(args) -> None:
                 "tests/test_cuda_path.py"], 150)
         elif part == "perf":
             later = {"check", "bench"} & set(parts[i + 1:])
-            budget = 120 + args.tune_budget
+            budget = 150 + args.tune_budget
             cmd = [sys.executable, "scripts/gpu_check.py", "--skip-tests", "--sections",
                    args.perf_sections, "--tune-budget", str(args.tune_budget),
                    "--e2e-kv", args.kv_bench,
