@@ -48,6 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
+from qserve.errors import ConfigError
 from qserve.formats import QuantizedTensor
 
 _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
@@ -297,17 +298,18 @@ def device_slug(name: str) -> str:
 def _tuned_table(device_name: str, override: str | None) -> dict[str, GemmConfig]:
     """The tuned configurations for a device: $QSERVE_TRITON_TUNING's file if set, else
     kernels/tuned/<device>.json if it exists, else none (every weight gets DEFAULT_CONFIG).
-    A file that cannot be read is an error, not a silent fallback."""
+    A file that cannot be read is a ConfigError (one line: the CLI's), not a silent
+    fallback."""
     path = Path(override) if override else TUNED_DIR / f"{device_slug(device_name)}.json"
     if not path.is_file():
         if override:
-            raise FileNotFoundError(f"QSERVE_TRITON_TUNING: no such file {path}")
+            raise ConfigError(f"QSERVE_TRITON_TUNING: no such file {path}")
         return {}
     try:
         entries = json.loads(path.read_text())["dequant_matmul"]
         return {key: GemmConfig(**cfg) for key, cfg in entries.items()}
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{path}: not a dequant_matmul tuning table ({e})") from None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ConfigError(f"{path}: not a dequant_matmul tuning table ({e})") from None
 
 
 def gemm_config(device: torch.device, fmt: str, group: int, N: int, K: int) -> GemmConfig:

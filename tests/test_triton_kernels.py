@@ -277,6 +277,7 @@ def test_tuned_table(tmp_path, monkeypatch):
     """A tuned table is read by device and key; a missing override file or a malformed table
     is an error, and a weight the table does not name gets the default configuration."""
     import qserve.kernels.triton_dequant_gemm as gemm
+    from qserve.errors import ConfigError
 
     table = tmp_path / "t.json"
     cfg = dict(block_n=128, max_block_k=64, num_warps=8, num_stages=4, fill=1)
@@ -286,12 +287,14 @@ def test_tuned_table(tmp_path, monkeypatch):
     assert got == {"int4 g128 4096x14336": gemm.GemmConfig(**cfg)}
     assert gemm.device_slug("NVIDIA H200") == "nvidia-h200"
     assert gemm._tuned_table("no such device", None) == {}
-    with pytest.raises(FileNotFoundError, match="QSERVE_TRITON_TUNING"):
+    with pytest.raises(ConfigError, match="QSERVE_TRITON_TUNING: no such file"):
         gemm._tuned_table("x", str(tmp_path / "missing.json"))
     bad = tmp_path / "bad.json"
-    for entry in ({"block_q": 64}, {"block_m": 24}, {"num_warps": 3}, {"fill": 0}):
-        bad.write_text(json.dumps({"dequant_matmul": {"k": entry}}))
-        with pytest.raises(ValueError, match="not a dequant_matmul tuning table"):
+    for text in [json.dumps({"dequant_matmul": {"k": entry}}) for entry in (
+            {"block_q": 64}, {"block_m": 24}, {"num_warps": 3}, {"fill": 0})] + [
+            "{not json", "[]", json.dumps({"other": {}}), json.dumps({"dequant_matmul": [1]})]:
+        bad.write_text(text)
+        with pytest.raises(ConfigError, match="not a dequant_matmul tuning table"):
             gemm._tuned_table("x", str(bad))
     # a CPU tensor (the interpreter) always gets the default
     monkeypatch.setenv("QSERVE_TRITON_TUNING", str(table))
