@@ -51,6 +51,7 @@ class StepLayers:
         self.ce, self.caches, self.meta, self.moves = ce, caches, meta, moves
         self.staged = bool(out.staging)
         self.fetched: dict[int, int] = {}  # layer -> ticket of its fetch
+        self.offloaded: dict[int, int] = {}  # layer -> ticket of its offload
         if self.staged:
             self._plan(out, positions, plan, bm)
 
@@ -103,8 +104,11 @@ class StepLayers:
                 copier.wait(self.moves[i])
             return self.caches[i], self.meta
         # staged slices of any layer may sit in blocks that this step's moves touch: all of
-        # the moves go first (the queue runs in order, so a fetch ticket covers them too)
-        copier.wait(self.fetched.pop(i, self.moves[-1] if self.moves else 0))
+        # the moves go first (the queue runs in order, so a later ticket covers them too).
+        # Layer i writes the slices of group i % k, which layer i - k's offload reads: that
+        # copy must be done too (a fetch for layer i comes after it; without one, wait for it)
+        copier.wait(max(self.fetched.pop(i, 0), self.offloaded.pop(i - self.k, 0),
+                        self.moves[-1] if self.moves else 0))
         return self.ce.flat_layer(i), dataclasses.replace(
             self.meta, block_tables=self.tables[i], slot_mapping=self.slots[i])
 
@@ -112,7 +116,8 @@ class StepLayers:
         if not self.staged:
             return
         if self.off_at:
-            self.ce.offload_layer(i, self.group_slices[i % self.k, self.off_at], self.off_host)
+            self.offloaded[i] = self.ce.offload_layer(
+                i, self.group_slices[i % self.k, self.off_at], self.off_host)
         self._fetch(i + self.k)
 
     def close(self) -> None:
