@@ -31,10 +31,10 @@ so the inner loop dots x with the raw codes (small integers, exact in fp16/bf16)
 scale costs BLOCK_N multiplies per tile. int4z's integer zero points z become m = -z s in
 fp32, exact (an 8-bit z times an fp16 s), so its weights q s + m are (q - z) s exactly. An
 int4 tile is two dots, x's even columns with the low nibbles and its odd columns with the
-high ones, so packed bytes load as contiguous runs and are never interleaved; the load is masked on the packed byte index (not on the
-input column), so it vectorises, and a nibble becomes a float by one bitcast (_codes). A
-group the tile cannot lie in (only the "divisor" plan makes one, e.g. g24) falls back to
-dequantizing each weight before the dot.
+high ones, so packed bytes load as contiguous runs and are never interleaved; the load is
+masked on the packed byte index (not on the input column), so it vectorises, and a nibble
+becomes a float by one bitcast (_codes). A group the tile cannot lie in (only the "divisor"
+plan makes one, e.g. g24) falls back to dequantizing each weight before the dot.
 """
 from __future__ import annotations
 
@@ -313,12 +313,17 @@ def _tuned_table(device_name: str, override: str | None) -> dict[str, GemmConfig
 
 
 def gemm_config(device: torch.device, fmt: str, group: int, N: int, K: int) -> GemmConfig:
-    """The configuration dequant_matmul launches a weight with on `device`."""
+    """The configuration dequant_matmul launches a weight with on `device` (looked up once
+    per device, table and weight shape: every linear of every step asks)."""
     if device.type != "cuda":
         return DEFAULT_CONFIG
-    table = _tuned_table(torch.cuda.get_device_name(device),
-                         os.environ.get("QSERVE_TRITON_TUNING") or None)
-    return table.get(tuning_key(fmt, group, N, K), DEFAULT_CONFIG)
+    return _config_for(device, os.environ.get("QSERVE_TRITON_TUNING") or None,
+                       tuning_key(fmt, group, N, K))
+
+
+@functools.lru_cache(maxsize=None)
+def _config_for(device: torch.device, override: str | None, key: str) -> GemmConfig:
+    return _tuned_table(torch.cuda.get_device_name(device), override).get(key, DEFAULT_CONFIG)
 
 
 def run_split(x: torch.Tensor, N: int, split_k: int, launch) -> torch.Tensor:
