@@ -35,14 +35,7 @@ def random_weight(fmt: str, N: int, K: int, g: torch.Generator) -> QuantizedTens
                                (torch.rand(N, K // 32, generator=g) * 0.01).half(), None, K)
     if fmt == "f16":
         return QuantizedTensor("f16", torch.randn(N, K, generator=g).half(), None, None, K)
-    t = ggml.TYPES[fmt]
-    blocks = torch.randint(0, 256, (N * K // t.block, t.block_bytes), dtype=torch.uint8,
-                           generator=g)
-    # a checkpoint's scales: no NaN, inf or subnormal arithmetic
-    for off in ggml.TYPES[fmt].fp16_fields:
-        d = torch.randn(blocks.shape[0], 1, generator=g) * 0.01
-        blocks[:, off:off + 2] = d.half().view(torch.uint8)
-    return QuantizedTensor(fmt, blocks.view(N, -1), None, None, K)
+    return QuantizedTensor(fmt, ggml.random_rows(fmt, N, K, g), None, None, K)
 
 
 def main() -> None:

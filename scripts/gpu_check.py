@@ -173,14 +173,8 @@ def random_weight(n: int, k: int, fmt: str, device, group: int = 128):
         return (torch.randn(n, k, device=device) * k ** -0.5).half()
     from qserve.formats import ggml
 
-    if fmt in ggml.IN_PLACE:  # random GGML blocks, fp16 fields of a checkpoint's size
-        t = ggml.TYPES[fmt]
-        blocks = torch.randint(0, 256, (n * k // t.block, t.block_bytes), dtype=torch.uint8,
-                               device=device)
-        for off in t.fp16_fields:
-            d = (torch.randn(blocks.shape[0], 1, device=device) * 0.01).half()
-            blocks[:, off:off + 2] = d.view(torch.uint8)
-        return QuantizedTensor(fmt, blocks.view(n, -1), None, None, k)
+    if fmt in ggml.IN_PLACE:
+        return QuantizedTensor(fmt, ggml.random_rows(fmt, n, k, device=device), None, None, k)
     if fmt == "w8":
         q = torch.randint(-127, 128, (n, k), device=device, dtype=torch.int8)
         s = torch.full((n, 1), 1 / (73 * k ** 0.5), device=device, dtype=torch.float16)

@@ -13,7 +13,6 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from ggml_blocks import random_rows
 from qserve.formats import QuantizedTensor, ggml
 
 
@@ -31,7 +30,8 @@ CASES = [(name, out, n_blocks) for name in ggml.TYPES
 @pytest.mark.parametrize("name,out,n_blocks", CASES)
 def test_dequantize_matches_gguf(name, out, n_blocks):
     in_features = n_blocks * ggml.TYPES[name].block
-    rows = random_rows(name, out, in_features, seed=out * 10 + n_blocks)
+    rows = ggml.random_rows(name, out, in_features,
+                           torch.Generator().manual_seed(out * 10 + n_blocks))
     ref = gguf_dequantize(name, rows)
     assert ref.shape == (out, in_features) and torch.isfinite(ref).all()
 
@@ -50,7 +50,7 @@ def test_dequantize_matches_gguf(name, out, n_blocks):
 
 def test_dequantize_reads_a_strided_view():
     """Every other row of a matrix (a non-contiguous view) dequantizes the same."""
-    rows = random_rows("q4_k", 12, 512, seed=3)
+    rows = ggml.random_rows("q4_k", 12, 512, torch.Generator().manual_seed(3))
     part = rows[1::2]
     assert torch.equal(QuantizedTensor("q4_k", part, None, None, 512).dequantize(),
                        gguf_dequantize("q4_k", part.contiguous()))
@@ -59,7 +59,7 @@ def test_dequantize_reads_a_strided_view():
 @pytest.mark.parametrize("name", ggml.IN_PLACE)
 def test_validate_reports_a_wrong_row_width(name):
     t = ggml.TYPES[name]
-    rows = random_rows(name, 3, 2 * t.block)
+    rows = ggml.random_rows(name, 3, 2 * t.block, torch.Generator().manual_seed(0))
     assert QuantizedTensor(name, rows, None, None, 2 * t.block).validate() is None
     msg = QuantizedTensor(name, rows[:, :-1], None, None, 2 * t.block).validate()
     assert msg is not None and str(2 * t.block_bytes) in msg

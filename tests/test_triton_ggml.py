@@ -24,7 +24,6 @@ if not ON_GPU and not IMPORTED_TOO_LATE:  # too late: leave it unset, so later m
     os.environ["TRITON_INTERPRET"] = "1"
 triton = pytest.importorskip("triton")
 
-from ggml_blocks import random_rows  # noqa: E402
 from qserve.formats import QuantizedTensor, ggml  # noqa: E402
 from qserve.kernels.triton_ggml import ggml_matmul  # noqa: E402
 
@@ -49,7 +48,8 @@ def test_in_fresh_process():
 
 
 def _weight(name: str, N: int, K: int, seed: int) -> QuantizedTensor:
-    return QuantizedTensor(name, random_rows(name, N, K, seed).to(DEVICE), None, None, K)
+    rows = ggml.random_rows(name, N, K, torch.Generator().manual_seed(seed))
+    return QuantizedTensor(name, rows.to(DEVICE), None, None, K)
 
 
 def _check(out: torch.Tensor, x: torch.Tensor, qt: QuantizedTensor, bias: torch.Tensor | None):

@@ -63,6 +63,21 @@ REPACKED = {"q4_0": "int4", "q4_1": "int4", "q8_0": "int8"}  # GGML type -> qser
 IN_PLACE = ("q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
 
 
+def random_rows(name: str, out: int, in_features: int, generator: torch.Generator | None = None,
+                device: torch.device | str | None = None) -> torch.Tensor:
+    """(out, in_features / block * block_bytes) uint8 rows of random type-`name` blocks whose
+    fp16 fields hold randn * 0.01 (a checkpoint's size: no NaN, inf or subnormal arithmetic),
+    for tests and benchmarks: every code and sub-block scale pattern occurs."""
+    t = TYPES[name]
+    n = out * in_features // t.block
+    blocks = torch.randint(0, 256, (n, t.block_bytes), dtype=torch.uint8, generator=generator,
+                           device=device)
+    for off in t.fp16_fields:
+        d = (torch.randn(n, 1, generator=generator, device=device) * 0.01).half()
+        blocks[:, off:off + 2] = d.view(torch.uint8)
+    return blocks.view(out, -1)
+
+
 def dequantize_blocks(name: str, blocks: torch.Tensor) -> torch.Tensor:
     """blocks (n, block_bytes) uint8 of GGML type `name` -> (n, block) fp32."""
     t = TYPES[name]
