@@ -33,7 +33,6 @@ cache) where they run in the time left. Each section stops starting new rows at 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib.abc
 import json
 import os
