@@ -31,11 +31,45 @@ def test_build_reads_every_tensor_once(default_model_path, monkeypatch):
         reads.append(name)
         return real(gguf, name, *a, **k)
 
+    sliced: dict[str, list[tuple[int, int]]] = {}  # matrices read by row slices
+    real_rows = gguf_loader.tensor_rows
+
+    def row_counting(gguf, name, *a, **k):
+        read = real_rows(gguf, name, *a, **k)
+        if read is None:
+            return None
+
+        def rows(r0, r1):
+            sliced.setdefault(name, []).append((r0, r1))
+            return read(r0, r1)
+        return rows
+
     monkeypatch.setattr(gguf_loader, "read_tensor", counting)
+    monkeypatch.setattr(gguf_loader, "tensor_rows", row_counting)
     assert "model.norm.weight" in loaded.weights and "no.such.weight" not in loaded.weights
     assert reads == []
     build_model(loaded.arch, loaded.weights, 64)
+    assert any(len(spans) > 1 for spans in sliced.values()), (
+        "no matrix was read in slices (the embedding and the MLP have over 1024 rows)")
+    reads += list(sliced)
     assert sorted(reads) == sorted(set(reads)) and len(reads) == len(loaded.weights)
+    hf = gguf_loader.hf_names(loaded.arch)
+    for name, spans in sliced.items():  # each row once, in order
+        rows = loaded.weights.shapes[hf[name]][0]
+        assert [r0 for r0, _ in spans] == [0] + [r1 for _, r1 in spans[:-1]], name
+        assert spans[-1][1] == rows, name
+
+
+def test_sliced_load_gives_the_same_model(default_model_path):
+    """A model built from matrices read and laid out 1024 rows at a time (the default) holds
+    exactly the buffers of one built from whole-read matrices."""
+    loaded = load_model(default_model_path)
+    whole = LazyWeights(loaded.weights.shapes, loaded.weights._read)  # no row reader
+    a = build_model(loaded.arch, loaded.weights, 64).state_dict()
+    b = build_model(loaded.arch, whole, 64).state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
 
 
 def _rss_kib() -> int:

@@ -113,13 +113,18 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([packed & 15, packed >> 4], dim=-1).view(*packed.shape[:-1], -1)
 
 
+def stackable(a: QuantizedTensor, b: QuantizedTensor) -> bool:
+    """Whether b's rows can go under a's in one matrix (cat_quantized): the same format,
+    input size, group size and symmetry."""
+    return (a.format, a.group_size, a.in_features, a.offsets is None) == (
+        b.format, b.group_size, b.in_features, b.offsets is None)
+
+
 def cat_quantized(parts: list[QuantizedTensor]) -> QuantizedTensor:
     """Stack matrices of one format and input size along the output dim (exact)."""
     first = parts[0]
-    for p in parts[1:]:
-        if (p.format, p.group_size, p.in_features, p.offsets is None) != (
-                first.format, first.group_size, first.in_features, first.offsets is None):
-            raise ValueError("fused matrices must share format, group size and symmetry")
+    if not all(stackable(first, p) for p in parts[1:]):
+        raise ValueError("fused matrices must share format, group size and symmetry")
     cat = lambda ts: None if ts[0] is None else torch.cat(ts)  # noqa: E731
     return QuantizedTensor(first.format, torch.cat([p.qweight for p in parts]),
                            cat([p.scales for p in parts]), cat([p.offsets for p in parts]),

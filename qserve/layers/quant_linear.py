@@ -8,15 +8,19 @@ reference path dequantizes a temporary for one forward call.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from qserve.formats import QuantizedTensor
+from qserve.formats.qtensor import stackable
 from qserve.kernels import cpu_ops
 from qserve.kernels.dispatch import packed_linear
 
 _PARTS = ("qweight", "scales", "offsets")
+LAYOUT_ROWS = 1024  # rows a load lays out at a time (QuantLinear.laid_out); a multiple of 16
 
 
 class QuantLinear(nn.Module):
@@ -38,9 +42,67 @@ class QuantLinear(nn.Module):
         """A QuantLinear on `device` with its segments in the layout that device's kernels run
         fastest: on the CPU cpu_ops.runtime_layout (q4_k, q6_k and int4 with 16 rows
         interleaved where the kernels run that: the same weights)."""
-        if device.type == "cpu":
-            segments = [cpu_ops.runtime_layout(s) for s in segments]
+        segments = [cls.device_layout(s, device) for s in segments]
         return cls(segments, bias).to(device)
+
+    @staticmethod
+    def device_layout(seg: QuantizedTensor, device: torch.device) -> QuantizedTensor:
+        """One segment in the layout on_device gives it. A loader may lay out each part of a
+        fused matrix as it reads it, then stack them (the _x16 layouts interleave rows 16 at
+        a time, so stacking parts of a multiple of 16 rows commutes with interleaving): the
+        file's copy of a part is freed before the next is read."""
+        return cpu_ops.runtime_layout(seg) if device.type == "cpu" else seg
+
+    @classmethod
+    def laid_out(cls, parts: list[tuple[int, Callable[[int, int], QuantizedTensor]]],
+                 device: torch.device,
+                 check: Callable[[QuantizedTensor], None] = lambda p: None
+                 ) -> list[QuantizedTensor]:
+        """Matrices stacked along the output rows, each given as (rows, read) with read(r0,
+        r1) its rows r0 .. r1 as the file holds them (check raises on a bad slice), read
+        LAYOUT_ROWS rows at a time and put in the device's layout (device_layout) straight
+        into place: neighbouring parts that stack (stackable: a fused gate/up of one type)
+        share one output, the others get their own. The load holds the outputs and one slice
+        per part, never a file's whole copy beside its layout nor a stack of laid-out parts.
+        Slices are a multiple of 16 rows, so an interleaved layout (16 rows at a time) is the
+        whole part's; a part of another row count is read whole. Returns the segments."""
+        def piece(read, r0: int, r1: int) -> QuantizedTensor:
+            p = read(r0, r1)
+            check(p)
+            return cls.device_layout(p, device)
+
+        firsts = [piece(read, 0, rows if rows <= LAYOUT_ROWS or rows % 16 else LAYOUT_ROWS)
+                  for rows, read in parts]
+        segments, i = [], 0
+        while i < len(parts):
+            j = i + 1
+            while j < len(parts) and stackable(firsts[i], firsts[j]):
+                j += 1
+            total = sum(rows for rows, _ in parts[i:j])
+            if j == i + 1 and firsts[i].shape[0] == total:  # one part, read whole
+                segments.append(firsts[i])
+                i = j
+                continue
+            head = firsts[i]
+            out = [None if t is None else t.new_empty((total, *t.shape[1:]))
+                   for t in (head.qweight, head.scales, head.offsets)]
+            at = 0
+            for k in range(i, j):
+                rows, read = parts[k]
+                r0 = 0
+                while r0 < rows:
+                    p = firsts[k] if r0 == 0 else piece(read, r0, min(rows, r0 + LAYOUT_ROWS))
+                    if not stackable(head, p):
+                        raise ValueError(f"rows {r0}.. laid out as {p.format}, not {head.format}")
+                    for o, t in zip(out, (p.qweight, p.scales, p.offsets)):
+                        if o is not None:
+                            o[at + r0:at + r0 + t.shape[0]] = t
+                    r0 += p.shape[0]
+                firsts[k] = None  # its slice is in place: freed
+                at += rows
+            segments.append(QuantizedTensor(head.format, *out, head.in_features))
+            i = j
+        return segments
 
     def _views(self) -> tuple[list[QuantizedTensor], bool]:
         """The segments and whether the C kernels run all of them, made once per set of buffers

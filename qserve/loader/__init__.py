@@ -73,6 +73,8 @@ def load_model(spec: str | Path | None = None, native: bool = True) -> LoadedMod
         arch = gguf_loader.read_arch(gguf)
         weights = gguf_loader.read_weights(gguf, arch, native)
         tokenizer = gguf_loader.read_tokenizer(gguf)
+        for key in gguf_loader.VOCABULARY_ARRAYS:  # in the tokenizer now
+            gguf.metadata.pop(key, None)
     else:
         arch = hf_loader.read_config(path)
         tokenizer = hf_loader.read_tokenizer(path)

@@ -19,6 +19,7 @@ import mmap
 import os
 import re
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -154,6 +155,18 @@ class GGUFFile:
         with open(self.path, "rb") as f:
             f.seek(info.offset)
             if f.readinto(memoryview(buf.numpy())) != info.nbytes:
+                raise self.error(f"is truncated: tensor {name} could not be read whole")
+        return buf
+
+    def read_rows(self, name: str, r0: int, r1: int) -> torch.Tensor:
+        """Rows r0 .. r1 of a 2-D tensor's raw bytes, (r1 - r0, bytes_per_row) uint8, read
+        from the file into fresh memory."""
+        info = self.tensors[name]
+        row_bytes = info.nbytes // info.shape[0]
+        buf = torch.empty(r1 - r0, row_bytes, dtype=torch.uint8)
+        with open(self.path, "rb") as f:
+            f.seek(info.offset + r0 * row_bytes)
+            if f.readinto(memoryview(buf.numpy()).cast("B")) != buf.numel():
                 raise self.error(f"is truncated: tensor {name} could not be read whole")
         return buf
 
@@ -373,6 +386,25 @@ def read_tensor(gguf: GGUFFile, gguf_name: str, arch: ModelArchConfig, native: b
     return _unpermute(w, n_head)
 
 
+def tensor_rows(gguf: GGUFFile, gguf_name: str, arch: ModelArchConfig, native: bool = True
+                ) -> Callable[[int, int], QuantizedTensor] | None:
+    """A reader of a packed matrix's output rows r0 .. r1, each slice what read_tensor would
+    give for those rows (LazyWeights.row_reader); None for what read_tensor must read whole:
+    dense types, 1-D tensors, q/k rows llama.cpp permuted, expert slices, not native."""
+    info = gguf.tensors.get(gguf_name)
+    if (not native or info is None or len(info.shape) != 2
+            or info.ggml_type.name in ("F32", "F16", "BF16")
+            or unpermute_rows(gguf_name, arch) is not None):
+        return None
+    type_name = info.ggml_type.name
+    try:
+        format_for_ggml(type_name)
+    except KeyError:
+        return None  # read_tensor names the type in its error
+    return lambda r0, r1: _as_qtensor(gguf.read_rows(gguf_name, r0, r1), type_name,
+                                      info.shape[1])
+
+
 def _as_qtensor(rows: torch.Tensor, type_name: str, in_features: int) -> QuantizedTensor:
     """(out, row_bytes) uint8 rows of a tensor of GGML type `type_name` (e.g. 'Q4_K') -> the
     QuantizedTensor of the format it runs in (format_for_ggml)."""
@@ -394,7 +426,8 @@ def read_weights(gguf: GGUFFile, arch: ModelArchConfig, native: bool = True) -> 
         raise gguf.error(f"missing tensor {missing[0]}")
     shapes = {h: gguf.tensors[g].shape for h, g in names.items()}
     check_shapes(shapes, arch, gguf.path)
-    return LazyWeights(shapes, lambda h: read_tensor(gguf, names[h], arch, native))
+    return LazyWeights(shapes, lambda h: read_tensor(gguf, names[h], arch, native),
+                       lambda h: tensor_rows(gguf, names[h], arch, native))
 
 
 def tensor_types(gguf: GGUFFile, arch: ModelArchConfig) -> dict[str, str]:
@@ -408,6 +441,13 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     halves of every head. w: (n_head * head_dim, in) or (n_head * head_dim,)."""
     return (w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:])
             .transpose(1, 2).reshape(w.shape).contiguous())
+
+
+# The vocabulary's arrays, which read_tokenizer turns into the tokenizer: as Python objects
+# ~25 MiB for Llama 3's (128k tokens, 280k merges), kept as long as the file is (the weights
+# are read from it for the whole load) unless load_model drops them once the tokenizer is made.
+VOCABULARY_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.scores",
+                     "tokenizer.ggml.token_type")
 
 
 def read_tokenizer(gguf: GGUFFile) -> Tokenizer:

@@ -13,9 +13,28 @@ from typing import Callable
 
 
 class LazyWeights(Mapping):
-    def __init__(self, shapes: dict[str, tuple[int, ...]], read: Callable[[str], object]):
+    def __init__(self, shapes: dict[str, tuple[int, ...]], read: Callable[[str], object],
+                 row_reader: Callable[[str], Callable[[int, int], object] | None] | None = None):
         self.shapes = shapes  # name -> shape, known from the file's header
         self._read = read
+        self._row_reader = row_reader
+
+    def row_reader(self, name: str) -> Callable[[int, int], object] | None:
+        """For a packed matrix the source can read a slice of output rows at a time: a
+        function (r0, r1) -> those rows, as weights[name] would hold them. A model lays a large
+        matrix out for its device (QuantLinear.laid_out) slice by slice, so the file's copy of
+        it is never whole beside the laid-out one (Llama-3-8B's Q6_K output matrix: 411 MiB).
+        None where it cannot (dense or permuted tensors, sources without it)."""
+        if self._row_reader is None or name not in self.shapes:
+            return None
+        read = self._row_reader(name)
+        if read is None:
+            return None
+
+        def rows(r0: int, r1: int):
+            trim_heap()
+            return read(r0, r1)
+        return rows
 
     def __getitem__(self, name: str):
         if name not in self.shapes:

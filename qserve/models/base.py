@@ -345,6 +345,11 @@ class CausalLM(nn.Module):
                 raise ModelLoadError(f"weight {name} is missing from the checkpoint")
             return weights[name]
 
+        def row_reader(name: str):
+            """A reader of name's rows by slices (LazyWeights.row_reader), or None."""
+            reader = getattr(weights, "row_reader", None)
+            return None if reader is None else reader(name)
+
         def kept_packed(w: torch.Tensor | QuantizedTensor) -> QuantizedTensor | None:
             """w as a packed part, or None when it becomes a dense parameter."""
             if isinstance(w, QuantizedTensor):
@@ -355,25 +360,51 @@ class CausalLM(nn.Module):
 
         def linear(dst: str, module: nn.Linear) -> None:
             """Load nn.Linear `dst` from its checkpoint linears (stacked along out)."""
-            srcs = [src for src, _ in self._sources(dst, module)]
+            sources = self._sources(dst, module)  # (checkpoint name, rows) per part
             bias = module.bias is not None
-            parts = [get(s + ".weight") for s in srcs]
-            b = torch.cat([get(s + ".bias") for s in srcs]) if bias else None
-            packed = [kept_packed(w) for w in parts]
-            if all(p is None for p in packed):
-                put(dst + ".weight", parts[0] if len(parts) == 1 else torch.cat(parts))
-                if bias:
-                    put(dst + ".bias", b)
-                return
-            segments = []
-            for w, p in zip(parts, packed):
-                if p is None:  # a dense part beside packed ones: a dense segment
-                    p = QuantizedTensor("f32", w.float().contiguous(), None, None, w.shape[1])
+            b = torch.cat([get(s + ".bias") for s, _ in sources]) if bias else None
+
+            def check(p: QuantizedTensor) -> None:
                 problem = p.validate() if p.in_features == module.in_features else (
                     f"{p.in_features} inputs, expected {module.in_features}")
                 if problem:
                     raise ModelLoadError(f"weight {self.hf_name(dst)} ({p.format}): {problem}")
-                segments.append(p)
+
+            def segment(w: torch.Tensor | QuantizedTensor) -> QuantizedTensor:
+                """w checked and laid out for the device, a dense part as a dense segment."""
+                p = kept_packed(w)
+                if p is None:  # a dense part beside packed ones
+                    p = QuantizedTensor("f32", w.float().contiguous(), None, None, w.shape[1])
+                check(p)
+                return QuantLinear.device_layout(p, device)
+
+            # Parts the source reads by row slices (a GGUF's packed matrices) are laid out
+            # for the device slice by slice, alike neighbours into one buffer
+            # (QuantLinear.laid_out); the others are read whole, one at a time, each laid out
+            # before the next is read. Either way the load never holds a file's whole copy of
+            # a matrix beside its layout, nor laid-out parts beside their stack.
+            readers = [row_reader(src + ".weight") for src, _ in sources]
+            dense, segments = [], []
+            if all(readers):
+                segments = QuantLinear.laid_out(
+                    [(rows, read) for (_, rows), read in zip(sources, readers)], device, check)
+            else:
+                for (src, rows), read in zip(sources, readers):
+                    if read is not None and not dense:
+                        segments += QuantLinear.laid_out([(rows, read)], device, check)
+                        continue
+                    w = get(src + ".weight")
+                    if not segments and kept_packed(w) is None:
+                        dense.append(w)  # dense until a packed part comes
+                        continue
+                    segments += [segment(d) for d in dense] + [segment(w)]
+                    dense = []
+                    del w
+            if not segments:
+                put(dst + ".weight", dense[0] if len(dense) == 1 else torch.cat(dense))
+                if bias:
+                    put(dst + ".bias", b)
+                return
             segments = _stack_alike(segments)
             out = sum(seg.shape[0] for seg in segments)
             if out != module.out_features:
@@ -385,7 +416,16 @@ class CausalLM(nn.Module):
             seen.update({dst + ".weight", dst + ".bias"})
 
         def embedding(dst: str, module: nn.Embedding) -> None:
-            w = get(self.hf_name(dst) + ".weight")
+            name = self.hf_name(dst) + ".weight"
+            rows = module.weight.shape[0]
+            read = row_reader(name)
+
+            def check(p: QuantizedTensor) -> None:
+                if p.validate():
+                    raise ModelLoadError(f"weight {name} ({p.format}): {p.validate()}")
+
+            w = get(name) if read is None else QuantLinear.laid_out([(rows, read)], device,
+                                                                    check)[0]
             packed = kept_packed(w)
             if packed is None:
                 put(dst + ".weight", w)
