@@ -482,6 +482,8 @@ def _run(engine, texts: list[str], ids: list[list[int] | None], params, stream: 
     Whatever happens (an error, Ctrl-C), no request is left holding KV blocks."""
     rids = [f"cli-{i}" for i in range(len(texts))]
     finished = {}
+    if not stream:  # only the finished outputs are read
+        params = dataclasses.replace(params, output_kind="final_only")
     try:
         for rid, text, prompt_ids in zip(rids, texts, ids):
             engine.add_request(rid, text, params, prompt_token_ids=prompt_ids)

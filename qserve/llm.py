@@ -1,6 +1,7 @@
 """LLM: the offline Python API. Build once, then `generate` batches of prompts to completion."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence as Seq
 
@@ -57,6 +58,9 @@ class LLM:
                 raise QServeError(f"{len(params)} sampling params for {len(prompts)} prompts")
         else:
             params = [params] * len(prompts)
+        # only the finished outputs are kept: the engine builds no others (at 32 sequences of
+        # 2,000 tokens, copying each one's ids every step was ~0.4 ms of host time a step)
+        params = [dataclasses.replace(p, output_kind="final_only") for p in params]
         ids = []
         try:
             for prompt, p in zip(prompts, params):

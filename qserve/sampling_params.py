@@ -17,6 +17,7 @@ GREEDY_TEMPERATURE = 1e-5
 # repetition_penalty divides or multiplies fp32 logits; outside this range it over- or
 # underflows them (1e-308 is 0 in fp32: logits / 0 = inf).
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
+OUTPUT_KINDS = ("cumulative", "final_only")  # SamplingParams.output_kind
 
 
 class SamplingParamsError(QServeError):
@@ -66,6 +67,10 @@ class SamplingParams:
     logprobs: int | None = None  # return the logprobs of the chosen token and of the top-N
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # What engine.step() returns for this request (vLLM's RequestOutputKind): "cumulative",
+    # a RequestOutput every step it runs, with everything so far (token ids copied each
+    # time); "final_only", one when it finishes (what LLM.generate asks for).
+    output_kind: str = "cumulative"
     # Constrained decoding (a grammar's token mask), shared by the request's samples. Such a
     # row's stop tokens are the constraint's to allow: min_tokens does not mask them.
     constraint: TokenConstraint | None = field(default=None, repr=False, compare=False)
@@ -110,6 +115,9 @@ class SamplingParams:
         for s in self.stop:
             _check(isinstance(s, str) and s != "", f"stop={s!r} must be a non-empty string",
                    "stop")
+        _check(self.output_kind in OUTPUT_KINDS,
+               f"output_kind={self.output_kind!r} must be one of {', '.join(OUTPUT_KINDS)}",
+               "output_kind")
         for t in self.stop_token_ids:
             _check(isinstance(t, int) and not isinstance(t, bool) and t >= 0,
                    f"stop_token_ids entry {t!r} must be a token id >= 0", "stop_token_ids")

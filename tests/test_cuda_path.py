@@ -144,7 +144,8 @@ def test_decode_buffers_pad_and_update_in_place():
     ptr = buf.device_flat.data_ptr()
     views = [buf.input_ids, buf.positions, buf.slot_mapping, buf.seq_lens, buf.block_tables]
     buf.block_tables.fill_(9)  # stale entries: only what a row reads must be written
-    buf.update([11, 12], [5, 20], [45, 7], [6, 21], [[5], [0, 2, 1]], bucket=4)
+    buf.update([11, 12], [5, 20], [45, 7], [6, 21], torch.tensor([[5, 0, 0], [0, 2, 1]]),
+               bucket=4)
     assert buf.device_flat.data_ptr() == ptr  # captured graphs keep reading the same memory
     assert all(ptr <= v.data_ptr() < ptr + buf.device_flat.nbytes for v in views)
     assert buf.input_ids.tolist() == [11, 12, 0, 0]
@@ -155,7 +156,7 @@ def test_decode_buffers_pad_and_update_in_place():
     assert buf.block_tables[0, :1].tolist() == [5] and buf.block_tables[1].tolist() == [0, 2, 1]
     assert buf.block_tables[2:, 0].tolist() == [0, 0]
     # a smaller step after a larger one: no old row survives where the bucket reads
-    buf.update([3], [9], [17], [10], [[2, 4]], bucket=2)
+    buf.update([3], [9], [17], [10], torch.tensor([[2, 4]]), bucket=2)
     assert buf.slot_mapping[:2].tolist() == [17, PAD_SLOT] and buf.seq_lens[:2].tolist() == [10, 1]
     assert buf.block_tables[0, :2].tolist() == [2, 4] and buf.block_tables[1, 0] == 0
     meta = buf.metadata(2, max_seq_len=24, sliding_window=None)
@@ -164,7 +165,8 @@ def test_decode_buffers_pad_and_update_in_place():
     assert meta.block_tables.shape == (2, 3) and meta.block_tables.data_ptr() == (
         buf.block_tables.data_ptr())
     with pytest.raises(AssertionError):
-        buf.update([1] * 5, [0] * 5, [0] * 5, [1] * 5, [[0]] * 5, bucket=4)  # above max_batch
+        buf.update([1] * 5, [0] * 5, [0] * 5, [1] * 5, torch.zeros(5, 1, dtype=torch.int64),
+                   bucket=4)  # above max_batch
 
 
 def test_cuda_graphs_only_on_cuda(monkeypatch):

@@ -182,6 +182,62 @@ def test_seeded_sampling_is_batch_independent(llm, tokenizer):
     assert a.outputs[0].token_ids != a.outputs[1].token_ids
 
 
+def test_sampler_sees_each_sequence_history(llm, tokenizer):
+    """The engine hands the sampler its Sequences (no per-step copies of their token lists):
+    at every step each row's prompt ids, output ids and output count are exactly the
+    request's prompt and the tokens it generated before that step, with penalties and
+    min_tokens (the paths that read them) on one request and plain greedy on the other."""
+    prompts = mixed_prompts(tokenizer)[:2]
+    seen = []
+    sampler = llm.engine.sampler
+
+    def spy(logits, rows):
+        seen.append([(list(r.prompt_token_ids), list(r.output_token_ids), r.num_output_tokens)
+                     for r in rows])
+        return sampler(logits, rows)
+
+    penalized = SamplingParams(temperature=0, max_tokens=10, presence_penalty=1.5,
+                               frequency_penalty=0.5, repetition_penalty=1.3, min_tokens=10)
+    llm.engine.sampler = spy
+    try:
+        outs = llm.generate(prompts, [penalized, greedy(10)])
+    finally:
+        llm.engine.sampler = sampler
+    want = {tuple(o.prompt_token_ids): o.outputs[0].token_ids for o in outs}
+    assert [len(w) for w in want.values()] == [10, 10]
+    steps = {p: 0 for p in want}
+    for rows in seen:
+        for prompt, output, n in rows:
+            done = want[tuple(prompt)]
+            assert output == done[:steps[tuple(prompt)]] and n == len(output)
+            steps[tuple(prompt)] += 1
+    assert list(steps.values()) == [10, 10]
+    assert_no_leaks(llm)
+
+
+def test_final_only_outputs(llm, tokenizer):
+    """output_kind="final_only": step() hands back nothing for the request until it finishes,
+    then one RequestOutput equal to what the cumulative kind ends with (text, ids, logprobs);
+    a cumulative request beside it still gets one every step."""
+    eng = llm.engine
+    prompt = mixed_prompts(tokenizer)[0]
+    for rid, kind in (("fin", "final_only"), ("cum", "cumulative")):
+        eng.add_request(rid, None, greedy(8, logprobs=2, output_kind=kind),
+                        prompt_token_ids=prompt)
+    got: dict[str, list] = {"fin": [], "cum": []}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            got[out.request_id].append(out)
+    assert len(got["fin"]) == 1 and got["fin"][0].finished
+    assert len(got["cum"]) >= 8 and got["cum"][-1].finished
+    fin, cum = got["fin"][0].outputs[0], got["cum"][-1].outputs[0]
+    assert (fin.token_ids, fin.text) == (cum.token_ids, cum.text)
+    for a, b in zip(fin.logprobs, cum.logprobs, strict=True):  # two rows of one batch
+        assert a.keys() == b.keys() and all(abs(a[k] - b[k]) < 1e-4 for k in a)
+    assert len(fin.token_ids) == 8 and fin.delta_text == fin.text
+    assert_no_leaks(llm)
+
+
 def test_stop_strings_and_logprobs(llm, tokenizer):
     [full] = llm.generate(["def fibonacci(n):"], greedy(40, logprobs=3))
     text = full.outputs[0].text

@@ -55,3 +55,41 @@ def test_unmixed_steps_and_other_devices_run_once():
         logits = engine._run(SchedulerOutput(scheduled=scheduled))
         assert len(engine.runner.calls) == 1
         assert logits[:, 0].tolist() == [1, 2]
+
+
+def test_table_rows_follow_every_kind_of_table_change():
+    """TableRows (the step's block tables as one tensor, converted incrementally) against the
+    padded tables converted whole, over random steps that change tables the ways the block
+    manager does: appending blocks, copy-on-write of the block a step starts writing, trim,
+    and a new list (freed and re-admitted, swapped back, forked); sequences come and go."""
+    import random
+
+    from qserve.engine.model_runner import TableRows
+
+    rng = random.Random(0)
+    rows = TableRows()
+    tables: dict[int, list[int]] = {}
+    computed: dict[int, int] = {}
+    next_block = iter(range(10**6))
+    for step in range(400):
+        for sid in range(6):
+            if sid not in tables or rng.random() < 0.03:  # (re)admitted / swapped in / forked
+                tables[sid] = [next(next_block) for _ in range(rng.randint(1, 5))]
+                computed[sid] = rng.randint(0, 16 * len(tables[sid]) - 1)
+                continue
+            t = tables[sid]
+            r = rng.random()
+            if r < 0.5:  # decode: maybe a new block
+                computed[sid] += 1
+                if computed[sid] >= 16 * len(t):
+                    t.append(next(next_block))
+            elif r < 0.6:  # copy-on-write of the block the step writes into
+                t[computed[sid] // 16] = next(next_block)
+            elif r < 0.65 and len(t) > 1:  # trim: rejected drafts' blocks given back
+                del t[rng.randint(1, len(t) - 1):]
+                computed[sid] = min(computed[sid], 16 * len(t) - 1)
+        batch = rng.sample(sorted(tables), rng.randint(1, 6))
+        got = rows.tensor([(sid, tables[sid], computed[sid] // 16) for sid in batch])
+        width = max(len(tables[sid]) for sid in batch)
+        want = torch.tensor([tables[sid] + [0] * (width - len(tables[sid])) for sid in batch])
+        assert torch.equal(got, want), step

@@ -214,7 +214,7 @@ def test_step_layers_fetch_compute_offload(lookahead, kv_dtype):
     """A layer-wise sequence with 5 tokens computed (in host blocks) computes 4 more: each
     layer's staged view holds its old K/V, and what the layer writes there reaches host."""
     from qserve.config import CacheConfig
-    from qserve.engine.model_runner import ModelRunner
+    from qserve.engine.model_runner import ModelRunner, TableRows
     from qserve.engine.scheduler import ScheduledSeq, SchedulerOutput
 
     L = 3
@@ -234,7 +234,7 @@ def test_step_layers_fetch_compute_offload(lookahead, kv_dtype):
     out = SchedulerOutput([ScheduledSeq(s, 4, layerwise=True)], staging=borrowed)
     runner = ModelRunner.__new__(ModelRunner)  # prepare() only needs these
     runner.block_size, runner.device, runner.sliding_window = BS, torch.device("cpu"), None
-    runner.block_manager = bm
+    runner.block_manager, runner.table_rows = bm, TableRows()
     input_ids, positions, meta, _ = runner.prepare(out)
     layers = StepLayers(ce, [ce.layer(i) for i in range(L)], meta, None, out, positions, plan,
                         bm)

@@ -98,7 +98,7 @@ class DecodeBuffers:
                 flat[4 * B:].view(B, self.max_blocks))
 
     def update(self, input_ids: list[int], positions: list[int], slots: list[int],
-               seq_lens: list[int], tables: list[list[int]], bucket: int) -> None:
+               seq_lens: list[int], tables: torch.Tensor, bucket: int) -> None:
         """Write one decode step's rows and pad them to `bucket` rows (token 0 at position 0,
         slot PAD_SLOT, a context of 1 in block 0), then copy what the bucket's graph reads to
         the device: the four (max_batch,) vectors and the first `bucket` table rows.
@@ -109,8 +109,8 @@ class DecodeBuffers:
         a sync, before the next step)."""
         n = len(input_ids)
         assert 1 <= n <= bucket <= self.max_batch, (n, bucket, self.max_batch)
-        assert len(positions) == len(slots) == len(seq_lens) == len(tables) == n
-        width = max(len(t) for t in tables)
+        assert len(positions) == len(slots) == len(seq_lens) == tables.shape[0] == n
+        width = tables.shape[1]  # (n, width) int64 on the host, rows zero-padded
         assert width <= self.max_blocks, "block table too long"
         ids, pos, slot, lens, bt = self._host
         pad = self.max_batch - n
@@ -118,7 +118,7 @@ class DecodeBuffers:
         pos.copy_(torch.tensor(positions + [0] * pad))
         slot.copy_(torch.tensor(slots + [PAD_SLOT] * pad))
         lens.copy_(torch.tensor(seq_lens + [1] * pad))
-        bt[:n, :width] = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+        bt[:n, :width] = tables
         bt[n:bucket, 0] = 0
         B = self.max_batch
         self.device_flat[:4 * B].copy_(self.host_flat[:4 * B], non_blocking=True)
@@ -157,7 +157,7 @@ class DecodeGraphs:
         return b is not None and b not in self.failed
 
     def run(self, input_ids: list[int], positions: list[int], slots: list[int],
-            seq_lens: list[int], tables: list[list[int]]) -> torch.Tensor | None:
+            seq_lens: list[int], tables: torch.Tensor) -> torch.Tensor | None:
         """(batch, hidden) final hidden states of one decode step, or None when its bucket
         cannot be captured (the caller runs the step eagerly)."""
         key = (bucket_for(len(input_ids), self.buckets),

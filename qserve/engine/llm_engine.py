@@ -27,7 +27,7 @@ from qserve.engine.detokenizer import IncrementalDetokenizer
 from qserve.engine.memory_plan import plan_memory
 from qserve.engine.model_runner import ModelRunner
 from qserve.engine.proposer import build_proposer, draft_arch
-from qserve.engine.sampler import Sampler, SamplingRow
+from qserve.engine.sampler import Sampler
 from qserve.engine.scheduler import Scheduler, SchedulerOutput, StagingPlan
 from qserve.engine.sequence import Sequence
 from qserve.engine.spec_decode import Speculator
@@ -214,6 +214,8 @@ class LLMEngine:
 
     # ---- one step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Run one scheduled step. Returns a RequestOutput for each request the step ran
+        (SamplingParams.output_kind "cumulative"), or finished (every kind)."""
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         out = self.scheduler.schedule()
@@ -232,9 +234,7 @@ class LLMEngine:
         if seqs:
             if len(rows) != logits.shape[0]:
                 logits = logits[torch.tensor(rows)]
-            sampled = self.sampler(logits, [
-                SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids, s.generator)
-                for s in seqs])
+            sampled = self.sampler(logits, seqs)  # Sequences are SamplingRows (sampler.py)
             new_tokens += [(seq, [token], [lp], False) for seq, token, lp
                            in zip(seqs, sampled.token_ids, sampled.logprobs)]
         now = time.monotonic()
@@ -253,7 +253,8 @@ class LLMEngine:
                 self.scheduler.accept_spec_tokens(seq, len(tokens) - 1)
         outputs = []
         for req in touched.values():
-            outputs.append(self._output(req, now))
+            if req.finished or req.params.output_kind == "cumulative":
+                outputs.append(self._output(req, now))
             if req.finished:
                 del self.requests[req.request_id]
         return outputs

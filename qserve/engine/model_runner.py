@@ -5,6 +5,7 @@ block tables; it never sees queues.
 """
 from __future__ import annotations
 
+import array
 import logging
 
 import torch
@@ -36,6 +37,7 @@ class ModelRunner:
         self.block_size = cache_engine.block_size
         self.layer_caches = [cache_engine.layer(i) for i in range(model.arch.num_layers)]
         self.sliding_window = model.arch.sliding_window
+        self.table_rows = TableRows()
         self.graphs = None
         if max_num_seqs and cuda_graphs_enabled(device):
             blocker = uncapturable(model)
@@ -56,14 +58,12 @@ class ModelRunner:
         """
         input_ids, positions, slots, starts, seq_lens, query_lens, tables, logit_rows = (
             self._pack(out))
-        max_blocks = max(len(t) for t in tables)
-        padded = [t + [0] * (max_blocks - len(t)) for t in tables]
         dev = self.device
         meta = PagedAttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             query_start_loc=torch.tensor(starts, dtype=torch.int64, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
-            block_tables=torch.tensor(padded, dtype=torch.int64, device=dev),
+            block_tables=tables.to(dev),
             query_lens_list=query_lens,
             seq_lens_list=seq_lens,
             max_seq_len=max(seq_lens),
@@ -75,7 +75,8 @@ class ModelRunner:
 
     def _pack(self, out: SchedulerOutput) -> tuple[list[int], ...]:
         """The step's host lists: input ids, positions, slots (T each), query start offsets
-        (B + 1), seq_lens, query_lens (B), block tables (B lists) and logit rows."""
+        (B + 1), seq_lens, query_lens (B), and logit rows; the block tables as a (B, width)
+        int64 tensor, rows zero-padded (TableRows)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -84,7 +85,7 @@ class ModelRunner:
         seq_lens: list[int] = []
         query_lens: list[int] = []
         logit_rows: list[int] = []
-        tables = []
+        tables = []  # (seq id, table, its first entry this step may have changed)
         bm = self.block_manager
         for s in out.scheduled:
             seq, n = s.seq, s.num_new_tokens
@@ -101,10 +102,11 @@ class ModelRunner:
             starts.append(starts[-1] + n)
             seq_lens.append(c + n)
             query_lens.append(n)
-            tables.append(table)
+            tables.append((seq.seq_id, table, c // bs))  # copy-on-write: block c // bs
             if s.samples:
                 logit_rows.append(starts[-1] - 1)
-        return input_ids, positions, slots, starts, seq_lens, query_lens, tables, logit_rows
+        return (input_ids, positions, slots, starts, seq_lens, query_lens,
+                self.table_rows.tensor(tables), logit_rows)
 
     @torch.inference_mode()
     def run(self, out: SchedulerOutput) -> torch.Tensor:
@@ -189,6 +191,43 @@ class ModelRunner:
             if layers is not None:  # no staging block is given back under a pending copy
                 layers.close()
         return hidden, rows
+
+
+class TableRows:
+    """The scheduled sequences' block tables as one (B, width) int64 tensor, rows zero-padded,
+    made from int64 copies of the tables kept from the step before: a step converts only each
+    table's entries from the block its first new token lands in (the one copy-on-write may
+    have replaced) onward. A table that is another list than the step before (freed and
+    re-admitted, swapped, forked) is converted whole; one that shrank (trim) is cut. The
+    block manager changes a table in place only by appending, copy-on-write at that block,
+    and trim. At 32 sequences of 2,000 tokens, torch.tensor over the padded lists of every
+    table took ~0.4 ms a step of host time."""
+
+    def __init__(self):
+        self._rows: dict[int, tuple[list[int], array.array]] = {}  # seq id -> (table, copy)
+
+    def tensor(self, tables: list[tuple[int, list[int], int]]) -> torch.Tensor:
+        """tables: (seq id, block table, first entry that may have changed since the step
+        before) per row. Keeps the copies of these sequences only."""
+        width = max((len(t) for _, t, _ in tables), default=0)
+        flat, rows = array.array("q"), {}
+        for seq_id, table, start in tables:
+            kept = self._rows.get(seq_id)
+            if kept is not None and kept[0] is table:
+                row = kept[1]
+                keep = min(start, len(row), len(table))
+                del row[keep:]
+                row.extend(table[keep:])
+            else:
+                row = array.array("q", table)
+            rows[seq_id] = (table, row)
+            flat.extend(row)
+            if len(row) < width:
+                flat.extend(array.array("q", bytes(8 * (width - len(row)))))
+        self._rows = rows
+        if not flat:
+            return torch.zeros((len(tables), width), dtype=torch.int64)
+        return torch.frombuffer(flat, dtype=torch.int64).view(len(tables), width)
 
 
 def _one_query_per_row(meta: PagedAttentionMetadata) -> PagedAttentionMetadata:

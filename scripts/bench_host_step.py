@@ -1,0 +1,86 @@
+#!/usr/bin/env python3
+"""The engine's host time per decode step: step wall time less the model's forward and
+logits, on the CPU with a tiny random model (so the model is cheap and what is left is the
+scheduler, input packing, sampling bookkeeping and outputs, the work a GPU waits on between
+CUDA-graph replays), at a batch and after a number of generated tokens.
+
+    python scripts/bench_host_step.py [--batch 32] [--after 5,1000,2000] [--steps 200]
+                                      [--output-kind cumulative|final_only]
+
+Each --after value is its own engine run: `after` warm-up steps, then --steps timed ones.
+Detokenizing is off (as in gpu_e2e.py bench); greedy, ignoring EOS.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+
+
+def host_ms(batch: int, after: int, steps: int, output_kind: str = "cumulative"
+            ) -> tuple[float, float]:
+    """(step ms, host ms) of `steps` decode steps after `after` warm-up steps."""
+    import torch
+
+    import gpu_e2e
+    from qserve.config import engine_config
+    from qserve.engine.llm_engine import LLMEngine
+    from qserve.loader import load_tokenizer
+    from qserve.sampling_params import SamplingParams
+
+    loaded = gpu_e2e.random_loaded("tiny", "w4", "cpu",
+                                   load_tokenizer(str(REPO / ".gpu" / "model")))
+    cfg = engine_config(None, device="cpu", dtype="fp32", kv_dtype="fp16",
+                        max_model_len=after + steps + 64, max_num_seqs=batch,
+                        enable_prefix_caching=False)
+    engine = LLMEngine(cfg, loaded=loaded)
+    engine.detokenize = False
+    g = torch.Generator().manual_seed(0)
+    for i in range(batch):
+        ids = torch.randint(0, loaded.arch.vocab_size, (32,), generator=g).tolist()
+        engine.add_request(f"b{i}", None, SamplingParams(max_tokens=after + steps + 8,
+                                                         temperature=0.0, ignore_eos=True,
+                                                         output_kind=output_kind),
+                           prompt_token_ids=ids)
+    for _ in range(after + 2):  # the prefill, then `after` decode steps
+        engine.step()
+    model, spent = engine.runner.model, [0.0]
+
+    def timed(fn):
+        def run(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[0] += time.perf_counter() - t
+        return run
+    model.forward, model.compute_logits = timed(model.forward), timed(model.compute_logits)
+    t = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    step = (time.perf_counter() - t) / steps
+    return step * 1e3, (step - spent[0] / steps) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--after", default="5,1000,2000", help="generated tokens before timing")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--output-kind", default="cumulative", choices=["cumulative", "final_only"],
+                    help="cumulative: a RequestOutput every step (a server); final_only: "
+                         "at the end (LLM.generate)")
+    args = ap.parse_args()
+    print(f"outputs: {args.output_kind}\n"
+          f"| batch | tokens generated before | step ms | host ms |\n|---|---|---|---|")
+    for after in (int(a) for a in args.after.split(",")):
+        step, host = host_ms(args.batch, after, args.steps, args.output_kind)
+        print(f"| {args.batch} | {after} | {step:.2f} | {host:.3f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
