@@ -42,9 +42,11 @@ def host_ms(batch: int, after: int, steps: int, output_kind: str = "cumulative"
     g = torch.Generator().manual_seed(0)
     for i in range(batch):
         ids = torch.randint(0, loaded.arch.vocab_size, (32,), generator=g).tolist()
+        kind = {} if output_kind == "cumulative" else {"output_kind": output_kind}  # (also
+        # runs on a qserve from before output_kind, for a comparison)
         engine.add_request(f"b{i}", None, SamplingParams(max_tokens=after + steps + 8,
                                                          temperature=0.0, ignore_eos=True,
-                                                         output_kind=output_kind),
+                                                         **kind),
                            prompt_token_ids=ids)
     for _ in range(after + 2):  # the prefill, then `after` decode steps
         engine.step()
