@@ -153,9 +153,7 @@ class QuantEmbedding(nn.Module):
         """A QuantEmbedding on `device`, its table in the layout that device's kernels run the
         tied output's matmul fastest (QuantLinear.on_device); a lookup reads only the groups
         of rows it needs (QuantizedTensor.rows)."""
-        if device.type == "cpu":
-            qt = cpu_ops.runtime_layout(qt)
-        return cls(qt, dtype).to(device)
+        return cls(QuantLinear.device_layout(qt, device), dtype).to(device)
 
     @property
     def table(self) -> QuantizedTensor:

@@ -421,8 +421,9 @@ class CausalLM(nn.Module):
             read = row_reader(name)
 
             def check(p: QuantizedTensor) -> None:
-                if p.validate():
-                    raise ModelLoadError(f"weight {name} ({p.format}): {p.validate()}")
+                problem = p.validate()
+                if problem:
+                    raise ModelLoadError(f"weight {name} ({p.format}): {problem}")
 
             w = get(name) if read is None else QuantLinear.laid_out([(rows, read)], device,
                                                                     check)[0]
