@@ -8,12 +8,15 @@ from dataclasses import dataclass, field
 class CompletionOutput:
     """One of a request's n samples."""
 
+    # text, token_ids and logprobs hold everything so far, or with SamplingParams.output_kind
+    # "delta" only what is new since the request's previous output
     index: int
-    text: str  # all text so far (stop string excluded)
-    token_ids: list[int]  # all generated ids so far
+    text: str  # generated text (stop string excluded)
+    token_ids: list[int]  # generated ids
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     delta_text: str = ""  # text new since the previous RequestOutput for this request
     logprobs: list[dict[int, float]] | None = None  # per generated token: {id: logprob}, top-N + chosen
+    num_tokens: int = 0  # ids generated so far, in every kind (len(token_ids) unless "delta")
     stop_reason: str | int | None = None  # the stop string or stop token id that matched
     # speculative decoding: steps that verified drafts, drafts verified, drafts accepted
     spec_steps: int = 0

@@ -17,7 +17,7 @@ GREEDY_TEMPERATURE = 1e-5
 # repetition_penalty divides or multiplies fp32 logits; outside this range it over- or
 # underflows them (1e-308 is 0 in fp32: logits / 0 = inf).
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
-OUTPUT_KINDS = ("cumulative", "final_only")  # SamplingParams.output_kind
+OUTPUT_KINDS = ("cumulative", "delta", "final_only")  # SamplingParams.output_kind
 
 
 class SamplingParamsError(QServeError):
@@ -69,7 +69,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # What engine.step() returns for this request (vLLM's RequestOutputKind): "cumulative",
     # a RequestOutput every step it runs, with everything so far (token ids copied each
-    # time); "final_only", one when it finishes (what LLM.generate asks for).
+    # time); "delta", one every step with only the new tokens, logprobs and text (what the
+    # server streams); "final_only", one when it finishes (what LLM.generate asks for).
     output_kind: str = "cumulative"
     # Constrained decoding (a grammar's token mask), shared by the request's samples. Such a
     # row's stop tokens are the constraint's to allow: min_tokens does not mask them.

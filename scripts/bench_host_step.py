@@ -5,10 +5,14 @@ scheduler, input packing, sampling bookkeeping and outputs, the work a GPU waits
 CUDA-graph replays), at a batch and after a number of generated tokens.
 
     python scripts/bench_host_step.py [--batch 32] [--after 5,1000,2000] [--steps 200]
-                                      [--output-kind cumulative|final_only]
+                                      [--output-kind cumulative|delta|final_only]
+                                      [--processor]
 
 Each --after value is its own engine run: `after` warm-up steps, then --steps timed ones.
-Detokenizing is off (as in gpu_e2e.py bench); greedy, ignoring EOS.
+Detokenizing is off (as in gpu_e2e.py bench); greedy, ignoring EOS. --processor also runs
+each step's outputs through an OutputProcessor, as the server's output thread does (text,
+stop strings), the engine reporting what engine_params asks and the processor handing out
+--output-kind; its time is its own column, not in the host ms.
 """
 from __future__ import annotations
 
@@ -21,9 +25,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 
 
-def host_ms(batch: int, after: int, steps: int, output_kind: str = "cumulative"
-            ) -> tuple[float, float]:
-    """(step ms, host ms) of `steps` decode steps after `after` warm-up steps."""
+def host_ms(batch: int, after: int, steps: int, output_kind: str = "cumulative",
+            processor: bool = False) -> tuple[float, float, float]:
+    """(step ms, host ms, processor ms) of `steps` decode steps after `after` warm-up
+    steps."""
     import torch
 
     import gpu_e2e
@@ -39,18 +44,37 @@ def host_ms(batch: int, after: int, steps: int, output_kind: str = "cumulative"
                         enable_prefix_caching=False)
     engine = LLMEngine(cfg, loaded=loaded)
     engine.detokenize = False
+    outputs = None
+    if processor:
+        from qserve.engine.output_processor import OutputProcessor
+        try:
+            from qserve.engine.output_processor import engine_params
+        except ImportError:  # a qserve from before delta outputs: the engine's are cumulative
+            engine_params = lambda p: p  # noqa: E731
+        outputs = OutputProcessor(loaded.tokenizer)
     g = torch.Generator().manual_seed(0)
     for i in range(batch):
         ids = torch.randint(0, loaded.arch.vocab_size, (32,), generator=g).tolist()
         kind = {} if output_kind == "cumulative" else {"output_kind": output_kind}  # (also
         # runs on a qserve from before output_kind, for a comparison)
-        engine.add_request(f"b{i}", None, SamplingParams(max_tokens=after + steps + 8,
-                                                         temperature=0.0, ignore_eos=True,
-                                                         **kind),
-                           prompt_token_ids=ids)
+        params = SamplingParams(max_tokens=after + steps + 8, temperature=0.0,
+                                ignore_eos=True, **kind)
+        if outputs is not None:
+            outputs.add(f"b{i}", ids, params)
+            params = engine_params(params)
+        engine.add_request(f"b{i}", None, params, prompt_token_ids=ids)
+    processed = [0.0]
+
+    def step() -> None:
+        outs = engine.step()
+        if outputs is not None:
+            t = time.perf_counter()
+            for out in outs:
+                outputs.process(out)
+            processed[0] += time.perf_counter() - t
     for _ in range(after + 2):  # the prefill, then `after` decode steps
-        engine.step()
-    model, spent = engine.runner.model, [0.0]
+        step()
+    model, spent, processed[0] = engine.runner.model, [0.0], 0.0
 
     def timed(fn):
         def run(*a, **k):
@@ -63,9 +87,9 @@ def host_ms(batch: int, after: int, steps: int, output_kind: str = "cumulative"
     model.forward, model.compute_logits = timed(model.forward), timed(model.compute_logits)
     t = time.perf_counter()
     for _ in range(steps):
-        engine.step()
-    step = (time.perf_counter() - t) / steps
-    return step * 1e3, (step - spent[0] / steps) * 1e3
+        step()
+    ms = (time.perf_counter() - t - processed[0]) / steps * 1e3
+    return ms, ms - spent[0] / steps * 1e3, processed[0] / steps * 1e3
 
 
 def main() -> None:
@@ -73,15 +97,20 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--after", default="5,1000,2000", help="generated tokens before timing")
     ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--output-kind", default="cumulative", choices=["cumulative", "final_only"],
-                    help="cumulative: a RequestOutput every step (a server); final_only: "
-                         "at the end (LLM.generate)")
+    ap.add_argument("--output-kind", default="cumulative",
+                    choices=["cumulative", "delta", "final_only"],
+                    help="cumulative: everything so far every step; delta: what each step "
+                         "added (a server's streams); final_only: at the end (LLM.generate)")
+    ap.add_argument("--processor", action="store_true",
+                    help="also time an OutputProcessor on the outputs (the server's path)")
     args = ap.parse_args()
-    print(f"outputs: {args.output_kind}\n"
-          f"| batch | tokens generated before | step ms | host ms |\n|---|---|---|---|")
+    print(f"outputs: {args.output_kind}{', processed' if args.processor else ''}\n"
+          f"| batch | tokens generated before | step ms | host ms | processor ms |\n"
+          f"|---|---|---|---|---|")
     for after in (int(a) for a in args.after.split(",")):
-        step, host = host_ms(args.batch, after, args.steps, args.output_kind)
-        print(f"| {args.batch} | {after} | {step:.2f} | {host:.3f} |", flush=True)
+        step, host, proc = host_ms(args.batch, after, args.steps, args.output_kind,
+                                   args.processor)
+        print(f"| {args.batch} | {after} | {step:.2f} | {host:.3f} | {proc:.3f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -238,6 +238,44 @@ def test_final_only_outputs(llm, tokenizer):
     assert_no_leaks(llm)
 
 
+@pytest.mark.parametrize("params", [
+    dict(temperature=0, max_tokens=12, logprobs=2),
+    dict(temperature=0.8, seed=5, n=2, max_tokens=10, logprobs=1),  # a forked second sample
+    dict(temperature=0, max_tokens=30, stop=["e"], include_stop_str_in_output=True),
+], ids=["greedy", "n2", "stop-string"])
+def test_delta_outputs_add_up_to_cumulative(llm, tokenizer, params):
+    """output_kind="delta": each output holds exactly what the cumulative kind's output of the
+    same step added (ids, logprobs, text), so the deltas joined are the cumulative output,
+    and num_tokens counts every id so far in both kinds."""
+    eng = llm.engine
+    prompt = mixed_prompts(tokenizer)[1]
+    for rid, kind in (("d", "delta"), ("c", "cumulative")):
+        eng.add_request(rid, None, SamplingParams(**params, output_kind=kind),
+                        prompt_token_ids=prompt)
+    got: dict[str, list] = {"d": [], "c": []}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            got[out.request_id].append(out)
+    assert len(got["d"]) == len(got["c"]) >= 2  # one each step: the two run in lockstep
+    joined: dict[int, list] = {}
+    for d, c in zip(got["d"], got["c"], strict=True):
+        assert d.finished == c.finished
+        for dc, cc in zip(d.outputs, c.outputs, strict=True):
+            ids, lps, text = joined.setdefault(dc.index, [[], [], ""])
+            assert dc.token_ids == cc.token_ids[len(ids):]  # only the new ids
+            assert dc.text == dc.delta_text == cc.delta_text
+            assert dc.num_tokens == cc.num_tokens == len(cc.token_ids)
+            assert (dc.finish_reason, dc.stop_reason) == (cc.finish_reason, cc.stop_reason)
+            ids += dc.token_ids
+            lps += dc.logprobs or []
+            joined[dc.index][2] = text + dc.text
+    for cc in got["c"][-1].outputs:
+        ids, lps, text = joined[cc.index]
+        assert (ids, text) == (cc.token_ids, cc.text)
+        assert [sorted(lp) for lp in lps] == [sorted(lp) for lp in cc.logprobs or []]
+    assert_no_leaks(llm)
+
+
 def test_stop_strings_and_logprobs(llm, tokenizer):
     [full] = llm.generate(["def fibonacci(n):"], greedy(40, logprobs=3))
     text = full.outputs[0].text

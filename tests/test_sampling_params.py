@@ -48,7 +48,7 @@ def test_has_penalties(kw):
     (dict(logprobs=-1), "logprobs=-1 must be in [0, 20] or None"),
     (dict(stop=["ok", ""]), "stop='' must be a non-empty string"),
     (dict(stop_token_ids=[-5]), "stop_token_ids entry -5 must be a token id >= 0"),
-    (dict(output_kind="delta"), "output_kind='delta' must be one of cumulative, final_only"),
+    (dict(output_kind="deltas"), "output_kind='deltas' must be one of cumulative, delta, final_only"),
 ])
 def test_bad_values_name_value_and_range(kw, message):
     with pytest.raises(QServeError) as e:

@@ -229,6 +229,30 @@ def test_logprobs(client):
     assert all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in content)
 
 
+def test_streamed_logprobs_join_to_the_whole_ones(client):
+    """Each chunk carries the logprobs of its own new tokens only (the engine reports
+    deltas): joined, they are the whole response's, offsets included."""
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0,
+                                      logprobs=2).choices[0].logprobs
+    tokens, offsets, tops = [], [], []
+    for ch in client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8,
+                                        temperature=0, logprobs=2, stream=True):
+        lp = ch.choices[0].logprobs
+        if lp is not None:
+            tokens += lp.tokens
+            offsets += lp.text_offset
+            tops += [sorted(t) for t in lp.top_logprobs]
+    assert tokens == whole.tokens and offsets == whole.text_offset
+    assert tops == [sorted(t) for t in whole.top_logprobs]
+    chat = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=6,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    streamed = [t.token for ch in client.chat.completions.create(
+        model=MODEL, messages=HELLO, max_tokens=6, temperature=0, logprobs=True,
+        top_logprobs=2, stream=True) if ch.choices and ch.choices[0].logprobs
+        for t in ch.choices[0].logprobs.content]
+    assert streamed == [t.token for t in chat.choices[0].logprobs.content]
+
+
 def test_sixteen_concurrent_streams(client, server):
     prompts = [f"Question {i}: what is {i} plus {i}? Answer:" for i in range(4)]
     expected = {p: client.completions.create(model=MODEL, prompt=p, max_tokens=6,

@@ -62,6 +62,11 @@ class IncrementalDetokenizer:
             self._text_cache = "".join(self._emitted)
         return self._text_cache
 
+    def text_since(self, pieces: int) -> tuple[str, int]:
+        """(the text returned after the first `pieces` deltas, how many deltas there are now):
+        a caller that hands out only what is new joins just that, not the whole text."""
+        return "".join(self._emitted[pieces:]), len(self._emitted)
+
     @property
     def finished(self) -> bool:
         return self.stop_reason is not None

@@ -47,7 +47,8 @@ class _Request:
     params: SamplingParams
     seqs: list[Sequence]
     metrics: RequestMetrics
-    sent_text: dict[int, int]  # sample index -> characters already handed out
+    # sample index -> (output tokens, detokenizer deltas) already handed out
+    sent: dict[int, tuple[int, int]]
 
     @property
     def finished(self) -> bool:
@@ -215,7 +216,7 @@ class LLMEngine:
     # ---- one step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step. Returns a RequestOutput for each request the step ran
-        (SamplingParams.output_kind "cumulative"), or finished (every kind)."""
+        (SamplingParams.output_kind "cumulative" or "delta"), or finished (every kind)."""
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         out = self.scheduler.schedule()
@@ -253,7 +254,7 @@ class LLMEngine:
                 self.scheduler.accept_spec_tokens(seq, len(tokens) - 1)
         outputs = []
         for req in touched.values():
-            if req.finished or req.params.output_kind == "cumulative":
+            if req.finished or req.params.output_kind != "final_only":
                 outputs.append(self._output(req, now))
             if req.finished:
                 del self.requests[req.request_id]
@@ -345,15 +346,29 @@ class LLMEngine:
             self.scheduler.finish(seq, reason)
 
     def _output(self, req: _Request, now: float) -> RequestOutput:
+        """The request's output as its output_kind asks: "delta" holds only the tokens,
+        logprobs and text new since its previous output (nothing copied that was sent
+        before); the other kinds everything so far."""
+        delta = req.params.output_kind == "delta"
         completions = []
         for seq in req.seqs:
-            text = seq.detokenizer.text if seq.detokenizer is not None else ""
-            sent = req.sent_text.get(seq.index, 0)
-            req.sent_text[seq.index] = len(text)
+            tokens, pieces = req.sent.get(seq.index, (0, 0))
+            new_text = ""
+            if seq.detokenizer is not None:
+                new_text, pieces = seq.detokenizer.text_since(pieces)
+            n = seq.num_output_tokens
+            req.sent[seq.index] = (n, pieces)
+            if delta:
+                start = seq.num_prompt_tokens + tokens
+                ids, text = seq.token_ids[start:start + n - tokens], new_text
+                logprobs = None if seq.logprobs is None else seq.logprobs[tokens:n]
+            else:
+                ids, logprobs = seq.output_token_ids, seq.logprobs
+                text = seq.detokenizer.text if seq.detokenizer is not None else ""
             completions.append(CompletionOutput(
-                index=seq.index, text=text, token_ids=seq.output_token_ids,
-                finish_reason=seq.finish_reason, delta_text=text[sent:],
-                logprobs=seq.logprobs, stop_reason=seq.stop_reason,
+                index=seq.index, text=text, token_ids=ids, num_tokens=n,
+                finish_reason=seq.finish_reason, delta_text=new_text,
+                logprobs=logprobs, stop_reason=seq.stop_reason,
                 spec_steps=seq.spec_steps, spec_draft_tokens=seq.spec_draft_tokens,
                 spec_accepted_tokens=seq.spec_accepted_tokens))
         finished = req.finished

@@ -7,6 +7,10 @@ inline otherwise, so the text is the same either way. A stop string ends its sam
 token ids and logprobs are cut where it matched, and `process` names the sample so that the
 caller tells the engine to drop it. By then the engine may have computed a token or two past
 the stop; they never reach the caller.
+
+The engine runs a request with `engine_params(params)`: it reports only what is new each
+step (output_kind "delta"), so neither side copies a long output every step, and this keeps
+each sample's ids and logprobs once, handing the caller the output_kind it asked for.
 """
 from __future__ import annotations
 
@@ -21,16 +25,24 @@ from qserve.sampling_params import SamplingParams
 @dataclasses.dataclass
 class _Sample:
     detokenizer: IncrementalDetokenizer
-    num_tokens: int = 0  # output tokens fed to the detokenizer (or cut at a stop string)
+    num_tokens: int = 0  # output tokens kept (fed to the detokenizer, or cut at a stop string)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    token_ids: list[int] = dataclasses.field(default_factory=list)  # the kept ids
+    logprobs: list | None = None  # theirs, where the request asked for logprobs
 
 
 @dataclasses.dataclass
 class _Request:
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams  # as the caller asked (its output_kind, not the engine's)
     samples: dict[int, _Sample] = dataclasses.field(default_factory=dict)
+
+
+def engine_params(params: SamplingParams) -> SamplingParams:
+    """What the engine runs a request added here with: the same, reporting deltas. A
+    final_only caller too: a stop string must be seen in the step it appears."""
+    return dataclasses.replace(params, output_kind="delta")
 
 
 class OutputProcessor:
@@ -39,21 +51,34 @@ class OutputProcessor:
         self.requests: dict[str, _Request] = {}
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """params: as the caller asked; the engine runs engine_params(params)."""
         self.requests[request_id] = _Request(list(prompt_token_ids), params)
 
     def drop(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
 
+    def histories(self, out: RequestOutput) -> list[list[int]]:
+        """The output ids of out's unfinished samples once out (an engine output not yet
+        processed) is added: what a grammar must have accepted before their next token."""
+        req = self.requests.get(out.request_id)
+        if req is None:
+            return []
+        kept = {i: s.token_ids for i, s in req.samples.items() if s.finish_reason is None}
+        return [kept.get(c.index, []) + c.token_ids for c in out.outputs
+                if c.finish_reason is None and (c.index in kept or c.index not in req.samples)]
+
     def process(self, out: RequestOutput) -> tuple[RequestOutput | None, list[int]]:
-        """Fill in one engine output's text.
+        """Fill in one engine output's text (the engine's output_kind "delta").
 
         Returns:
-            the output as the caller should see it (None for a request unknown here, or one
-            already finished here), and the indexes of the samples a stop string just ended.
+            the output as the caller should see it, in the output_kind it asked for (None for
+            a request unknown here or already finished here, and for a final_only request
+            until it finishes), and the indexes of the samples a stop string just ended.
         """
         req = self.requests.get(out.request_id)
         if req is None:
             return None, []
+        kind = req.params.output_kind
         stopped = []
         completions = []
         for c in out.outputs:
@@ -61,18 +86,31 @@ class OutputProcessor:
             if sample is None:
                 sample = req.samples[c.index] = _Sample(IncrementalDetokenizer(
                     self.tokenizer, req.prompt_token_ids, req.params))
-            delta = ""
+                if c.logprobs is not None:
+                    sample.logprobs = []
+            before, delta = sample.num_tokens, ""
             if sample.finish_reason is None:
                 delta = self._feed(sample, c)
                 if sample.finish_reason == "stop" and isinstance(sample.stop_reason, str):
                     stopped.append(c.index)
-            n = sample.num_tokens
+            kept = sample.num_tokens - before  # c's ids before any stop string
+            ids = c.token_ids[:kept]
+            lps = None if c.logprobs is None else c.logprobs[:kept]
+            sample.token_ids += ids
+            if lps is not None and sample.logprobs is not None:
+                sample.logprobs += lps
+            if kind != "delta":  # everything so far
+                ids = list(sample.token_ids)
+                lps = None if sample.logprobs is None else list(sample.logprobs)
             completions.append(dataclasses.replace(
-                c, text=sample.detokenizer.text, delta_text=delta, token_ids=c.token_ids[:n],
-                logprobs=None if c.logprobs is None else c.logprobs[:n],
+                c, text=delta if kind == "delta" else sample.detokenizer.text,
+                delta_text=delta if kind != "final_only" else sample.detokenizer.text,
+                token_ids=ids, logprobs=lps, num_tokens=sample.num_tokens,
                 finish_reason=sample.finish_reason, stop_reason=sample.stop_reason))
         finished = out.finished or (len(req.samples) == req.params.n and all(
             s.finish_reason is not None for s in req.samples.values()))
+        if kind == "final_only" and not finished:
+            return None, stopped
         metrics = out.metrics
         if finished:
             del self.requests[out.request_id]
@@ -82,9 +120,9 @@ class OutputProcessor:
                                    metrics=metrics), stopped
 
     def _feed(self, sample: _Sample, c: CompletionOutput) -> str:
-        """Detokenize a sample's new tokens as LLMEngine._append does inline; a stop string
-        ends the sample where it matched."""
-        new = c.token_ids[sample.num_tokens:]
+        """Detokenize a sample's new tokens (c.token_ids, a delta) as LLMEngine._append does
+        inline; a stop string ends the sample where it matched."""
+        new = c.token_ids
         if c.finish_reason == "stop":
             # token-only, the engine stops a sample only on EOS or a stop token id: its last
             # token, which has no text
@@ -98,7 +136,7 @@ class OutputProcessor:
                 sample.finish_reason, sample.stop_reason = "stop", stop
                 return "".join(delta)
         if c.finish_reason is not None:
-            sample.num_tokens = len(c.token_ids)
+            sample.num_tokens += len(c.token_ids) - len(new)  # the stop token kept too
             delta.append(sample.detokenizer.flush())  # release text held back for a stop string
             sample.finish_reason, sample.stop_reason = c.finish_reason, c.stop_reason
         return "".join(delta)

@@ -209,6 +209,8 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: Metrics,
             except StructureError as e:
                 raise P.bad(str(e), e.param) from None
             params = dataclasses.replace(params, constraint=constraint)
+        # a stream sends what each step added; a whole response needs only the end
+        params = dataclasses.replace(params, output_kind="delta" if req.stream else "final_only")
         gen = Generation(engine, f"{prefix}-{uuid.uuid4().hex[:16]}", prompts, params)
         try:
             await gen.start()
@@ -313,10 +315,11 @@ class _Response:
         self.lp = (P.LogprobFormatter(engine.tokenizer, req.logprobs)
                    if req.logprobs is not None else None)
 
-    def _logprobs(self, c, start: int, offset: int):
+    def _logprobs(self, c, offset: int):
+        """c's tokens' logprobs (a whole sample's, or a stream chunk's new ones)."""
         if self.lp is None or c.logprobs is None:
             return None
-        ids, lps = c.token_ids[start:], c.logprobs[start:len(c.token_ids)]
+        ids, lps = c.token_ids, c.logprobs[:len(c.token_ids)]
         return self.lp.chat(ids, lps) if self.chat else self.lp.completion(ids, lps, offset)
 
     def whole(self, finals) -> dict:
@@ -331,7 +334,7 @@ class _Response:
                     parser.finish()
                     content, calls = parser.message()
                 choice = {"index": i * self.n + c.index,
-                          "logprobs": self._logprobs(c, 0, len(head)),
+                          "logprobs": self._logprobs(c, len(head)),
                           "finish_reason": P.finish_reason(c, bool(calls))}
                 if self.chat:
                     choice["message"] = {"role": "assistant", "content": content}
@@ -347,7 +350,7 @@ class _Response:
     async def stream(self, gen: Generation):
         kind = "chat.completion.chunk" if self.chat else "text_completion"
         extra = {"usage": None} if self.req.include_usage else {}
-        sent_tokens: dict[int, int] = {}  # choice index -> tokens whose logprobs were sent
+        started: set[int] = set()  # choice indexes with a chunk sent
         offsets: dict[int, int] = {}  # choice index -> characters sent (completions' offsets)
         finished: set[int] = set()
         last: dict[int, object] = {}
@@ -367,14 +370,13 @@ class _Response:
                             rest, more = parser.finish()
                             text, calls = text + rest, calls + more
                     reason = P.finish_reason(c, index in parsers and bool(parsers[index].calls))
-                    first = index not in sent_tokens
+                    first = index not in started
                     if not (first or text or calls or (reason and index not in finished)):
                         continue
                     if first and self.echo:
                         text = self.echo[i] + text
                     choice = {"index": index,
-                              "logprobs": self._logprobs(c, sent_tokens.get(index, 0),
-                                                         offsets.get(index, 0)),
+                              "logprobs": self._logprobs(c, offsets.get(index, 0)),
                               "finish_reason": reason}
                     if self.chat:
                         delta = {"role": "assistant"} if first else {}
@@ -385,7 +387,7 @@ class _Response:
                         choice["delta"] = delta
                     else:
                         choice["text"] = text
-                    sent_tokens[index] = len(c.token_ids)
+                    started.add(index)
                     offsets[index] = offsets.get(index, 0) + len(text)
                     if reason:
                         finished.add(index)

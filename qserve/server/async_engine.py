@@ -28,7 +28,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 
-from qserve.engine.output_processor import OutputProcessor
+from qserve.engine.output_processor import OutputProcessor, engine_params
 from qserve.engine.sampler import checks_after_sampling
 from qserve.errors import QServeError
 from qserve.outputs import RequestOutput
@@ -200,7 +200,7 @@ class AsyncEngine:
                 continue
             _, rid, ids, params, loop, queue, accepted = cmd
             try:
-                self.engine.add_request(rid, None, params, prompt_token_ids=ids)
+                self.engine.add_request(rid, None, engine_params(params), prompt_token_ids=ids)
             except Exception as e:  # QServeError: the handler answers 400 / 503
                 if not isinstance(e, QServeError):
                     log.exception("add_request failed")
@@ -244,8 +244,8 @@ class AsyncEngine:
             if (constraint is None or not hasattr(constraint, "prefetch")
                     or checks_after_sampling(req.params)):
                 continue
-            live = [c.token_ids for c in out.outputs if c.finish_reason is None]
-            groups.setdefault(id(constraint), (constraint, []))[1].extend(live)
+            groups.setdefault(id(constraint), (constraint, []))[1].extend(
+                self.processor.histories(out))
         for constraint, outputs in groups.values():
             if outputs:
                 constraint.prefetch(outputs)

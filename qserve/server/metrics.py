@@ -96,7 +96,7 @@ class Metrics:
         if m.first_token_time is None:
             return
         self.ttft.observe(m.first_token_time - m.arrival_time)
-        n = max(len(c.token_ids) for c in out.outputs)
+        n = max(c.num_tokens for c in out.outputs)
         if n > 1 and m.finished_time is not None:
             self.tpot.observe((m.finished_time - m.first_token_time) / (n - 1))
 

@@ -230,7 +230,7 @@ def finish_reason(c: CompletionOutput, tool_calls: bool = False) -> str | None:
 
 def usage(outputs: list[RequestOutput]) -> dict:
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    completion = sum(c.num_tokens for o in outputs for c in o.outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}
 
