@@ -1697,3 +1697,127 @@ static void x16_matmul(const wdesc *W, const float *x, int64_t M, int64_t ldx, f
     free_activations(a);
 }
 #endif /* HAVE_I8_PATH */
+
+/* ---- laying out: q4_k / q6_k / int4 -> q4_k_x16 / q6_k_x16 / int4_x16 ----------------------
+ * qserve/formats/ggml.py interleave (the reference) makes these bytes in torch, with a
+ * permuted copy of every field and a cat of them; here each 16-row group's bytes are moved
+ * straight from the file's rows to their place in the destination (a large matrix's stack,
+ * written a slice at a time by a load: QuantLinear.laid_out), with no temporaries. Portable
+ * C: whichever ISA runs the layouts, laying them out is byte moves. A 4-byte run c of a row
+ * (qs, ql, qh) goes to word [c][r] of its group: 4 (16 c + r) bytes in. */
+#define LAY_ROWS 16
+
+/* q4_k: super-block b of a group's 16 rows (row r at src + r * ld) -> its X16 super-block
+ * (d[16] | dmin[16] | sc[8][16] | mn[8][16] | qs[32][16][4]; 16 x 148 bytes) */
+static void lay_q4_k_x16(const uint8_t *src, int64_t ld, uint8_t *dst)
+{
+    for (int r = 0; r < LAY_ROWS; r++) {
+        const uint8_t *b = src + r * ld;
+        uint32_t w[4];
+        uint8_t sm[16]; /* 8 scales, then 8 mins, unpacked as _k_scale_min does */
+        k4_words(b + 4, w);
+        memcpy(sm, w, sizeof sm);
+        memcpy(dst + 2 * r, b, 2);
+        memcpy(dst + 32 + 2 * r, b + 2, 2);
+        for (int j = 0; j < 8; j++) {
+            dst[64 + LAY_ROWS * j + r] = sm[j];
+            dst[192 + LAY_ROWS * j + r] = sm[8 + j];
+        }
+        for (int c = 0; c < 32; c++)
+            memcpy(dst + 320 + 4 * (LAY_ROWS * c + r), b + 16 + 4 * c, 4);
+    }
+}
+
+/* q6_k: alike (ql[32][16][4] | qh[16][16][4] | sc[16][16] | d[16] | 32 zero bytes;
+ * 16 x 212 bytes) */
+static void lay_q6_k_x16(const uint8_t *src, int64_t ld, uint8_t *dst)
+{
+    for (int r = 0; r < LAY_ROWS; r++) {
+        const uint8_t *b = src + r * ld;
+        for (int c = 0; c < 32; c++)
+            memcpy(dst + 4 * (LAY_ROWS * c + r), b + 4 * c, 4);
+        for (int c = 0; c < 16; c++)
+            memcpy(dst + 2048 + 4 * (LAY_ROWS * c + r), b + 128 + 4 * c, 4);
+        for (int s = 0; s < 16; s++)
+            dst[3072 + LAY_ROWS * s + r] = b[192 + s];
+        memcpy(dst + 3328 + 2 * r, b + 208, 2);
+    }
+    memset(dst + 3360, 0, 32);
+}
+
+/* int4: a group's 16 rows (row r at src + r * ld, Kp / 2 bytes) -> its 8 Kp bytes: chunk c of
+ * 32 inputs is [lg][r][t] = row r's codes of inputs 32 c + k (low nibble) and 32 c + 16 + k
+ * (high), k = 4 lg + t. A row's byte j holds inputs 2j (low) and 2j + 1 (high), so input k's
+ * byte is k / 2 and input 16 + k's 8 + k / 2, both in nibble k % 2. */
+static void lay_int4_x16(const uint8_t *src, int64_t ld, int64_t Kp, uint8_t *dst)
+{
+    for (int r = 0; r < LAY_ROWS; r++)
+        for (int64_t c = 0; c < Kp / 32; c++) {
+            const uint8_t *q = src + r * ld + 16 * c;
+            uint8_t *o = dst + 256 * c + 4 * r;
+            for (int k = 0; k < 16; k += 2) {
+                const uint8_t lo = q[k / 2], hi = q[8 + k / 2];
+                o[64 * (k / 4) + k % 4] = (uint8_t)((lo & 15) | (hi << 4));
+                o[64 * (k / 4) + k % 4 + 1] = (uint8_t)((lo >> 4) | (hi & 0xf0));
+            }
+        }
+}
+
+/* A group's (16, G) scales or offsets (row r at src + r * G) -> [G][16] */
+static void lay_groups_x16(const half *src, int64_t G, half *dst)
+{
+    for (int r = 0; r < LAY_ROWS; r++)
+        for (int64_t j = 0; j < G; j++)
+            dst[LAY_ROWS * j + r] = src[r * G + j];
+}
+
+/* Rows 0 .. S->N of S (q4_k, q6_k or int4; N a multiple of 16, rows S->row_bytes apart, int4's
+ * scales and offsets contiguous) -> rows r0 .. r0 + S->N of D, a contiguous matrix of their
+ * _x16 kind with as many inputs (int4: padded inputs, groups and offsets). D is written,
+ * though a wdesc's pointers are const for the kernels that read it. Returns 0, or -1 where the
+ * kinds, shapes or rows do not fit (nothing written). */
+int x16_interleave(const wdesc *S, const wdesc *D, int64_t r0, int nthreads)
+{
+    const int64_t n = S->N, K = S->K, nb = K / QK_K;
+    if (n % LAY_ROWS || r0 % LAY_ROWS || r0 < 0 || r0 + n > D->N || D->K != K)
+        return -1;
+    switch (S->kind) {
+    case KIND_Q4_K:
+        if (D->kind != KIND_Q4_K_X16 || K % QK_K || D->row_bytes != nb * 148)
+            return -1;
+        break;
+    case KIND_Q6_K:
+        if (D->kind != KIND_Q6_K_X16 || K % QK_K || D->row_bytes != nb * 212)
+            return -1;
+        break;
+    case KIND_INT4:
+        if (D->kind != KIND_INT4_X16 || S->Kp != D->Kp || S->Kp % 32
+            || S->group_size != D->group_size || D->row_bytes != D->Kp / 2 || !S->scales
+            || !D->scales || !S->offsets != !D->offsets)
+            return -1;
+        break;
+    default:
+        return -1;
+    }
+    uint8_t *dw = (uint8_t *)D->w + r0 * D->row_bytes;
+    const uint8_t *sw = (const uint8_t *)S->w;
+    const int64_t ld = S->row_bytes, groups = n / LAY_ROWS;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (groups >= 16)
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *src = sw + g * LAY_ROWS * ld;
+        uint8_t *dst = dw + g * LAY_ROWS * D->row_bytes;
+        if (S->kind == KIND_INT4) {
+            const int64_t G = S->Kp / S->group_size, at = (r0 + g * LAY_ROWS) * G;
+            lay_int4_x16(src, ld, S->Kp, dst);
+            lay_groups_x16(S->scales + g * LAY_ROWS * G, G, (half *)D->scales + at);
+            if (S->offsets)
+                lay_groups_x16(S->offsets + g * LAY_ROWS * G, G, (half *)D->offsets + at);
+        } else if (S->kind == KIND_Q4_K)
+            for (int64_t b = 0; b < nb; b++)
+                lay_q4_k_x16(src + b * 144, ld, dst + b * LAY_ROWS * 148);
+        else
+            for (int64_t b = 0; b < nb; b++)
+                lay_q6_k_x16(src + b * 210, ld, dst + b * LAY_ROWS * 212);
+    }
+    return 0;
+}

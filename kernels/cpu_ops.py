@@ -106,6 +106,7 @@ _SIGNATURES = {  # name: (argtypes, restype)
     "decode_layers": ([_ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _int, _i64, _flt, _ptr, _ptr,
                        _ptr, _int, _ptr, _ptr, _i64, _ptr, _i64, _i64, _flt, _int, _int], None),
     "copy_rows": ([_ptr, _ptr, _ptr, _ptr, _i64, _i64], None),
+    "x16_interleave": ([_WDESC, _WDESC, _i64, _int], _int),
     "paged_decode": ([_int, _ptr, _ptr, _i64, _i64, _i64, _int, _ptr, _ptr, _i64, _ptr, _i64,
                       _flt, _i64, _int], None),
 }
@@ -386,17 +387,52 @@ def supports(qt: QuantizedTensor) -> bool:
                                       or qt.group_size % 32 == 0)
 
 
-def runtime_layout(qt: QuantizedTensor) -> QuantizedTensor:
+def runtime_layout(qt: QuantizedTensor, out: QuantizedTensor | None = None, row: int = 0
+                   ) -> QuantizedTensor:
     """qt as the CPU kernels run it fastest: a q4_k / q6_k / int4 matrix with a multiple of 16
     rows (int4: groups of a multiple of 32 inputs) becomes its _x16 layout (16 rows
     interleaved, ggml.interleave: the same codes, so the same weights) where this build's
     kernels run it (X16_BASES: the 512-bit ones all three, the AVX2 ones q4_k and int4);
     anything else is returned as it is. QSERVE_CPU_REPACK=0 keeps the file's layout (for
-    comparisons)."""
-    if (qt.qweight.device.type != "cpu" or runtime_format(qt.format, qt.shape) == qt.format
-            or (qt.format == "int4" and qt.group_size % 32)):
-        return qt
-    return ggml.interleave(qt)
+    comparisons).
+
+    out: a matrix in qt's layout_format to write that layout into instead, at rows row ..
+    row + qt's rows, and return (a large matrix laid out a slice at a time, or a fused
+    matrix's parts, each straight into its place in the stack: ggml.empty_rows makes it)."""
+    if out is None:
+        run = layout_format(qt)
+        if run == qt.format:
+            return qt
+        out = ggml.empty_rows(qt, qt.shape[0], run)
+    n = qt.shape[0]
+    assert 0 <= row and row + n <= out.shape[0], (row, n, out.shape)
+    if out.format == qt.format or not _interleave_into(qt, out, row):
+        # rows kept as they are, or the reference's interleaving where the kernels are not built
+        laid = qt if out.format == qt.format else ggml.interleave(qt)
+        for o, t in zip((out.qweight, out.scales, out.offsets),
+                        (laid.qweight, laid.scales, laid.offsets)):
+            if o is not None:
+                o[row:row + n] = t
+    return out
+
+
+def layout_format(qt: QuantizedTensor) -> str:
+    """The format runtime_layout lays qt out in (qt's own where it stays as it is)."""
+    if qt.qweight.device.type != "cpu" or (qt.format == "int4" and qt.group_size % 32):
+        return qt.format
+    return runtime_format(qt.format, qt.shape)
+
+
+def _interleave_into(qt: QuantizedTensor, out: QuantizedTensor, row: int) -> bool:
+    """qt (n, K) in q4_k / q6_k / int4 -> rows row .. row + n of out, its _x16, in C
+    (x16_interleave in cpu_formats.c: ggml.interleave's bytes, without its temporaries); False
+    where the kernels are not built or do not take these tensors (nothing written)."""
+    L = lib()
+    if L is None or any(not t.is_contiguous() for t in (*qt.tensors().values(),
+                                                         *out.tensors().values())):
+        return False
+    return L.x16_interleave(ctypes.byref(_desc(qt)), ctypes.byref(_desc(out)), row,
+                            _threads()) == 0
 
 
 # The formats each kernel set runs interleaved (the AVX2 kernels: not q6_k_x16)

@@ -607,6 +607,97 @@ def test_runtime_layout_picks_x16_only_where_it_runs(monkeypatch):
     assert _x16_runs("int4_x16") == GEMM
 
 
+# ---- laying out in C (x16_interleave): the reference's bytes, straight into a stack ----------
+LAYOUT_ROWS = [16, 48, 1040]  # one group, a few, and more than a load's slice of 1024 rows
+
+
+def _random_x16_base(base: str, N: int, K: int, group_size: int = 0, sym: bool = True,
+                     seed: int = 0) -> QuantizedTensor:
+    """(N, K) q4_k / q6_k / int4 of random bytes (every bit pattern: d / dmin, the 6-bit scale
+    packing, int4's codes in the padding of the last group), int4 scales / offsets random
+    fp16 bits."""
+    g = torch.Generator().manual_seed(seed)
+    if base == "int4":
+        G = -(-K // group_size)
+
+        def halves(width: int) -> torch.Tensor:  # (N, width) fp16 of random bits
+            return torch.randint(0, 256, (N, 2 * width), dtype=torch.uint8,
+                                 generator=g).view(torch.float16)
+        codes = halves(G * group_size // 4).view(torch.uint8)  # (N, Kp / 2)
+        return QuantizedTensor("int4", codes, halves(G), None if sym else halves(G), K)
+    width = K // 256 * ggml.TYPES[base].block_bytes
+    return QuantizedTensor(base, torch.randint(0, 256, (N, width), dtype=torch.uint8,
+                                               generator=g), None, None, K)
+
+
+def _check_laid_into_stack(src: QuantizedTensor, monkeypatch) -> None:
+    """runtime_layout(src, stack, 16) writes rows 16 .. 16 + N of a stack of N + 32 rows in C
+    (ggml.interleave, the torch reference, fails if called), exactly ggml.interleave's bytes,
+    which deinterleave back to src's, and leaves the stack's other rows as they were."""
+    fmt, N = ggml.BY_BASE[src.format], src.shape[0]
+    want = ggml.interleave(src)
+    stack = ggml.empty_rows(src, N + 32, fmt)
+    for t in stack.tensors().values():
+        t.view(torch.uint8).fill_(0xA5)
+    with monkeypatch.context() as m:
+        m.setattr(ggml, "interleave", lambda qt: pytest.fail("the torch reference ran"))
+        assert cpu_ops.runtime_layout(src, stack, 16) is stack
+    assert stack.validate() is None
+    bits = lambda t: t.contiguous().view(torch.uint8)  # noqa: E731  (random fp16 bits: NaNs)
+    for part, t in stack.tensors().items():
+        assert torch.equal(bits(t[16:16 + N]), bits(getattr(want, part))), part
+        assert (bits(t[:16]) == 0xA5).all() and (bits(t[16 + N:]) == 0xA5).all()
+    laid = QuantizedTensor(fmt, *(None if t is None else t[16:16 + N]
+                                  for t in (stack.qweight, stack.scales, stack.offsets)),
+                           src.in_features)
+    back = ggml.deinterleave(laid)
+    for part, t in src.tensors().items():
+        assert torch.equal(bits(getattr(back, part)), bits(t)), part
+
+
+@pytest.mark.parametrize("K", [256, 768, 2304])
+@pytest.mark.parametrize("N", LAYOUT_ROWS)
+@pytest.mark.parametrize("base", ["q4_k", "q6_k"])
+def test_k_quant_laid_out_in_c_is_the_reference(base, N, K, monkeypatch):
+    """q4_k / q6_k -> _x16 in C (x16_interleave), at a row offset into a stack, against
+    ggml.interleave byte for byte (any build: laying out is byte moves, whichever kernels run
+    the layout)."""
+    _check_laid_into_stack(_random_x16_base(base, N, K, seed=N + K), monkeypatch)
+
+
+@pytest.mark.parametrize("N", LAYOUT_ROWS)
+@pytest.mark.parametrize("sym,group_size,K", [(True, 32, 77), (False, 32, 256), (True, 64, 520),
+                                              (False, 128, 300), (False, 64, 2304)])
+def test_int4_laid_out_in_c_is_the_reference(sym, group_size, N, K, monkeypatch):
+    """int4 -> int4_x16 in C: the codes (a padded last group's included), the scales and the
+    offsets re-ordered [G][16] by groups of 16 rows, as ggml.interleave does."""
+    _check_laid_into_stack(_random_x16_base("int4", N, K, group_size, sym, seed=N + K),
+                           monkeypatch)
+
+
+def test_layout_in_c_refuses_what_does_not_fit():
+    """x16_interleave writes nothing and says so (runtime_layout then takes the reference)
+    for a row offset off the 16-row groups or past the stack's end, a stack of another
+    layout, input count, group size or symmetry, and a source that is not whole groups."""
+    q4 = _random_x16_base("q4_k", 32, 512)
+    i4 = _random_x16_base("int4", 32, 256, 64, sym=False)
+    cases = [(q4, ggml.empty_rows(q4, 64, "q4_k_x16"), 8),
+             (q4, ggml.empty_rows(q4, 48, "q4_k_x16"), 32),
+             (q4, ggml.empty_rows(_random_x16_base("q6_k", 32, 512), 64, "q6_k_x16"), 0),
+             (q4, ggml.empty_rows(_random_x16_base("q4_k", 32, 256), 64, "q4_k_x16"), 0),
+             (QuantizedTensor("q4_k", q4.qweight[:24], None, None, 512),
+              ggml.empty_rows(q4, 64, "q4_k_x16"), 0),
+             (i4, ggml.empty_rows(_random_x16_base("int4", 32, 256, 32, sym=False), 64,
+                                  "int4_x16"), 0),
+             (i4, ggml.empty_rows(_random_x16_base("int4", 32, 256, 64, sym=True), 64,
+                                  "int4_x16"), 0)]
+    for src, out, row in cases:
+        for t in out.tensors().values():
+            t.view(torch.uint8).fill_(0xA5)  # a sentinel: nothing written
+        assert not cpu_ops._interleave_into(src, out, row), (src.shape, out.format, row)
+        assert all((t.view(torch.uint8) == 0xA5).all() for t in out.tensors().values())
+
+
 @pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 8, 13, 32, 40])
 @pytest.mark.parametrize("N,K", X16_GRID)
 @pytest.mark.parametrize("fmt", X16)

@@ -277,6 +277,20 @@ INTERLEAVED = {"q4_k_x16": ("q4_k", X16_ROW_BYTES, interleave_q4_k, deinterleave
 BY_BASE = {base: name for name, (base, *_) in INTERLEAVED.items()}
 
 
+def empty_rows(qt: QuantizedTensor, rows: int, fmt: str | None = None) -> QuantizedTensor:
+    """An uninitialized (rows, qt.in_features) matrix in `fmt`, qt's format or its _x16 (default
+    qt's), with qt's groups and symmetry: a stack for qt and like matrices to be written into
+    (cpu_ops.runtime_layout's out)."""
+    fmt = fmt or qt.format
+    assert fmt == qt.format or INTERLEAVED[fmt][0] == qt.format, (fmt, qt.format)
+    width = qt.qweight.shape[1]
+    if fmt != qt.format and INTERLEAVED[fmt][1] is not None:  # int4_x16: int4's shapes
+        width = qt.in_features // 256 * INTERLEAVED[fmt][1]
+    new = lambda t: None if t is None else t.new_empty((rows, t.shape[1]))  # noqa: E731
+    return QuantizedTensor(fmt, qt.qweight.new_empty((rows, width)), new(qt.scales),
+                           new(qt.offsets), qt.in_features)
+
+
 def interleave(qt: QuantizedTensor) -> QuantizedTensor:
     """q4_k / q6_k (rows a multiple of X16_ROWS) -> its _x16 layout."""
     return INTERLEAVED[BY_BASE[qt.format]][2](qt)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from qserve.formats import QuantizedTensor
+from qserve.formats import QuantizedTensor, ggml
 from qserve.formats.qtensor import stackable
 from qserve.kernels import cpu_ops
 from qserve.kernels.dispatch import packed_linear
@@ -46,12 +46,22 @@ class QuantLinear(nn.Module):
         return cls(segments, bias).to(device)
 
     @staticmethod
-    def device_layout(seg: QuantizedTensor, device: torch.device) -> QuantizedTensor:
-        """One segment in the layout on_device gives it. A loader may lay out each part of a
-        fused matrix as it reads it, then stack them (the _x16 layouts interleave rows 16 at
-        a time, so stacking parts of a multiple of 16 rows commutes with interleaving): the
-        file's copy of a part is freed before the next is read."""
-        return cpu_ops.runtime_layout(seg) if device.type == "cpu" else seg
+    def device_layout(seg: QuantizedTensor, device: torch.device,
+                      out: QuantizedTensor | None = None, row: int = 0) -> QuantizedTensor:
+        """One segment in the layout on_device gives it. out: a matrix in that layout
+        (device_format; ggml.empty_rows) to write it into instead, at rows row .. row + seg's,
+        and return: a loader lays a large matrix out a slice at a time, and a fused matrix's
+        parts one after the other, straight into the stack (the _x16 layouts interleave rows
+        16 at a time, so stacking parts of a multiple of 16 rows commutes with interleaving),
+        so the file's copy of a part is never whole beside its layout."""
+        if device.type != "cpu" and out is None:
+            return seg  # other devices run the file's layout (there out is seg's: rows copied)
+        return cpu_ops.runtime_layout(seg, out, row)
+
+    @staticmethod
+    def device_format(seg: QuantizedTensor, device: torch.device) -> str:
+        """The format device_layout lays seg out in."""
+        return cpu_ops.layout_format(seg) if device.type == "cpu" else seg.format
 
     @classmethod
     def laid_out(cls, parts: list[tuple[int, Callable[[int, int], QuantizedTensor]]],
@@ -61,31 +71,33 @@ class QuantLinear(nn.Module):
         """Matrices stacked along the output rows, each given as (rows, read) with read(r0,
         r1) its rows r0 .. r1 as the file holds them (check raises on a bad slice), read
         LAYOUT_ROWS rows at a time and put in the device's layout (device_layout) straight
-        into place: neighbouring parts that stack (stackable: a fused gate/up of one type)
-        share one output, the others get their own. The load holds the outputs and one slice
-        per part, never a file's whole copy beside its layout nor a stack of laid-out parts.
-        Slices are a multiple of 16 rows, so an interleaved layout (16 rows at a time) is the
-        whole part's; a part of another row count is read whole. Returns the segments."""
+        into their place: neighbouring parts that stack (stackable, in one layout: a fused
+        gate/up of one type) share one output, the others get their own. The load holds the
+        outputs and one slice per part (a reader reuses its buffer: tensor_rows), never a
+        file's whole copy beside its layout nor a stack of laid-out parts, and lays each
+        slice out without temporaries where the C kernels are built (x16_interleave). Slices
+        are a multiple of 16 rows, so an interleaved layout (16 rows at a time) is the whole
+        part's; a part of another row count is read whole. Returns the segments."""
         def piece(read, r0: int, r1: int) -> QuantizedTensor:
             p = read(r0, r1)
             check(p)
-            return cls.device_layout(p, device)
+            return p
 
         firsts = [piece(read, 0, rows if rows <= LAYOUT_ROWS or rows % 16 else LAYOUT_ROWS)
-                  for rows, read in parts]
+                  for rows, read in parts]  # as read: each part's reader holds it
+        formats = [cls.device_format(p, device) for p in firsts]
         segments, i = [], 0
         while i < len(parts):
             j = i + 1
-            while j < len(parts) and stackable(firsts[i], firsts[j]):
+            while j < len(parts) and formats[j] == formats[i] and stackable(firsts[i], firsts[j]):
                 j += 1
             total = sum(rows for rows, _ in parts[i:j])
             if j == i + 1 and firsts[i].shape[0] == total:  # one part, read whole
-                segments.append(firsts[i])
+                segments.append(cls.device_layout(firsts[i], device))
                 i = j
                 continue
             head = firsts[i]
-            out = [None if t is None else t.new_empty((total, *t.shape[1:]))
-                   for t in (head.qweight, head.scales, head.offsets)]
+            out = ggml.empty_rows(head, total, formats[i])
             at = 0
             for k in range(i, j):
                 rows, read = parts[k]
@@ -93,14 +105,12 @@ class QuantLinear(nn.Module):
                 while r0 < rows:
                     p = firsts[k] if r0 == 0 else piece(read, r0, min(rows, r0 + LAYOUT_ROWS))
                     if not stackable(head, p):
-                        raise ValueError(f"rows {r0}.. laid out as {p.format}, not {head.format}")
-                    for o, t in zip(out, (p.qweight, p.scales, p.offsets)):
-                        if o is not None:
-                            o[at + r0:at + r0 + t.shape[0]] = t
+                        raise ValueError(f"rows {r0}.. read as {p.format}, not {head.format}")
+                    cls.device_layout(p, device, out, at + r0)
                     r0 += p.shape[0]
-                firsts[k] = None  # its slice is in place: freed
+                firsts[k] = None  # in place: its reader's buffer is the next slice's
                 at += rows
-            segments.append(QuantizedTensor(head.format, *out, head.in_features))
+            segments.append(out)
             i = j
         return segments
 

@@ -158,12 +158,15 @@ class GGUFFile:
                 raise self.error(f"is truncated: tensor {name} could not be read whole")
         return buf
 
-    def read_rows(self, name: str, r0: int, r1: int) -> torch.Tensor:
+    def read_rows(self, name: str, r0: int, r1: int, out: torch.Tensor | None = None
+                  ) -> torch.Tensor:
         """Rows r0 .. r1 of a 2-D tensor's raw bytes, (r1 - r0, bytes_per_row) uint8, read
-        from the file into fresh memory."""
+        from the file into `out` (contiguous, that shape), or fresh memory."""
         info = self.tensors[name]
         row_bytes = info.nbytes // info.shape[0]
-        buf = torch.empty(r1 - r0, row_bytes, dtype=torch.uint8)
+        buf = torch.empty(r1 - r0, row_bytes, dtype=torch.uint8) if out is None else out
+        assert buf.shape == (r1 - r0, row_bytes) and buf.dtype == torch.uint8
+        assert buf.is_contiguous()
         with open(self.path, "rb") as f:
             f.seek(info.offset + r0 * row_bytes)
             if f.readinto(memoryview(buf.numpy()).cast("B")) != buf.numel():
@@ -390,7 +393,10 @@ def tensor_rows(gguf: GGUFFile, gguf_name: str, arch: ModelArchConfig, native: b
                 ) -> Callable[[int, int], QuantizedTensor] | None:
     """A reader of a packed matrix's output rows r0 .. r1, each slice what read_tensor would
     give for those rows (LazyWeights.row_reader); None for what read_tensor must read whole:
-    dense types, 1-D tensors, q/k rows llama.cpp permuted, expert slices, not native."""
+    dense types, 1-D tensors, q/k rows llama.cpp permuted, expert slices, not native.
+    Every slice is read into one buffer the reader keeps (its first, largest slice's size),
+    so a slice is valid until the next read (Q4_0 / Q8_0's repack gives fresh tensors): a
+    load allocates no file copy per slice, nor frees one."""
     info = gguf.tensors.get(gguf_name)
     if (not native or info is None or len(info.shape) != 2
             or info.ggml_type.name in ("F32", "F16", "BF16")
@@ -401,8 +407,16 @@ def tensor_rows(gguf: GGUFFile, gguf_name: str, arch: ModelArchConfig, native: b
         format_for_ggml(type_name)
     except KeyError:
         return None  # read_tensor names the type in its error
-    return lambda r0, r1: _as_qtensor(gguf.read_rows(gguf_name, r0, r1), type_name,
-                                      info.shape[1])
+    row_bytes = info.nbytes // info.shape[0]
+    buf = torch.empty(0, row_bytes, dtype=torch.uint8)
+
+    def read(r0: int, r1: int) -> QuantizedTensor:
+        nonlocal buf
+        if buf.shape[0] < r1 - r0:
+            buf = torch.empty(r1 - r0, row_bytes, dtype=torch.uint8)
+        rows = gguf.read_rows(gguf_name, r0, r1, out=buf[:r1 - r0])
+        return _as_qtensor(rows, type_name, info.shape[1])
+    return read
 
 
 def _as_qtensor(rows: torch.Tensor, type_name: str, in_features: int) -> QuantizedTensor:

@@ -1,8 +1,9 @@
 """LazyWeights: a model's weights by Hugging Face name, each read from its file only when
 looked up and never kept, so a loader's peak memory is the model being built plus one tensor
 (the streaming load), and `qserve quantize` holds its output plus one layer. Freed heap goes
-back to the OS before each tensor read and every SLICE_TRIM_BYTES of row slices (trim_heap),
-or the temporaries of every tensor before it would stay resident until the load ends."""
+back to the OS before each whole tensor's read (trim_heap), or the temporaries of every tensor
+before it would stay resident until the load ends. Row slices need no trims: each is read into
+its reader's one buffer and laid out in place (QuantLinear.laid_out), freeing nothing."""
 from __future__ import annotations
 
 import ctypes
@@ -12,46 +13,29 @@ from collections.abc import Mapping
 from typing import Callable
 
 
-# Row slices read between two trims of the heap (trim_heap). Trimming before every 1,024-row
-# slice loaded the full Llama-3.1-8B Q4_K_M shape in 42 s (each trim walks the whole heap,
-# and its pages are faulted back in) against 11.5 s every 64 MiB, for 12 MiB less peak.
-SLICE_TRIM_BYTES = 64 << 20
-
-
 class LazyWeights(Mapping):
     def __init__(self, shapes: dict[str, tuple[int, ...]], read: Callable[[str], object],
                  row_reader: Callable[[str], Callable[[int, int], object] | None] | None = None):
         self.shapes = shapes  # name -> shape, known from the file's header
         self._read = read
         self._row_reader = row_reader
-        self._untrimmed = 0  # bytes read by row slices since the heap was last trimmed
 
     def row_reader(self, name: str) -> Callable[[int, int], object] | None:
         """For a packed matrix the source can read a slice of output rows at a time: a
-        function (r0, r1) -> those rows, a QuantizedTensor as weights[name] would hold them. A model lays a large
-        matrix out for its device (QuantLinear.laid_out) slice by slice, so the file's copy of
-        it is never whole beside the laid-out one (Llama-3-8B's Q6_K output matrix: 411 MiB).
-        None where it cannot (dense or permuted tensors, sources without it)."""
+        function (r0, r1) -> those rows, a QuantizedTensor as weights[name] would hold them,
+        valid until its next call (a GGUF's reader reads every slice into one buffer). A model
+        lays a large matrix out for its device (QuantLinear.laid_out) slice by slice, so the
+        file's copy of it is never whole beside the laid-out one (Llama-3-8B's Q6_K output
+        matrix: 411 MiB). None where it cannot (dense or permuted tensors, sources without
+        it)."""
         if self._row_reader is None or name not in self.shapes:
             return None
-        read = self._row_reader(name)
-        if read is None:
-            return None
-
-        def rows(r0: int, r1: int):
-            if self._untrimmed >= SLICE_TRIM_BYTES:
-                trim_heap()
-                self._untrimmed = 0
-            out = read(r0, r1)
-            self._untrimmed += out.qweight.nbytes
-            return out
-        return rows
+        return self._row_reader(name)
 
     def __getitem__(self, name: str):
         if name not in self.shapes:
             raise KeyError(name)
         trim_heap()  # earlier tensors' temporaries (file copies, re-layouts)
-        self._untrimmed = 0
         return self._read(name)
 
     def __contains__(self, name) -> bool:  # Mapping's default would read the tensor to answer
