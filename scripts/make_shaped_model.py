@@ -279,14 +279,15 @@ def write_direct(preset: str, layers: int | None, out: Path, seed: int,
     import gguf
     import numpy as np
 
-    from qserve.loader.gguf_loader import GGUFFile, llama3_rope_divisors
+    from qserve.loader.gguf_loader import GGUFFile, GGUFStrings, llama3_rope_divisors
     from qserve.loader.registry import resolve_model
 
     fields = dict(fields or PRESETS[preset])
     if layers:
         fields["num_hidden_layers"] = layers
     src = GGUFFile(resolve_model(None))
-    tok = {k: v for k, v in src.metadata.items() if k.startswith("tokenizer.")}
+    tok = {k: list(v) if isinstance(v, GGUFStrings) else v  # (the writer's types: lists)
+           for k, v in src.metadata.items() if k.startswith("tokenizer.")}
     vocab = vocab or VOCAB[preset]
     have = len(tok["tokenizer.ggml.tokens"])
     assert vocab >= have, (vocab, have)

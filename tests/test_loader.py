@@ -216,6 +216,51 @@ def test_gguf_header_matches_gguf_reader(tiny_gguf):
         assert (info.ggml_type, info.offset, info.nbytes) == (t.tensor_type, t.data_offset, t.n_bytes)
 
 
+def _write_strings_gguf(path, strings):
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_array("test.strings", strings)
+    w.add_uint32("test.after", 7)  # parsing goes on past the array
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+
+
+def test_long_string_arrays_stay_in_the_map(tmp_path):
+    """A string array over LAZY_STRINGS (a vocabulary) is a GGUFStrings: every string, index,
+    negative index and slice as written, equal to the list, `+` a list; shorter ones stay lists."""
+    n = gguf_loader.LAZY_STRINGS + 77
+    strings = [f"tok{i}" if i % 5 else ("é" * (i % 7) + "▁x") for i in range(n)]
+    strings[3] = ""
+    _write_strings_gguf(tmp_path / "s.gguf", strings)
+    md = gguf_loader.GGUFFile(tmp_path / "s.gguf").metadata
+    got = md["test.strings"]
+    assert isinstance(got, gguf_loader.GGUFStrings) and md["test.after"] == 7
+    assert len(got) == n and list(got) == strings and got == strings and strings == got
+    assert (got[0], got[3], got[-1], got[10:20:3]) == (strings[0], "", strings[-1], strings[10:20:3])
+    assert got + ["z"] == strings + ["z"] and ["z"] + got == ["z"] + strings
+    assert got != strings[:-1] and got != strings[:-1] + ["other"]
+    _write_strings_gguf(tmp_path / "short.gguf", strings[:5])
+    assert gguf_loader.GGUFFile(tmp_path / "short.gguf").metadata["test.strings"] == strings[:5]
+    assert type(gguf_loader.GGUFFile(tmp_path / "short.gguf").metadata["test.strings"]) is list
+
+
+def test_long_string_array_checked_when_parsed(tmp_path):
+    """A bad string in a long array is found by the header's parse, as in a short one."""
+    strings = [f"s{i:05d}" for i in range(gguf_loader.LAZY_STRINGS + 10)]
+    path = tmp_path / "bad.gguf"
+    _write_strings_gguf(path, strings)
+    data = bytearray(path.read_bytes())
+    at = data.index(b"s00900")
+    data[at + 1] = 0xFF  # not UTF-8
+    path.write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError, match=rf"^{path}: is corrupt \(a string near byte "
+                                             rf"{at - 8} is not UTF-8\)"):
+        gguf_loader.GGUFFile(path)
+    path.write_bytes(bytes(data[:at]))  # cut inside the array
+    with pytest.raises(ModelLoadError, match="is truncated or corrupt"):
+        gguf_loader.GGUFFile(path)
+
+
 def test_tiny_gguf_load_model_and_tokenizer(tiny_gguf):
     model = load_model(tiny_gguf)
     assert model.path == tiny_gguf

@@ -11,15 +11,19 @@ A GGUF file is typed key/value metadata, a table of tensors, then the tensor dat
 A 3-D tensor (ne0=in, ne1=out, ne2=E) stacks E matrices, a mixture's experts (ffn_*_exps):
 matrix e is the e-th contiguous run of its bytes, listed as its own tensor `<name>[e]`.
 The header is parsed here rather than with gguf.GGUFReader, which builds a numpy view per string
-and takes seconds on a 49k-token vocabulary; dequantization is the `gguf` package's.
+and takes seconds on a 49k-token vocabulary; dequantization is the `gguf` package's. A long
+string array (a vocabulary, its merges) is checked at parse time but kept in the file's map
+(GGUFStrings), its strings made when read: the memory planner, `qserve info` and the loader
+each parse the header, and only the tokenizer reads the vocabulary.
 """
 from __future__ import annotations
 
+import array
 import mmap
 import os
 import re
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +41,43 @@ from qserve.models.rope import attention_factor
 
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
+# String arrays longer than this stay in the file's map (GGUFStrings); shorter ones are lists
+LAZY_STRINGS = 1024
+
+
+class GGUFStrings(Sequence):
+    """A GGUF string array, read from the file's map as it is indexed or iterated: 400k
+    Python strings (Llama 3's vocabulary and merges) cost ~30 MiB and most of a header's
+    parse, and once freed leave Python's small-object arenas partly held. Compares equal to
+    a list of the same strings; `+` gives a list."""
+
+    def __init__(self, mm: mmap.mmap, starts: array.array):
+        self._mm = mm
+        self._starts = starts  # each string's u64 length field, as a byte offset in mm
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        at = self._starts[i]
+        (n,) = struct.unpack_from("<Q", self._mm, at)
+        return self._mm[at + 8:at + 8 + n].decode("utf-8")  # checked when parsed
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, (list, GGUFStrings)):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+
+    def __add__(self, other) -> list[str]:
+        return list(self) + list(other)
+
+    def __radd__(self, other) -> list[str]:
+        return list(other) + list(self)
+
+    def __repr__(self) -> str:
+        return f"GGUFStrings({len(self)} strings)"
 
 
 @dataclass
@@ -122,6 +163,21 @@ class GGUFFile:
         self._pos += n
         return self._mm[self._pos - n:self._pos].decode("utf-8")
 
+    def _strings(self, n: int) -> GGUFStrings:
+        """The next n strings, each checked as UTF-8 (a corrupt file fails here, not in the
+        tokenizer) and dropped at once, their places kept."""
+        starts, mm, pos, length = array.array("q"), self._mm, self._pos, struct.Struct("<Q")
+        for _ in range(n):
+            starts.append(pos)
+            (size,) = length.unpack_from(mm, pos)
+            if pos + 8 + size > len(mm):
+                raise IndexError
+            self._pos = pos  # for the error's position
+            mm[pos + 8:pos + 8 + size].decode("utf-8")
+            pos += 8 + size
+        self._pos = pos
+        return GGUFStrings(mm, starts)
+
     def _value(self, vtype: int):
         if vtype == _STRING:
             return self._str()
@@ -134,6 +190,8 @@ class GGUFFile:
                 arr = np.frombuffer(self._mm, dtype, n, self._pos)
                 self._pos += n * dtype.itemsize
                 return arr.tolist()
+            if itype == _STRING and n > LAZY_STRINGS:
+                return self._strings(n)
             return [self._value(itype) for _ in range(n)]
         if vtype not in _SCALARS:
             raise self.error(f"metadata near byte {self._pos} has unknown value type {vtype}")
