@@ -39,7 +39,8 @@ def tokenizer():
 
 
 class FakeEngine:
-    """Each step, every request gains the token " the"; it finishes at max_tokens."""
+    """Each step, every request gains the token " the"; it finishes at max_tokens. Outputs
+    hold that token alone where the request asks for deltas (as the server's do), else all."""
 
     def __init__(self, tokenizer, max_model_len: int = 4096):
         self.tokenizer = tokenizer
@@ -72,9 +73,10 @@ class FakeEngine:
         for rid, (ids, params, generated, arrival) in list(self.requests.items()):
             generated.append(self.token)
             done = len(generated) >= params.max_tokens
+            new = generated[-1:] if params.output_kind == "delta" else list(generated)
             outputs.append(RequestOutput(
-                rid, None, ids, [CompletionOutput(i, "", list(generated),
-                                                  "length" if done else None)
+                rid, None, ids, [CompletionOutput(i, "", list(new), "length" if done else None,
+                                                  num_tokens=len(generated))
                                  for i in range(params.n)],
                 done, RequestMetrics(arrival, first_token_time=arrival)))
             if done:
