@@ -117,3 +117,34 @@ def test_delta_and_final_only_callers(llm, params):
         assert [w[:2] + w[3:] for w in want[:-1]] == [f[:2] + f[3:] for f in final[:-1]]
         assert all(f[1] == f[2] for f in final[:-1])  # final_only: delta_text is all the text
     assert not engine.has_unfinished_requests()
+
+
+def test_histories_are_each_live_samples_whole_output(llm):
+    """histories(out), asked before out is processed (the grammar prefetch), gives each sample
+    still running here its whole output so far, the engine reporting only deltas."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0.8, seed=11, n=2, max_tokens=20, stop=[" a"])
+    processor = OutputProcessor(engine.tokenizer)
+    ids = engine.tokenizer.encode(PROMPTS[0])
+    engine.detokenize = False
+    try:
+        engine.add_request("h", None, engine_params(params), prompt_token_ids=ids)
+        processor.add("h", ids, params)
+        so_far: dict[int, list[int]] = {}
+        stopped: set[int] = set()
+        checked = 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                for c in out.outputs:
+                    so_far[c.index] = so_far.get(c.index, []) + c.token_ids
+                want = [so_far[c.index] for c in out.outputs
+                        if c.finish_reason is None and c.index not in stopped]
+                assert processor.histories(out) == want
+                checked += len(want)
+                _, now_stopped = processor.process(out)
+                stopped.update(now_stopped)
+                for index in now_stopped:
+                    engine.finish_sample("h", index)
+    finally:
+        engine.detokenize = True
+    assert checked >= 2 * 5  # several steps of both samples were checked
