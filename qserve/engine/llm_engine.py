@@ -254,9 +254,10 @@ class LLMEngine:
                 self.scheduler.accept_spec_tokens(seq, len(tokens) - 1)
         outputs = []
         for req in touched.values():
-            if req.finished or req.params.output_kind != "final_only":
-                outputs.append(self._output(req, now))
-            if req.finished:
+            finished = req.finished
+            if finished or req.params.output_kind != "final_only":
+                outputs.append(self._output(req, now, finished))
+            if finished:
                 del self.requests[req.request_id]
         return outputs
 
@@ -345,7 +346,7 @@ class LLMEngine:
             seq.stop_reason = stop
             self.scheduler.finish(seq, reason)
 
-    def _output(self, req: _Request, now: float) -> RequestOutput:
+    def _output(self, req: _Request, now: float, finished: bool) -> RequestOutput:
         """The request's output as its output_kind asks: "delta" holds only the tokens,
         logprobs and text new since its previous output (nothing copied that was sent
         before); the other kinds everything so far."""
@@ -359,9 +360,8 @@ class LLMEngine:
             n = seq.num_output_tokens
             req.sent[seq.index] = (n, pieces)
             if delta:
-                start = seq.num_prompt_tokens + tokens
-                ids, text = seq.token_ids[start:start + n - tokens], new_text
-                logprobs = None if seq.logprobs is None else seq.logprobs[tokens:n]
+                ids, text = seq.token_ids[seq.num_prompt_tokens + tokens:], new_text
+                logprobs = None if seq.logprobs is None else seq.logprobs[tokens:]
             else:
                 ids, logprobs = seq.output_token_ids, seq.logprobs
                 text = seq.detokenizer.text if seq.detokenizer is not None else ""
@@ -371,7 +371,6 @@ class LLMEngine:
                 logprobs=logprobs, stop_reason=seq.stop_reason,
                 spec_steps=seq.spec_steps, spec_draft_tokens=seq.spec_draft_tokens,
                 spec_accepted_tokens=seq.spec_accepted_tokens))
-        finished = req.finished
         if finished:
             req.metrics.finished_time = now
         req.metrics.first_scheduled_time = req.seqs[0].first_scheduled_time

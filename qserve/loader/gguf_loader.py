@@ -41,6 +41,7 @@ from qserve.models.rope import attention_factor
 
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
+_U64 = struct.Struct("<Q")  # a string's length
 # String arrays longer than this stay in the file's map (GGUFStrings); shorter ones are lists
 LAZY_STRINGS = 1024
 
@@ -62,7 +63,7 @@ class GGUFStrings(Sequence):
         if isinstance(i, slice):
             return [self[k] for k in range(*i.indices(len(self)))]
         at = self._starts[i]
-        (n,) = struct.unpack_from("<Q", self._mm, at)
+        (n,) = _U64.unpack_from(self._mm, at)
         return self._mm[at + 8:at + 8 + n].decode("utf-8")  # checked when parsed
 
     def __eq__(self, other) -> bool:
@@ -157,26 +158,23 @@ class GGUFFile:
         return values
 
     def _str(self) -> str:
-        (n,) = self._unpack("Q")
-        if self._pos + n > len(self._mm):
+        """The next string; a bad one names its length field's byte (self._pos)."""
+        at = self._pos
+        (n,) = _U64.unpack_from(self._mm, at)
+        if at + 8 + n > len(self._mm):
             raise IndexError
-        self._pos += n
-        return self._mm[self._pos - n:self._pos].decode("utf-8")
+        text = self._mm[at + 8:at + 8 + n].decode("utf-8")
+        self._pos = at + 8 + n
+        return text
 
     def _strings(self, n: int) -> GGUFStrings:
         """The next n strings, each checked as UTF-8 (a corrupt file fails here, not in the
         tokenizer) and dropped at once, their places kept."""
-        starts, mm, pos, length = array.array("q"), self._mm, self._pos, struct.Struct("<Q")
+        starts = array.array("q")
         for _ in range(n):
-            starts.append(pos)
-            (size,) = length.unpack_from(mm, pos)
-            if pos + 8 + size > len(mm):
-                raise IndexError
-            self._pos = pos  # for the error's position
-            mm[pos + 8:pos + 8 + size].decode("utf-8")
-            pos += 8 + size
-        self._pos = pos
-        return GGUFStrings(mm, starts)
+            starts.append(self._pos)
+            self._str()
+        return GGUFStrings(self._mm, starts)
 
     def _value(self, vtype: int):
         if vtype == _STRING:
@@ -515,9 +513,10 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
             .transpose(1, 2).reshape(w.shape).contiguous())
 
 
-# The vocabulary's arrays, which read_tokenizer turns into the tokenizer: as Python objects
-# ~25 MiB for Llama 3's (128k tokens, 280k merges), kept as long as the file is (the weights
-# are read from it for the whole load) unless load_model drops them once the tokenizer is made.
+# The vocabulary's arrays, which read_tokenizer turns into the tokenizer: the strings'
+# offsets (GGUFStrings) and the scores' and types' lists, ~4 MiB for Llama 3's (128k tokens,
+# 280k merges), kept as long as the file is (the weights are read from it for the whole load)
+# unless load_model drops them once the tokenizer is made.
 VOCABULARY_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.scores",
                      "tokenizer.ggml.token_type")
 
