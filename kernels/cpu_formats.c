@@ -1061,6 +1061,81 @@ static void x16i4_dequant_row(const wdesc *W, int64_t n, float *out)
     }
 }
 
+/* ---- q6_k_x16: Q6_K with 16 rows interleaved, alike -----------------------------------------
+ * Group g's super-blocks, X16Q6_SB bytes each (212 a row: 210 + 2 bytes of padding that keep
+ * every super-block 64-byte aligned):
+ *
+ *   +0     ql[2][2][8][16][4]  [h][e][lg][r][t] = ql[64 h + 32 e + 4 lg + t] of row r's block:
+ *                              low nibble input 128 h + 32 e + 4 lg + t, high nibble the
+ *                              input 64 after it (the low 4 bits of the code)
+ *   +2048  qh[2][8][16][4]     [h][lg][r][t] = qh[32 h + 4 lg + t]: bits 2f, 2f + 1 the top 2
+ *                              bits of input 128 h + 32 f + 4 lg + t
+ *   +3072  sc[16][16]          int8: 16-input sub-block s's scale, row r
+ *   +3328  d[16]               fp16
+ *   +3360  32 zero bytes
+ *
+ * w = d sc_s (q - 32). One load of each kind gives 4 vectors of 6-bit codes (f = 0..3) for 4
+ * inputs of 16 rows, each a vpdpbusd against 4 activation bytes; a sub-block's integer sum is
+ * scaled once, and -32 d sc_s times the activations' sum of the sub-block added alongside. */
+#define X16Q6_SB (X16 * 212)
+#define X16Q6_MT 4 /* activation rows a tile: more would spill the accumulators */
+#ifndef X16Q6_BOTH
+#define X16Q6_BOTH 2 /* AVX2: up to this many activation rows take both row halves a pass */
+#endif
+#ifndef X16Q6_PF
+#define X16Q6_PF 64
+#endif
+#define X16Q6_QH 2048
+#define X16Q6_SC 3072
+#define X16Q6_D 3328
+
+/* Row r of a group's super-block -> its codes and scales as codes_q6_k gives them */
+static void codes_x16q6(const uint8_t *sb, int r, uint8_t *u, float *s, float *o)
+{
+    const float d = ld_half(sb + X16Q6_D + 2 * r);
+    const __m256i stride = _mm256_setr_epi32(0, 64, 128, 192, 256, 320, 384, 448);
+    const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
+    for (int h = 0; h < 2; h++) {
+        const __m256i qh = _mm256_i32gather_epi32(
+            (const int *)(sb + X16Q6_QH + 512 * h + 4 * r), stride, 1);
+        for (int e = 0; e < 2; e++) {
+            const __m256i ql = _mm256_i32gather_epi32(
+                (const int *)(sb + 512 * (2 * h + e) + 4 * r), stride, 1);
+            /* f = e (low nibbles) and f = e + 2 (high) */
+            const __m256i hl = e ? _mm256_slli_epi16(qh, 2) : _mm256_slli_epi16(qh, 4);
+            const __m256i hh = e ? _mm256_srli_epi16(qh, 2) : qh;
+            _mm256_storeu_si256((__m256i *)(u + 128 * h + 32 * e),
+                                _mm256_or_si256(_mm256_and_si256(ql, m4),
+                                                _mm256_and_si256(hl, m30)));
+            _mm256_storeu_si256((__m256i *)(u + 128 * h + 32 * (e + 2)),
+                                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql, 4), m4),
+                                                _mm256_and_si256(hh, m30)));
+        }
+    }
+    for (int j = 0; j < 16; j++) {
+        s[j] = d * (float)(int8_t)sb[X16Q6_SC + 16 * j + r];
+        o[j] = 0.f;
+    }
+}
+
+static void x16q6_dequant_row(const wdesc *W, int64_t n, float *out)
+{
+    const uint8_t *grp = (const uint8_t *)W->w + n / X16 * X16 * W->row_bytes;
+    uint8_t u[QK_K] __attribute__((aligned(32)));
+    float s[QK_K / 16], o[QK_K / 16];
+    for (int64_t b = 0; b < W->K / QK_K; b++) {
+        codes_x16q6(grp + b * X16Q6_SB, (int)(n % X16), u, s, o);
+        float *y = out + b * QK_K;
+        for (int j = 0; j < QK_K / 16; j++) { /* as deq_q6_k */
+            const __m128i c = _mm_load_si128((const __m128i *)(u + 16 * j));
+            const __m256 vs = _mm256_set1_ps(s[j]), vo = _mm256_set1_ps(-32.f * s[j]);
+            _mm256_storeu_ps(y + 16 * j, _mm256_fmadd_ps(u8_to_ps(c), vs, vo));
+            _mm256_storeu_ps(y + 16 * j + 8,
+                             _mm256_fmadd_ps(u8_to_ps(_mm_srli_si128(c, 8)), vs, vo));
+        }
+    }
+}
+
 #ifndef HAVE_ZMM_PATH
 /* AVX2: one group's 16 rows against activation rows m0 .. m0 + mt (int8, ACT_PLAIN): res[16 i +
  * r]. Each 64-byte vector of the layout is two ymm, rows 0-7 (h = 0) and 8-15 (h = 1), taken in
@@ -1213,6 +1288,222 @@ static void x16i4_rows(const wdesc *W, int64_t g, const qacts *a, int64_t m0, in
 #undef CALL
 }
 
+/* AVX2 q6_k_x16: one group's 16 rows against activation rows m0 .. m0 + mt (<= X16Q6_MT; int8
+ * with per-16 sums): res[16 i + r]. Each 64-byte vector of the layout is two ymm, rows 0-7
+ * (rh = 0) and 8-15 (rh = 1), a super-block's rows 0-7 taken before its rows 8-15 (from L1).
+ * The codes are unsigned (q, 0..63): a vpmaddubsw adds a pair of products into each of a
+ * row's two int16 lanes, two of those sum exactly in int16 (2 * 2 * 63 * 128 < 2^15), and one
+ * vpmaddwd against the sub-block's scales (each row's sc_s in both of its lanes) widens them,
+ * so a chunk's two sub-blocks end in one exact int32 sum per row, sum_s sc_s sum q x,
+ * converted and scaled by d d_x once; -32 d sc_s times the activations' sum of each sub-block
+ * is added alongside (as x16q6_rows_z). The row kernel q6k_row_i8 takes the file's layout,
+ * 32 inputs of one row per vector: a vector costs it a sign split, a 32-byte activation load
+ * and a float step; here a broadcast of 4 activation bytes, and the unpacking serves every
+ * activation row of the tile. A row's result does not depend on mt (exact integer sums, its
+ * own accumulators, terms in a fixed order). */
+static inline __attribute__((always_inline)) __m256i
+x16q6_code_y(const uint8_t *sb, int h, int k, int lg, int rh)
+{
+    const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
+    const __m256i ql = _mm256_loadu_si256(
+        (const __m256i *)(sb + 64 * (16 * h + 8 * (k & 1) + lg) + 32 * rh));
+    const __m256i qh = _mm256_loadu_si256(
+        (const __m256i *)(sb + X16Q6_QH + 64 * (8 * h + lg) + 32 * rh));
+    const __m256i lo = k < 2 ? _mm256_and_si256(ql, m4)
+                             : _mm256_and_si256(_mm256_srli_epi16(ql, 4), m4);
+    const __m256i hi = k == 0   ? _mm256_slli_epi16(qh, 4)
+                       : k == 1 ? _mm256_slli_epi16(qh, 2)
+                       : k == 2 ? qh
+                                : _mm256_srli_epi16(qh, 2);
+    return _mm256_or_si256(lo, _mm256_and_si256(hi, m30));
+}
+
+static inline __attribute__((always_inline)) void
+x16q6_rows_y(const uint8_t *grp, int64_t nb, const qacts *a, int64_t m0, int64_t K, const int mt,
+             float *res)
+{
+    const __m128i dup = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    const int nr = mt <= X16Q6_BOTH ? 2 : 1; /* row halves a pass */
+    __m256 tot[2][X16Q6_MT]; /* [rh][i] */
+    for (int rh = 0; rh < 2; rh++)
+        for (int i = 0; i < mt; i++)
+            tot[rh][i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *sb = grp + b * X16Q6_SB;
+        for (int o = 0; o < X16Q6_SB; o += 64)
+            _mm_prefetch((const char *)(sb + X16Q6_PF + o), _MM_HINT_T0);
+        for (int r0 = 0; r0 < 2; r0 += nr) {
+            __m256 d[2], dm[2], f[2][X16Q6_MT];
+            for (int q = 0; q < nr; q++) {
+                d[q] = _mm256_cvtph_ps(
+                    _mm_loadu_si128((const __m128i *)(sb + X16Q6_D + 16 * (r0 + q))));
+                dm[q] = _mm256_mul_ps(d[q], _mm256_set1_ps(-32.f));
+                for (int i = 0; i < mt; i++)
+                    f[q][i] = _mm256_setzero_ps();
+            }
+            for (int h = 0; h < 2; h++)
+                for (int k = 0; k < 4; k++) { /* chunk c: inputs 128 h + 32 k .. + 31 */
+                    const int64_t c = 8 * b + 4 * h + k;
+                    const int8_t *xc = a->q + m0 * K + c * 32;
+                    __m256i acc[2][X16Q6_MT];
+                    for (int q = 0; q < nr; q++)
+                        for (int i = 0; i < mt; i++)
+                            acc[q][i] = _mm256_setzero_si256();
+                    for (int half = 0; half < 2; half++) { /* sub-block 8 h + 2 k + half */
+                        const uint8_t *sc = sb + X16Q6_SC + 16 * (8 * h + 2 * k + half) + 8 * r0;
+                        __m256i sp[2];
+                        for (int q = 0; q < nr; q++)
+                            sp[q] = _mm256_cvtepi8_epi16(
+                                _mm_shuffle_epi8(_mm_loadl_epi64((const __m128i *)(sc + 8 * q)), dup));
+                        for (int lg = 4 * half; lg < 4 * half + 4; lg += 2)
+                            for (int q = 0; q < nr; q++) {
+                                const __m256i v0 = x16q6_code_y(sb, h, k, lg, r0 + q);
+                                const __m256i v1 = x16q6_code_y(sb, h, k, lg + 1, r0 + q);
+                                for (int i = 0; i < mt; i++) {
+                                    int32_t x0, x1;
+                                    memcpy(&x0, xc + i * K + 4 * lg, 4);
+                                    memcpy(&x1, xc + i * K + 4 * lg + 4, 4);
+                                    const __m256i p = _mm256_add_epi16(
+                                        _mm256_maddubs_epi16(v0, _mm256_set1_epi32(x0)),
+                                        _mm256_maddubs_epi16(v1, _mm256_set1_epi32(x1)));
+                                    acc[q][i] = _mm256_add_epi32(acc[q][i],
+                                                                 _mm256_madd_epi16(p, sp[q]));
+                                }
+                            }
+                    }
+                    for (int q = 0; q < nr; q++) {
+                        const uint8_t *sc = sb + X16Q6_SC + 16 * (8 * h + 2 * k) + 8 * (r0 + q);
+                        const __m256 o0 = _mm256_mul_ps(dm[q], _mm256_cvtepi32_ps(
+                            _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)sc))));
+                        const __m256 o1 = _mm256_mul_ps(dm[q], _mm256_cvtepi32_ps(
+                            _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sc + 16)))));
+                        for (int i = 0; i < mt; i++) {
+                            const int64_t r = m0 + i;
+                            __m256 *fi = &f[q][i];
+                            *fi = _mm256_fmadd_ps(
+                                _mm256_cvtepi32_ps(acc[q][i]),
+                                _mm256_mul_ps(d[q], _mm256_set1_ps(a->d[c * a->Mp + r])), *fi);
+                            *fi = _mm256_fmadd_ps(
+                                o0, _mm256_set1_ps(a->dsum16[2 * c * a->Mp + r]), *fi);
+                            *fi = _mm256_fmadd_ps(
+                                o1, _mm256_set1_ps(a->dsum16[(2 * c + 1) * a->Mp + r]), *fi);
+                        }
+                    }
+                }
+            for (int q = 0; q < nr; q++)
+                for (int i = 0; i < mt; i++)
+                    tot[r0 + q][i] = _mm256_add_ps(tot[r0 + q][i], f[q][i]);
+        }
+    }
+    for (int i = 0; i < mt; i++)
+        for (int rh = 0; rh < 2; rh++)
+            _mm256_storeu_ps(res + X16 * i + 8 * rh, tot[rh][i]);
+}
+
+static void x16q6_rows(const uint8_t *grp, int64_t nb, const qacts *a, int64_t m0, int64_t K,
+                       int mt, float *res)
+{
+    switch (mt) {
+    case 1: x16q6_rows_y(grp, nb, a, m0, K, 1, res); break;
+    case 2: x16q6_rows_y(grp, nb, a, m0, K, 2, res); break;
+    case 3: x16q6_rows_y(grp, nb, a, m0, K, 3, res); break;
+    default: x16q6_rows_y(grp, nb, a, m0, K, X16Q6_MT, res);
+    }
+}
+
+/* The AVX2 int8 GEMM's tiles (gemm_pack_tile's layout, 8 rows: tile[c][j] lane r = row n0 + r,
+ * inputs 32 c + 4 j .. + 3) straight from the _x16 layouts: rows n0 .. n0 + 7 are one ymm half
+ * (rh) of each 64-byte vector, so a tile vector is a load and a nibble (and for q6_k_x16 the
+ * top-bit) split, where reading each row's codes back (codes_x16, with gathers) and
+ * transposing them cost more than the products at 128 activation rows. The same codes and
+ * per-16 scales and offsets as gemm_codes_row gives, so the same results. */
+#define X16Y_GT 8 /* the AVX2 GEMM's tile rows (GT) */
+static void x16_pack_tile(const wdesc *W, int64_t n0, int64_t c0, int64_t cn, uint8_t *tile,
+                          float *sw, float *ow)
+{
+    const uint8_t *grp = (const uint8_t *)W->w + n0 / X16 * X16 * W->row_bytes;
+    const int rh = (int)(n0 % X16) / 8;
+    const __m256i m4 = _mm256_set1_epi8(15);
+    for (int64_t b = c0 / 8; b < (c0 + cn) / 8; b++) {
+        const uint8_t *sb = grp + b * X16_SB;
+        for (int p = 0; p < 4; p++) {
+            uint8_t *lo = tile + (8 * b + 2 * p - c0) * 8 * 32; /* chunk 2p's 8 vectors */
+            for (int lg = 0; lg < 8; lg++) {
+                const __m256i q = _mm256_loadu_si256(
+                    (const __m256i *)(sb + X16_QS + 512 * p + 64 * lg + 32 * rh));
+                _mm256_store_si256((__m256i *)(lo + 32 * lg), _mm256_and_si256(q, m4));
+                _mm256_store_si256((__m256i *)(lo + 256 + 32 * lg),
+                                   _mm256_and_si256(_mm256_srli_epi16(q, 4), m4));
+            }
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 16 * rh)));
+        const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 32 + 16 * rh)));
+        for (int j = 0; j < 8; j++) {
+            const int64_t h = 2 * (8 * b + j - c0); /* the chunk's two 16-input halves */
+            const __m256 sv = _mm256_mul_ps(d, u8_to_ps(_mm_loadl_epi64(
+                (const __m128i *)(sb + 64 + 16 * j + 8 * rh))));
+            const __m256 ov = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin, u8_to_ps(
+                _mm_loadl_epi64((const __m128i *)(sb + 192 + 16 * j + 8 * rh)))));
+            _mm256_store_ps(sw + h * X16Y_GT, sv);
+            _mm256_store_ps(sw + (h + 1) * X16Y_GT, sv);
+            _mm256_store_ps(ow + h * X16Y_GT, ov);
+            _mm256_store_ps(ow + (h + 1) * X16Y_GT, ov);
+        }
+    }
+}
+
+static void x16q6_pack_tile(const wdesc *W, int64_t n0, int64_t c0, int64_t cn, uint8_t *tile,
+                            float *sw, float *ow)
+{
+    const uint8_t *grp = (const uint8_t *)W->w + n0 / X16 * X16 * W->row_bytes;
+    const int rh = (int)(n0 % X16) / 8;
+    for (int64_t b = c0 / 8; b < (c0 + cn) / 8; b++) {
+        const uint8_t *sb = grp + b * X16Q6_SB;
+        for (int h = 0; h < 2; h++)
+            for (int k = 0; k < 4; k++)
+                for (int lg = 0; lg < 8; lg++) /* chunk 8b + 4h + k, vector lg */
+                    _mm256_store_si256((__m256i *)(tile + ((8 * b + 4 * h + k - c0) * 8 + lg) * 32),
+                                       x16q6_code_y(sb, h, k, lg, rh));
+        const __m256 d = _mm256_cvtph_ps(
+            _mm_loadu_si128((const __m128i *)(sb + X16Q6_D + 16 * rh)));
+        for (int s = 0; s < 16; s++) { /* half 2 (8b - c0) + s in the tile's order */
+            const int64_t hx = 2 * (8 * b - c0) + s;
+            _mm256_store_ps(sw + hx * X16Y_GT, _mm256_mul_ps(d, _mm256_cvtepi32_ps(
+                _mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                    (const __m128i *)(sb + X16Q6_SC + 16 * s + 8 * rh))))));
+            _mm256_store_ps(ow + hx * X16Y_GT, _mm256_setzero_ps());
+        }
+    }
+}
+
+static void x16i4_pack_tile(const wdesc *W, int64_t n0, int64_t c0, int64_t cn, uint8_t *tile,
+                            float *sw, float *ow)
+{
+    const int64_t Kp = W->Kp, G = Kp / W->group_size, cpg = W->group_size / CHUNK;
+    const int64_t g0 = n0 / X16 * X16;
+    const int rh = (int)(n0 % X16) / 8;
+    const uint8_t *grp = (const uint8_t *)W->w + g0 * (Kp / 2);
+    const half *sc = W->scales + g0 * G, *of = W->offsets ? W->offsets + g0 * G : NULL;
+    const __m256i m4 = _mm256_set1_epi8(15);
+    for (int64_t c = c0; c < c0 + cn; c++) {
+        uint8_t *t = tile + (c - c0) * 8 * 32;
+        for (int lg = 0; lg < 4; lg++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(grp + (c * 4 + lg) * 64 + 32 * rh));
+            _mm256_store_si256((__m256i *)(t + 32 * lg), _mm256_and_si256(q, m4));
+            _mm256_store_si256((__m256i *)(t + 32 * (4 + lg)),
+                               _mm256_and_si256(_mm256_srli_epi16(q, 4), m4));
+        }
+        const int64_t gi = c / cpg, h = 2 * (c - c0);
+        const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + X16 * gi + 8 * rh)));
+        const __m256 o = of ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(of + X16 * gi + 8 * rh)))
+                            : _mm256_setzero_ps(); /* symmetric: the zero point 8 (traits) */
+        _mm256_store_ps(sw + h * X16Y_GT, s);
+        _mm256_store_ps(sw + (h + 1) * X16Y_GT, s);
+        _mm256_store_ps(ow + h * X16Y_GT, o);
+        _mm256_store_ps(ow + (h + 1) * X16Y_GT, o);
+    }
+}
+
 #endif /* !HAVE_ZMM_PATH */
 
 #endif /* HAVE_I8_PATH */
@@ -1301,11 +1592,9 @@ static void x16_rows(const uint8_t *grp, int64_t nb, const qacts *a, int64_t m0,
 #undef CALL
 }
 
-static void x16q6_dequant_row(const wdesc *W, int64_t n, float *out);
 static void x16q6_rows(const uint8_t *grp, int64_t nb, const qacts *a, int64_t m0, int64_t K,
                        int mt, float *res);
 static void x16i4_rows(const wdesc *W, int64_t g, const qacts *a, int64_t m0, int mt, float *res);
-#define X16Q6_MT 4 /* q6_k_x16's activation rows a tile: more would spill the accumulators */
 
 /* Chunks c0 .. c0 + cn (whole super-blocks) of the 16 rows from n0 (a group) as the int8 GEMM's
  * tile, scales and offsets (gemm_pack_tile's layout): the low and high nibbles of each 64-byte
@@ -1343,27 +1632,6 @@ static void x16_pack_tile(const wdesc *W, int64_t n0, int64_t c0, int64_t cn, ui
     }
 }
 
-/* ---- q6_k_x16: Q6_K with 16 rows interleaved, alike -----------------------------------------
- * Group g's super-blocks, X16Q6_SB bytes each (212 a row: 210 + 2 bytes of padding that keep
- * every super-block 64-byte aligned):
- *
- *   +0     ql[2][2][8][16][4]  [h][e][lg][r][t] = ql[64 h + 32 e + 4 lg + t] of row r's block:
- *                              low nibble input 128 h + 32 e + 4 lg + t, high nibble the
- *                              input 64 after it (the low 4 bits of the code)
- *   +2048  qh[2][8][16][4]     [h][lg][r][t] = qh[32 h + 4 lg + t]: bits 2f, 2f + 1 the top 2
- *                              bits of input 128 h + 32 f + 4 lg + t
- *   +3072  sc[16][16]          int8: 16-input sub-block s's scale, row r
- *   +3328  d[16]               fp16
- *   +3360  32 zero bytes
- *
- * w = d sc_s (q - 32). One load of each kind gives 4 vectors of 6-bit codes (f = 0..3) for 4
- * inputs of 16 rows, each a vpdpbusd against 4 activation bytes; a sub-block's integer sum is
- * scaled once, and -32 d sc_s times the activations' sum of the sub-block added alongside. */
-#define X16Q6_SB (X16 * 212)
-#define X16Q6_QH 2048
-#define X16Q6_SC 3072
-#define X16Q6_D 3328
-
 /* The 4 code vectors (f = 0..3) of qs run lg of half h: 16 rows x 4 inputs each */
 static inline __attribute__((always_inline)) void
 x16q6_codes(const uint8_t *sb, int h, int lg, __m512i v[4])
@@ -1378,53 +1646,6 @@ x16q6_codes(const uint8_t *sb, int h, int lg, __m512i v[4])
     v[2] = PICK(_mm512_srli_epi16(qa, 4), qh);
     v[3] = PICK(_mm512_srli_epi16(qb, 4), _mm512_srli_epi16(qh, 2));
 #undef PICK
-}
-
-/* Row r of a group's super-block -> its codes and scales as codes_q6_k gives them */
-static void codes_x16q6(const uint8_t *sb, int r, uint8_t *u, float *s, float *o)
-{
-    const float d = ld_half(sb + X16Q6_D + 2 * r);
-    const __m256i stride = _mm256_setr_epi32(0, 64, 128, 192, 256, 320, 384, 448);
-    const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
-    for (int h = 0; h < 2; h++) {
-        const __m256i qh = _mm256_i32gather_epi32(
-            (const int *)(sb + X16Q6_QH + 512 * h + 4 * r), stride, 1);
-        for (int e = 0; e < 2; e++) {
-            const __m256i ql = _mm256_i32gather_epi32(
-                (const int *)(sb + 512 * (2 * h + e) + 4 * r), stride, 1);
-            /* f = e (low nibbles) and f = e + 2 (high) */
-            const __m256i hl = e ? _mm256_slli_epi16(qh, 2) : _mm256_slli_epi16(qh, 4);
-            const __m256i hh = e ? _mm256_srli_epi16(qh, 2) : qh;
-            _mm256_storeu_si256((__m256i *)(u + 128 * h + 32 * e),
-                                _mm256_or_si256(_mm256_and_si256(ql, m4),
-                                                _mm256_and_si256(hl, m30)));
-            _mm256_storeu_si256((__m256i *)(u + 128 * h + 32 * (e + 2)),
-                                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql, 4), m4),
-                                                _mm256_and_si256(hh, m30)));
-        }
-    }
-    for (int j = 0; j < 16; j++) {
-        s[j] = d * (float)(int8_t)sb[X16Q6_SC + 16 * j + r];
-        o[j] = 0.f;
-    }
-}
-
-static void x16q6_dequant_row(const wdesc *W, int64_t n, float *out)
-{
-    const uint8_t *grp = (const uint8_t *)W->w + n / X16 * X16 * W->row_bytes;
-    uint8_t u[QK_K] __attribute__((aligned(32)));
-    float s[QK_K / 16], o[QK_K / 16];
-    for (int64_t b = 0; b < W->K / QK_K; b++) {
-        codes_x16q6(grp + b * X16Q6_SB, (int)(n % X16), u, s, o);
-        float *y = out + b * QK_K;
-        for (int j = 0; j < QK_K / 16; j++) { /* as deq_q6_k */
-            const __m128i c = _mm_load_si128((const __m128i *)(u + 16 * j));
-            const __m256 vs = _mm256_set1_ps(s[j]), vo = _mm256_set1_ps(-32.f * s[j]);
-            _mm256_storeu_ps(y + 16 * j, _mm256_fmadd_ps(u8_to_ps(c), vs, vo));
-            _mm256_storeu_ps(y + 16 * j + 8,
-                             _mm256_fmadd_ps(u8_to_ps(_mm_srli_si128(c, 8)), vs, vo));
-        }
-    }
 }
 
 /* One group's 16 rows against activation rows m0 .. m0 + mt (<= X16Q6_MT; int8 with per-16
@@ -1624,33 +1845,25 @@ static void x16i4_pack_tile(const wdesc *W, int64_t n0, int64_t c0, int64_t cn, 
 #endif /* HAVE_ZMM_PATH */
 
 #ifdef HAVE_I8_PATH
-/* Row n of a q4_k_x16 / q6_k_x16 / int4_x16 W (q6_k_x16: the 512-bit kernels only) */
+/* Row n of a q4_k_x16 / q6_k_x16 / int4_x16 W */
 static void x16_any_dequant_row(const wdesc *W, int64_t n, float *out)
 {
-#ifdef HAVE_ZMM_PATH
-    if (W->kind == KIND_Q6_K_X16) {
+    if (W->kind == KIND_Q6_K_X16)
         x16q6_dequant_row(W, n, out);
-        return;
-    }
-#endif
-    if (W->kind == KIND_INT4_X16)
+    else if (W->kind == KIND_INT4_X16)
         x16i4_dequant_row(W, n, out);
     else
         x16_dequant_row(W, n, out);
 }
 
 /* y = x W^T (+ bias) for a q4_k_x16 / q6_k_x16 / int4_x16 W: with int8 activations 16 rows at
- * a time (x16_rows, x16q6_rows, x16i4_rows: 512-bit or, q6_k_x16 aside, AVX2); with fp32 ones,
+ * a time (x16_rows, x16q6_rows, x16i4_rows: 512-bit or AVX2); with fp32 ones,
  * each row dequantized (as wdequant) and dotted with every activation row. */
 static void x16_matmul(const wdesc *W, const float *x, int64_t M, int64_t ldx, float *y,
                        int64_t ldy, int i8, int nthreads)
 {
     const int q6 = W->kind == KIND_Q6_K_X16, i4 = W->kind == KIND_INT4_X16;
-#ifdef HAVE_ZMM_PATH
     const int tile = q6 ? X16Q6_MT : MTI;
-#else
-    const int tile = MTI;
-#endif
     const int64_t nb = W->K / QK_K, groups = W->N / X16, Kp = i4 ? W->Kp : W->K;
     const int64_t rb = i4 ? W->Kp / 2 : W->row_bytes; /* int4: row_bytes is not set */
     const int64_t item = row_item(X16 * rb) / ROW_ITEM; /* groups of ~32 KB */
@@ -1679,10 +1892,8 @@ static void x16_matmul(const wdesc *W, const float *x, int64_t M, int64_t ldx, f
             const int mt = M - m0 < tile ? (int)(M - m0) : tile;
             if (i4)
                 x16i4_rows(W, g, &a, m0, mt, res);
-#ifdef HAVE_ZMM_PATH
             else if (q6)
                 x16q6_rows(grp, nb, &a, m0, W->K, mt, res);
-#endif
             else
                 x16_rows(grp, nb, &a, m0, W->K, mt, res);
             for (int i = 0; i < mt; i++) /* 8 rows at a time: a ymm on either ISA */

@@ -1566,14 +1566,9 @@ int wmatmul(const wdesc *W, const float *x, int64_t M, int64_t ldx, float *y, in
     case KIND_BF16:
         half_matmul(W, x, M, ldx, y, ldy, nthreads);
         return 0;
-#ifdef HAVE_ZMM_PATH
+#ifdef HAVE_I8_PATH
     case KIND_Q4_K_X16:
     case KIND_Q6_K_X16:
-    case KIND_INT4_X16:
-        x16_matmul(W, x, M, ldx, y, ldy, i8, nthreads);
-        return 0;
-#elif defined(HAVE_I8_PATH)
-    case KIND_Q4_K_X16: /* AVX2: q4_k_x16 and int4_x16 */
     case KIND_INT4_X16:
         x16_matmul(W, x, M, ldx, y, ldy, i8, nthreads);
         return 0;
@@ -1608,18 +1603,11 @@ static int dequant_row(const wdesc *W, int64_t n, float *out)
     case KIND_BF16:
         half_dequant_row(W, n, out);
         return 0;
-#ifdef HAVE_ZMM_PATH
+#ifdef HAVE_I8_PATH
     case KIND_Q4_K_X16:
     case KIND_Q6_K_X16:
     case KIND_INT4_X16:
         x16_any_dequant_row(W, n, out);
-        return 0;
-#elif defined(HAVE_I8_PATH)
-    case KIND_Q4_K_X16:
-        x16_dequant_row(W, n, out);
-        return 0;
-    case KIND_INT4_X16:
-        x16i4_dequant_row(W, n, out);
         return 0;
 #endif
     default: {
@@ -1788,11 +1776,9 @@ static int gemm_traits_kind(const wdesc *W, gemm_traits *t)
     case KIND_INT4_X16: /* int4's */
         *t = W->offsets ? (gemm_traits){0, 1, 1, 15, 0} : (gemm_traits){8, 1, 0, 15, 0};
         return 0;
-#ifdef HAVE_ZMM_PATH
     case KIND_Q6_K_X16: /* q6_k's */
         *t = (gemm_traits){32, 2, 0, 63, 0};
         return 0;
-#endif
     default: {
         const ggml_type *g = ggml_type_of(W->kind);
         if (!g)
@@ -1855,11 +1841,16 @@ static void gemm_codes_row(const wdesc *W, int64_t n, int64_t k0, int64_t k1, ui
         x16i4_codes_row(W, n, k0, k1, u, s, o);
         return;
     }
-    if (W->kind == KIND_Q4_K_X16) { /* AVX2 (the 512-bit GEMM reads its vectors) */
+    if (W->kind == KIND_Q4_K_X16 || W->kind == KIND_Q6_K_X16) { /* AVX2 (the 512-bit GEMM
+                                                                * reads their vectors) */
+        const int q6 = W->kind == KIND_Q6_K_X16;
         const uint8_t *grp = (const uint8_t *)W->w + n / X16 * X16 * W->row_bytes;
         for (int64_t b = k0 / QK_K; b < k1 / QK_K; b++) {
             const int64_t k = b * QK_K - k0;
-            codes_x16(grp + b * X16_SB, (int)(n % X16), u + k, s + k / 16, o + k / 16);
+            if (q6)
+                codes_x16q6(grp + b * X16Q6_SB, (int)(n % X16), u + k, s + k / 16, o + k / 16);
+            else
+                codes_x16(grp + b * X16_SB, (int)(n % X16), u + k, s + k / 16, o + k / 16);
         }
         return;
     }
@@ -2299,11 +2290,13 @@ static void gemm_tile_rows(const wdesc *W, const gemm_traits *t, const uint8_t *
 /* Rows n0 .. n0 + GT - 1 of W (those below N), chunks c0 .. c0 + cn, as codes into tile and
  * their scales and offsets into sw, ow (the layout above), through row-major buffers u (GT,
  * 32 cn) and so (2, GT, 2 cn). Rows past N read as code 0 with scale 0. */
+#ifndef HAVE_ZMM_PATH
+_Static_assert(X16Y_GT == GT, "the AVX2 _x16 tile packers write GT-row tiles");
+#endif
 static void gemm_pack_tile(const wdesc *W, int64_t n0, int64_t c0, int64_t cn, uint8_t *u,
                            float *so, uint8_t *tile, float *sw, float *ow)
 {
-#ifdef HAVE_ZMM_PATH
-    if (W->kind == KIND_Q4_K_X16) {
+    if (W->kind == KIND_Q4_K_X16) { /* the _x16 layouts: straight from their vectors */
         x16_pack_tile(W, n0, c0, cn, tile, sw, ow);
         return;
     }
@@ -2315,7 +2308,6 @@ static void gemm_pack_tile(const wdesc *W, int64_t n0, int64_t c0, int64_t cn, u
         x16i4_pack_tile(W, n0, c0, cn, tile, sw, ow);
         return;
     }
-#endif
     const int64_t Kb = cn * CHUNK, nh = Kb / 16;
     for (int r = 0; r < GT; r++) {
         if (n0 + r < W->N)
@@ -2427,10 +2419,11 @@ int gemm_min_rows(const wdesc *W)
      * against the row kernels at 8 / 16 / 24 / 32 rows, q4_k 0.81-0.82 / 1.07-1.13 / 1.16-1.26
      * / 1.21-1.28x, q6_k 0.83-0.88 / 0.98-1.17 / 1.14-1.27 / 1.24-1.43x, int4 0.64-0.69 /
      * 0.98-1.02 / 1.13-1.20 / 1.35-1.55x */
-    if (W->kind == KIND_Q4_K_X16 || W->kind == KIND_INT4_X16) /* their row kernels beat the
-                                   * GEMM at every decode size (q4_k_x16 0.53-0.77x at 16-32
-                                   * rows, 8192 x 2048 and 2048 x 8192) */
-        return 33;                /* above cpu_ops.py FUSED_MAX_ROWS: never at decode */
+    if (W->kind == KIND_Q4_K_X16 || W->kind == KIND_Q6_K_X16 || W->kind == KIND_INT4_X16)
+        return 33; /* their row kernels beat the GEMM at every decode size (q4_k_x16 0.53-0.77x at
+                    * 16-32 rows, 8192 x 2048 and 2048 x 8192; q6_k_x16 84-94 GMAC/s against
+                    * the GEMM's 64-92 at 16-32 rows, 104 against 93 at 2048 x 2048): above
+                    * cpu_ops.py FUSED_MAX_ROWS, so never at decode */
     return is_int4(W) || t.halves == 2 ? 20 : 16;
 #else
     if (is_int4(W))
@@ -2482,11 +2475,8 @@ int kernel_isa(void)
 /* Whether wmatmul/wdequant know this kind (kernels/cpu_ops.py supports asks). */
 int wkind_known(int64_t kind)
 {
-#ifdef HAVE_ZMM_PATH
+#ifdef HAVE_I8_PATH
     if (kind == KIND_Q4_K_X16 || kind == KIND_Q6_K_X16 || kind == KIND_INT4_X16)
-        return 1;
-#elif defined(HAVE_I8_PATH)
-    if (kind == KIND_Q4_K_X16 || kind == KIND_INT4_X16)
         return 1;
 #endif
     return kind == KIND_F32 || kind == KIND_INT4 || kind == KIND_INT4Z || kind == KIND_INT8 ||

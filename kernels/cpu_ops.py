@@ -392,7 +392,7 @@ def runtime_layout(qt: QuantizedTensor, out: QuantizedTensor | None = None, row:
     """qt as the CPU kernels run it fastest: a q4_k / q6_k / int4 matrix with a multiple of 16
     rows (int4: groups of a multiple of 32 inputs) becomes its _x16 layout (16 rows
     interleaved, ggml.interleave: the same codes, so the same weights) where this build's
-    kernels run it (X16_BASES: the 512-bit ones all three, the AVX2 ones q4_k and int4);
+    kernels run it (X16_BASES: the 512-bit and the AVX2 ones all three);
     anything else is returned as it is. QSERVE_CPU_REPACK=0 keeps the file's layout (for
     comparisons).
 
@@ -435,8 +435,8 @@ def _interleave_into(qt: QuantizedTensor, out: QuantizedTensor, row: int) -> boo
                             _threads()) == 0
 
 
-# The formats each kernel set runs interleaved (the AVX2 kernels: not q6_k_x16)
-X16_BASES = {"avx512-vnni": set(ggml.BY_BASE), "avx2": {"q4_k", "int4"}}
+# The formats each kernel set runs interleaved
+X16_BASES = {"avx512-vnni": set(ggml.BY_BASE), "avx2": set(ggml.BY_BASE)}
 
 
 def runtime_format(fmt: str, shape: tuple[int, ...]) -> str:

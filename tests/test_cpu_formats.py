@@ -150,18 +150,18 @@ NO_GEMM = "the int8 GEMM is built with the AVX-512 VNNI or AVX2 kernels"
 
 
 def _x16_runs(fmt: str) -> bool:
-    """Whether this build's kernels run the _x16 layout `fmt` (AVX2: not q6_k_x16)."""
+    """Whether this build's kernels run the _x16 layout `fmt`."""
     base = ggml.INTERLEAVED[fmt.split("-")[0]][0]
     return base in cpu_ops.X16_BASES.get(cpu_ops.kernel_isa(), ())
 
 
 # the _x16 layouts whose row kernel beats the int8 GEMM at every decode size (gemm_min_rows)
-ROWS_ONLY_X16 = ["int4_x16"] + ([] if VNNI else ["q4_k_x16"])
+ROWS_ONLY_X16 = ["int4_x16"] + ([] if VNNI else ["q4_k_x16", "q6_k_x16"])
 
 
 def _skip_unless_x16_runs(fmt: str) -> None:
     if not _x16_runs(fmt):
-        pytest.skip(f"{fmt} runs on the AVX-512 VNNI kernels")
+        pytest.skip(f"{fmt} runs on the AVX2 and AVX-512 VNNI kernels only")
 
 
 def _gemm_takes(qt) -> bool:
@@ -587,13 +587,13 @@ def test_int4_x16_is_the_same_codes_and_weights(sym, group_size, N, K):
 
 def test_runtime_layout_picks_x16_only_where_it_runs(monkeypatch):
     """cpu_ops.runtime_layout: q4_k / q6_k with whole groups of 16 rows become their _x16 on a
-    512-bit build (q4_k and int4, not q6_k, on an AVX2 one); 17 rows, other formats,
+    512-bit or an AVX2 build (the builds with the int8 path); 17 rows, other formats,
     QSERVE_CPU_REPACK=0 and builds without the kernels keep the matrix as it is."""
     for base in ("q4_k", "q6_k"):
         q = random_weight(base, 32, 256)
         out = cpu_ops.runtime_layout(q)
         assert out.format == (base + "_x16" if _x16_runs(base + "_x16") else base)
-        assert _x16_runs(base + "_x16") == (VNNI or (base == "q4_k" and GEMM))
+        assert _x16_runs(base + "_x16") == GEMM
         assert cpu_ops.supports(out)
         monkeypatch.setenv("QSERVE_CPU_REPACK", "0")
         assert cpu_ops.runtime_layout(q) is q

@@ -6,9 +6,9 @@ Q4_0 / Q4_1 / Q8_0 have an exact qserve scheme and are repacked at load (`repack
 types run in place: their kernels read these bytes as the file has them.
 
 The _x16 layouts (q4_k_x16, q6_k_x16, and int4_x16 for the Q4_0 / Q4_1 repack) are the same
-codes regrouped by 16 rows, which the CPU's kernels run (the 512-bit ones all three, the AVX2
-ones all but q6_k_x16; `interleave`, `deinterleave`; kernels/cpu_ops.py runtime_layout picks
-them); never stored in a file.
+codes regrouped by 16 rows, which the CPU's kernels run (the 512-bit and the AVX2 ones all
+three; `interleave`, `deinterleave`; kernels/cpu_ops.py runtime_layout picks them); never
+stored in a file.
 """
 from __future__ import annotations
 
