@@ -979,7 +979,7 @@ static void half_dequant_row(const wdesc *W, int64_t n, float *out)
  * vpdpbusd, against ~6 in k4_row_z (which converts and scales after every one). The int8 GEMM
  * takes its tiles straight from these bytes (x16_pack_tile), without the codes or transposes.
  * AVX2 builds run q4_k_x16 too (x16_rows_y: each 64-byte vector is two ymm, rows 0-7 and 8-15;
- * their GEMM reads a row's codes back through codes_x16). */
+ * their GEMM's 8-row tiles are one ymm of each). */
 #ifdef HAVE_I8_PATH
 #define X16 16
 #define X16_SB (X16 * 148)
@@ -1026,7 +1026,7 @@ static void x16_dequant_row(const wdesc *W, int64_t n, float *out)
     }
 }
 
-/* Row n of an int4_x16 W, chunks k0 / 32 .. k1 / 32, as the int8 GEMM's codes (gemm_codes_row):
+/* Row n of an int4_x16 W, chunks k0 / 32 .. k1 / 32, as codes in gemm_codes_row's form:
  * u the 32 codes in input order, one scale and offset per 16 inputs (0 offsets where
  * symmetric: the GEMM's traits take the zero point 8) */
 static void x16i4_codes_row(const wdesc *W, int64_t n, int64_t k0, int64_t k1, uint8_t *u,

@@ -1791,7 +1791,8 @@ static int gemm_traits_kind(const wdesc *W, gemm_traits *t)
 
 /* Inputs k0 .. k1 of row n of W (multiples of 32, and of W's block for the GGML types) as codes
  * u (k1 - k0,), scales s and offsets o ((k1 - k0) / 16,): w = s (u - z) + o per 16 inputs.
- * Inputs past K (the activations' zero padding) get code 0 or a whole group's. */
+ * Inputs past K (the activations' zero padding) get code 0 or a whole group's. The _x16
+ * layouts never come here: gemm_pack_tile takes their tiles straight from their vectors. */
 static void gemm_codes_row(const wdesc *W, int64_t n, int64_t k0, int64_t k1, uint8_t *u,
                            float *s, float *o)
 {
@@ -1834,23 +1835,6 @@ static void gemm_codes_row(const wdesc *W, int64_t n, int64_t k0, int64_t k1, ui
             const int64_t g = k / gs;
             s[h] = (float)sc[g];
             o[h] = zp ? -(float)zp[g] * s[h] : of ? (float)of[g] : 0.f;
-        }
-        return;
-    }
-    if (W->kind == KIND_INT4_X16) { /* AVX2, as q4_k_x16 below */
-        x16i4_codes_row(W, n, k0, k1, u, s, o);
-        return;
-    }
-    if (W->kind == KIND_Q4_K_X16 || W->kind == KIND_Q6_K_X16) { /* AVX2 (the 512-bit GEMM
-                                                                * reads their vectors) */
-        const int q6 = W->kind == KIND_Q6_K_X16;
-        const uint8_t *grp = (const uint8_t *)W->w + n / X16 * X16 * W->row_bytes;
-        for (int64_t b = k0 / QK_K; b < k1 / QK_K; b++) {
-            const int64_t k = b * QK_K - k0;
-            if (q6)
-                codes_x16q6(grp + b * X16Q6_SB, (int)(n % X16), u + k, s + k / 16, o + k / 16);
-            else
-                codes_x16(grp + b * X16_SB, (int)(n % X16), u + k, s + k / 16, o + k / 16);
         }
         return;
     }
