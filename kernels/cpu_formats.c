@@ -1400,17 +1400,6 @@ x16q6_rows_y(const uint8_t *grp, int64_t nb, const qacts *a, int64_t m0, int64_t
             _mm256_storeu_ps(res + X16 * i + 8 * rh, tot[rh][i]);
 }
 
-static void x16q6_rows(const uint8_t *grp, int64_t nb, const qacts *a, int64_t m0, int64_t K,
-                       int mt, float *res)
-{
-    switch (mt) {
-    case 1: x16q6_rows_y(grp, nb, a, m0, K, 1, res); break;
-    case 2: x16q6_rows_y(grp, nb, a, m0, K, 2, res); break;
-    case 3: x16q6_rows_y(grp, nb, a, m0, K, 3, res); break;
-    default: x16q6_rows_y(grp, nb, a, m0, K, X16Q6_MT, res);
-    }
-}
-
 /* The AVX2 int8 GEMM's tiles (gemm_pack_tile's layout, 8 rows: tile[c][j] lane r = row n0 + r,
  * inputs 32 c + 4 j .. + 3) straight from the _x16 layouts: rows n0 .. n0 + 7 are one ymm half
  * (rh) of each 64-byte vector, so a tile vector is a load and a nibble (and for q6_k_x16 the
@@ -1592,8 +1581,6 @@ static void x16_rows(const uint8_t *grp, int64_t nb, const qacts *a, int64_t m0,
 #undef CALL
 }
 
-static void x16q6_rows(const uint8_t *grp, int64_t nb, const qacts *a, int64_t m0, int64_t K,
-                       int mt, float *res);
 static void x16i4_rows(const wdesc *W, int64_t g, const qacts *a, int64_t m0, int mt, float *res);
 
 /* Chunks c0 .. c0 + cn (whole super-blocks) of the 16 rows from n0 (a group) as the int8 GEMM's
@@ -1705,17 +1692,6 @@ x16q6_rows_z(const uint8_t *grp, int64_t nb, const qacts *a, int64_t m0, int64_t
     for (int i = 0; i < mt; i++)
         _mm512_storeu_ps(res + X16 * i, _mm512_add_ps(_mm512_add_ps(f[0][i], f[1][i]),
                                                       _mm512_add_ps(f[2][i], f[3][i])));
-}
-
-static void x16q6_rows(const uint8_t *grp, int64_t nb, const qacts *a, int64_t m0, int64_t K,
-                       int mt, float *res)
-{
-    switch (mt) {
-    case 1: x16q6_rows_z(grp, nb, a, m0, K, 1, res); break;
-    case 2: x16q6_rows_z(grp, nb, a, m0, K, 2, res); break;
-    case 3: x16q6_rows_z(grp, nb, a, m0, K, 3, res); break;
-    default: x16q6_rows_z(grp, nb, a, m0, K, X16Q6_MT, res);
-    }
 }
 
 /* x16_pack_tile for q6_k_x16 (no offsets: zero point 32) */
@@ -1845,6 +1821,24 @@ static void x16i4_pack_tile(const wdesc *W, int64_t n0, int64_t c0, int64_t cn, 
 #endif /* HAVE_ZMM_PATH */
 
 #ifdef HAVE_I8_PATH
+/* q6_k_x16's row kernel (512-bit or AVX2) specialized for each tile height */
+static void x16q6_rows(const uint8_t *grp, int64_t nb, const qacts *a, int64_t m0, int64_t K,
+                       int mt, float *res)
+{
+#ifdef HAVE_ZMM_PATH
+#define X16Q6_ROWS(k) x16q6_rows_z(grp, nb, a, m0, K, k, res)
+#else
+#define X16Q6_ROWS(k) x16q6_rows_y(grp, nb, a, m0, K, k, res)
+#endif
+    switch (mt) {
+    case 1: X16Q6_ROWS(1); break;
+    case 2: X16Q6_ROWS(2); break;
+    case 3: X16Q6_ROWS(3); break;
+    default: X16Q6_ROWS(X16Q6_MT);
+    }
+#undef X16Q6_ROWS
+}
+
 /* Row n of a q4_k_x16 / q6_k_x16 / int4_x16 W */
 static void x16_any_dequant_row(const wdesc *W, int64_t n, float *out)
 {
