@@ -1075,15 +1075,13 @@ static void x16i4_dequant_row(const wdesc *W, int64_t n, float *out)
  *   +3360  32 zero bytes
  *
  * w = d sc_s (q - 32). One load of each kind gives 4 vectors of 6-bit codes (f = 0..3) for 4
- * inputs of 16 rows, each a vpdpbusd against 4 activation bytes; a sub-block's integer sum is
- * scaled once, and -32 d sc_s times the activations' sum of the sub-block added alongside. */
+ * inputs of 16 rows, each a vpdpbusd against 4 activation bytes (AVX2: two ymm of 8 rows, each
+ * a vpmaddubsw); a sub-block's integer sum is scaled once, and -32 d sc_s times the
+ * activations' sum of the sub-block added alongside. */
 #define X16Q6_SB (X16 * 212)
 #define X16Q6_MT 4 /* activation rows a tile: more would spill the accumulators */
 #ifndef X16Q6_BOTH
-#define X16Q6_BOTH 2 /* AVX2: up to this many activation rows take both row halves a pass */
-#endif
-#ifndef X16Q6_PF
-#define X16Q6_PF 64
+#define X16Q6_BOTH 2 /* AVX2: up to this many activation rows take both row halves in turn */
 #endif
 #define X16Q6_QH 2048
 #define X16Q6_SC 3072
@@ -1290,17 +1288,20 @@ static void x16i4_rows(const wdesc *W, int64_t g, const qacts *a, int64_t m0, in
 
 /* AVX2 q6_k_x16: one group's 16 rows against activation rows m0 .. m0 + mt (<= X16Q6_MT; int8
  * with per-16 sums): res[16 i + r]. Each 64-byte vector of the layout is two ymm, rows 0-7
- * (rh = 0) and 8-15 (rh = 1), a super-block's rows 0-7 taken before its rows 8-15 (from L1).
- * The codes are unsigned (q, 0..63): a vpmaddubsw adds a pair of products into each of a
- * row's two int16 lanes, two of those sum exactly in int16 (2 * 2 * 63 * 128 < 2^15), and one
- * vpmaddwd against the sub-block's scales (each row's sc_s in both of its lanes) widens them,
- * so a chunk's two sub-blocks end in one exact int32 sum per row, sum_s sc_s sum q x,
- * converted and scaled by d d_x once; -32 d sc_s times the activations' sum of each sub-block
- * is added alongside (as x16q6_rows_z). The row kernel q6k_row_i8 takes the file's layout,
- * 32 inputs of one row per vector: a vector costs it a sign split, a 32-byte activation load
- * and a float step; here a broadcast of 4 activation bytes, and the unpacking serves every
- * activation row of the tile. A row's result does not depend on mt (exact integer sums, its
- * own accumulators, terms in a fixed order). */
+ * (rh = 0) and 8-15 (rh = 1): up to X16Q6_BOTH activation rows take the two in turn, more (whose
+ * accumulators would not fit both) a super-block's rows 0-7, then its rows 8-15 from L1. Walking
+ * a super-block's lines once is what DRAM wants: on a Zen 4 (one process alternating two builds,
+ * 2 threads, 8192 x 2048 matrices cycled) one row read 31.2 GB/s that way against 26.7 in two
+ * passes, two rows 25.9 against 23.7. The codes are unsigned (q, 0..63): a vpmaddubsw adds a
+ * pair of products into each of a row's two int16 lanes, two of those sum exactly in int16 (2 2
+ * * 63 * 128 < 2^15), and one vpmaddwd against the sub-block's scales (each row's sc_s in both
+ * of its lanes) widens them, so a chunk's two sub-blocks end in one exact int32 sum per row,
+ * sum_s sc_s sum q x, converted and scaled by d d_x once; -32 d sc_s times the activations' sum
+ * of each sub-block is added alongside (as x16q6_rows_z). The row kernel q6k_row_i8 takes the
+ * file's layout, 32 inputs of one row per vector: a vector costs it a sign split, a 32-byte
+ * activation load and a float step; here a broadcast of 4 activation bytes, and the unpacking
+ * serves every activation row of the tile. A row's result does not depend on mt (exact integer
+ * sums, its own accumulators, terms in a fixed order). */
 static inline __attribute__((always_inline)) __m256i
 x16q6_code_y(const uint8_t *sb, int h, int k, int lg, int rh)
 {
@@ -1331,7 +1332,7 @@ x16q6_rows_y(const uint8_t *grp, int64_t nb, const qacts *a, int64_t m0, int64_t
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *sb = grp + b * X16Q6_SB;
         for (int o = 0; o < X16Q6_SB; o += 64)
-            _mm_prefetch((const char *)(sb + X16Q6_PF + o), _MM_HINT_T0);
+            _mm_prefetch((const char *)(sb + X16_PF + o), _MM_HINT_T0);
         for (int r0 = 0; r0 < 2; r0 += nr) {
             __m256 d[2], dm[2], f[2][X16Q6_MT];
             for (int q = 0; q < nr; q++) {
@@ -1353,8 +1354,8 @@ x16q6_rows_y(const uint8_t *grp, int64_t nb, const qacts *a, int64_t m0, int64_t
                         const uint8_t *sc = sb + X16Q6_SC + 16 * (8 * h + 2 * k + half) + 8 * r0;
                         __m256i sp[2];
                         for (int q = 0; q < nr; q++)
-                            sp[q] = _mm256_cvtepi8_epi16(
-                                _mm_shuffle_epi8(_mm_loadl_epi64((const __m128i *)(sc + 8 * q)), dup));
+                            sp[q] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(
+                                _mm_loadl_epi64((const __m128i *)(sc + 8 * q)), dup));
                         for (int lg = 4 * half; lg < 4 * half + 4; lg += 2)
                             for (int q = 0; q < nr; q++) {
                                 const __m256i v0 = x16q6_code_y(sb, h, k, lg, r0 + q);
@@ -1403,9 +1404,9 @@ x16q6_rows_y(const uint8_t *grp, int64_t nb, const qacts *a, int64_t m0, int64_t
 /* The AVX2 int8 GEMM's tiles (gemm_pack_tile's layout, 8 rows: tile[c][j] lane r = row n0 + r,
  * inputs 32 c + 4 j .. + 3) straight from the _x16 layouts: rows n0 .. n0 + 7 are one ymm half
  * (rh) of each 64-byte vector, so a tile vector is a load and a nibble (and for q6_k_x16 the
- * top-bit) split, where reading each row's codes back (codes_x16, with gathers) and
- * transposing them cost more than the products at 128 activation rows. The same codes and
- * per-16 scales and offsets as gemm_codes_row gives, so the same results. */
+ * top-bit) split; reading each row's codes back with gathers (codes_x16) and transposing them
+ * made the GEMM 5-10% slower at 128 activation rows (Q4_K and int4 on a Zen 4). The same
+ * codes and per-16 scales and offsets as gemm_codes_row gives, so the same results. */
 #define X16Y_GT 8 /* the AVX2 GEMM's tile rows (GT) */
 static void x16_pack_tile(const wdesc *W, int64_t n0, int64_t c0, int64_t cn, uint8_t *tile,
                           float *sw, float *ow)
@@ -1477,15 +1478,18 @@ static void x16i4_pack_tile(const wdesc *W, int64_t n0, int64_t c0, int64_t cn, 
     for (int64_t c = c0; c < c0 + cn; c++) {
         uint8_t *t = tile + (c - c0) * 8 * 32;
         for (int lg = 0; lg < 4; lg++) {
-            const __m256i q = _mm256_loadu_si256((const __m256i *)(grp + (c * 4 + lg) * 64 + 32 * rh));
+            const __m256i q =
+                _mm256_loadu_si256((const __m256i *)(grp + (c * 4 + lg) * 64 + 32 * rh));
             _mm256_store_si256((__m256i *)(t + 32 * lg), _mm256_and_si256(q, m4));
             _mm256_store_si256((__m256i *)(t + 32 * (4 + lg)),
                                _mm256_and_si256(_mm256_srli_epi16(q, 4), m4));
         }
         const int64_t gi = c / cpg, h = 2 * (c - c0);
-        const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + X16 * gi + 8 * rh)));
-        const __m256 o = of ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(of + X16 * gi + 8 * rh)))
-                            : _mm256_setzero_ps(); /* symmetric: the zero point 8 (traits) */
+        const __m256 s =
+            _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + X16 * gi + 8 * rh)));
+        const __m256 o = /* symmetric: the zero point 8 (traits) */
+            of ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(of + X16 * gi + 8 * rh)))
+               : _mm256_setzero_ps();
         _mm256_store_ps(sw + h * X16Y_GT, s);
         _mm256_store_ps(sw + (h + 1) * X16Y_GT, s);
         _mm256_store_ps(ow + h * X16Y_GT, o);
