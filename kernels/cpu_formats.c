@@ -1081,7 +1081,8 @@ static void x16i4_dequant_row(const wdesc *W, int64_t n, float *out)
 #define X16Q6_SB (X16 * 212)
 #define X16Q6_MT 4 /* activation rows a tile: more would spill the accumulators */
 #ifndef X16Q6_BOTH
-#define X16Q6_BOTH 2 /* AVX2: up to this many activation rows take both row halves in turn */
+#define X16Q6_BOTH X16Q6_MT /* AVX2: up to this many activation rows take both row halves in
+                              * turn (all of a tile's; a smaller value is the two-pass order) */
 #endif
 #define X16Q6_QH 2048
 #define X16Q6_SC 3072
@@ -1288,20 +1289,21 @@ static void x16i4_rows(const wdesc *W, int64_t g, const qacts *a, int64_t m0, in
 
 /* AVX2 q6_k_x16: one group's 16 rows against activation rows m0 .. m0 + mt (<= X16Q6_MT; int8
  * with per-16 sums): res[16 i + r]. Each 64-byte vector of the layout is two ymm, rows 0-7
- * (rh = 0) and 8-15 (rh = 1): up to X16Q6_BOTH activation rows take the two in turn, more (whose
- * accumulators would not fit both) a super-block's rows 0-7, then its rows 8-15 from L1. Walking
- * a super-block's lines once is what DRAM wants: on a Zen 4 (one process alternating two builds,
- * 2 threads, 8192 x 2048 matrices cycled) one row read 31.2 GB/s that way against 26.7 in two
- * passes, two rows 25.9 against 23.7. The codes are unsigned (q, 0..63): a vpmaddubsw adds a
- * pair of products into each of a row's two int16 lanes, two of those sum exactly in int16 (2 2
- * * 63 * 128 < 2^15), and one vpmaddwd against the sub-block's scales (each row's sc_s in both
- * of its lanes) widens them, so a chunk's two sub-blocks end in one exact int32 sum per row,
- * sum_s sc_s sum q x, converted and scaled by d d_x once; -32 d sc_s times the activations' sum
- * of each sub-block is added alongside (as x16q6_rows_z). The row kernel q6k_row_i8 takes the
- * file's layout, 32 inputs of one row per vector: a vector costs it a sign split, a 32-byte
- * activation load and a float step; here a broadcast of 4 activation bytes, and the unpacking
- * serves every activation row of the tile. A row's result does not depend on mt (exact integer
- * sums, its own accumulators, terms in a fixed order). */
+ * (rh = 0) and 8-15 (rh = 1), taken in turn for every activation row of the tile (X16Q6_BOTH),
+ * so a super-block's lines are walked once. Against taking a super-block's rows 0-7 and then,
+ * from L1, its rows 8-15, on a Zen 4 (one process alternating two builds, 2 threads, 8192 x 2048
+ * matrices cycled from DRAM): one activation row read 31.2 against 26.7 GB/s, two
+ * 25.9 against 23.7; against the two-pass order for tiles of 3-4 rows, 3-4 rows 0-6% faster from
+ * DRAM and 2-12% from cache, 8 and 32 rows 3-8%. The codes are unsigned (q, 0..63): a vpmaddubsw
+ * adds a pair of products into each of a row's two int16 lanes, two of those sum exactly in
+ * int16 (2 * 2 * 63 * 128 < 2^15), and one vpmaddwd against the sub-block's scales (each row's
+ * sc_s in both of its lanes) widens them, so a chunk's two sub-blocks end in one exact int32 sum
+ * per row, sum_s sc_s sum q x, converted and scaled by d d_x once; -32 d sc_s times the
+ * activations' sum of each sub-block is added alongside (as x16q6_rows_z). The row kernel
+ * q6k_row_i8 takes the file's layout, 32 inputs of one row per vector: a vector costs it a sign
+ * split, a 32-byte activation load and a float step; here a broadcast of 4 activation bytes, and
+ * the unpacking serves every activation row of the tile. A row's result does not depend on mt
+ * (exact integer sums, its own accumulators, terms in a fixed order). */
 static inline __attribute__((always_inline)) __m256i
 x16q6_code_y(const uint8_t *sb, int h, int k, int lg, int rh)
 {
