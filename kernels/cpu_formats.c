@@ -1416,6 +1416,7 @@ static void x16_pack_tile(const wdesc *W, int64_t n0, int64_t c0, int64_t cn, ui
     const uint8_t *grp = (const uint8_t *)W->w + n0 / X16 * X16 * W->row_bytes;
     const int rh = (int)(n0 % X16) / 8;
     const __m256i m4 = _mm256_set1_epi8(15);
+    const __m256 neg = _mm256_set1_ps(-0.f);
     for (int64_t b = c0 / 8; b < (c0 + cn) / 8; b++) {
         const uint8_t *sb = grp + b * X16_SB;
         for (int p = 0; p < 4; p++) {
@@ -1434,7 +1435,7 @@ static void x16_pack_tile(const wdesc *W, int64_t n0, int64_t c0, int64_t cn, ui
             const int64_t h = 2 * (8 * b + j - c0); /* the chunk's two 16-input halves */
             const __m256 sv = _mm256_mul_ps(d, u8_to_ps(_mm_loadl_epi64(
                 (const __m128i *)(sb + 64 + 16 * j + 8 * rh))));
-            const __m256 ov = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin, u8_to_ps(
+            const __m256 ov = _mm256_xor_ps(neg, _mm256_mul_ps(dmin, u8_to_ps( /* -(dmin m) */
                 _mm_loadl_epi64((const __m128i *)(sb + 192 + 16 * j + 8 * rh)))));
             _mm256_store_ps(sw + h * X16Y_GT, sv);
             _mm256_store_ps(sw + (h + 1) * X16Y_GT, sv);

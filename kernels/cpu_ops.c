@@ -2271,12 +2271,13 @@ static void gemm_tile_rows(const wdesc *W, const gemm_traits *t, const uint8_t *
 }
 #endif /* HAVE_ZMM_PATH */
 
-/* Rows n0 .. n0 + GT - 1 of W (those below N), chunks c0 .. c0 + cn, as codes into tile and
- * their scales and offsets into sw, ow (the layout above), through row-major buffers u (GT,
- * 32 cn) and so (2, GT, 2 cn). Rows past N read as code 0 with scale 0. */
 #ifndef HAVE_ZMM_PATH
 _Static_assert(X16Y_GT == GT, "the AVX2 _x16 tile packers write GT-row tiles");
 #endif
+
+/* Rows n0 .. n0 + GT - 1 of W (those below N), chunks c0 .. c0 + cn, as codes into tile and
+ * their scales and offsets into sw, ow (the layout above), through row-major buffers u (GT,
+ * 32 cn) and so (2, GT, 2 cn). Rows past N read as code 0 with scale 0. */
 static void gemm_pack_tile(const wdesc *W, int64_t n0, int64_t c0, int64_t cn, uint8_t *u,
                            float *so, uint8_t *tile, float *sw, float *ow)
 {

@@ -73,7 +73,7 @@ class FakeEngine:
         for rid, (ids, params, generated, arrival) in list(self.requests.items()):
             generated.append(self.token)
             done = len(generated) >= params.max_tokens
-            new = generated[-1:] if params.output_kind == "delta" else list(generated)
+            new = generated[-1:] if params.output_kind == "delta" else generated
             outputs.append(RequestOutput(
                 rid, None, ids, [CompletionOutput(i, "", list(new), "length" if done else None,
                                                   num_tokens=len(generated))
