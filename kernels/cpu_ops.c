@@ -1846,6 +1846,23 @@ static void gemm_codes_row(const wdesc *W, int64_t n, int64_t k0, int64_t k1, ui
     }
 }
 
+/* The records lie block by block of GEMM_KC chunks, each block's group by group: a block's
+ * records are one run of memory (a group's chunks of a block in a row), as the GEMM reads them.
+ * Laid out group by group over all the inputs, a 8192-input down projection's block read its
+ * 256 groups' records 106 KB apart, 27 MB of pages for 6.8 MB of records (q4_k, 4096 rows,
+ * AVX2: 146 GMAC/s, against 200 at 512 rows). */
+static inline int64_t gemm_block_chunks(int64_t nchunk, int64_t c)
+{
+    const int64_t c0 = c - c % GEMM_KC;
+    return nchunk - c0 < GEMM_KC ? nchunk - c0 : GEMM_KC;
+}
+
+/* The first record of the block that holds chunk c (blocks before it: GEMM_KC chunks each) */
+static inline int32_t *gemm_recs(int32_t *xg, int64_t groups, int64_t c)
+{
+    return xg + (c - c % GEMM_KC) * groups * GREC;
+}
+
 static void gemm_pack_acts(const qacts *a, int64_t M, int64_t nchunk, int64_t Kp,
                            const gemm_traits *t, int32_t *xg, int nthreads)
 {
@@ -1853,7 +1870,8 @@ static void gemm_pack_acts(const qacts *a, int64_t M, int64_t nchunk, int64_t Kp
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t g = 0; g < groups; g++)
         for (int64_t c = 0; c < nchunk; c++) {
-            int32_t *rec = xg + (g * nchunk + c) * GREC;
+            int32_t *rec = gemm_recs(xg, groups, c)
+                           + (g * gemm_block_chunks(nchunk, c) + c % GEMM_KC) * GREC;
             for (int i = 0; i < GM; i++) {
                 const int64_t m = g * GM + i;
                 int32_t S[2] = {0, 0};
@@ -2007,9 +2025,10 @@ static void tile_layout(const uint8_t *u, const float *so, int64_t Kb, int64_t n
 }
 
 /* One tile (chunks c0 .. c0 + cn of its rows) against activation rows m0 .. m1 (m0 a multiple
- * of GM), into y: stored with the bias for the first chunks (c0 == 0), added after. */
+ * of GM; xb: the block's records, gemm_recs), into y: stored with the bias for the first chunks
+ * (c0 == 0), added after. */
 static void gemm_tile_rows(const wdesc *W, const gemm_traits *t, const uint8_t *tile,
-                           const float *sw, const float *ow, const int32_t *xg, int64_t nchunk,
+                           const float *sw, const float *ow, const int32_t *xb,
                            int64_t c0, int64_t cn, int64_t m0, int64_t m1, int64_t n0, float *y,
                            int64_t ldy)
 {
@@ -2018,7 +2037,7 @@ static void gemm_tile_rows(const wdesc *W, const gemm_traits *t, const uint8_t *
     const __m512 bias = W->bias ? _mm512_maskz_loadu_ps(k, W->bias + n0) : _mm512_setzero_ps();
     for (int64_t g = m0 / GM; g * GM < m1; g++) {
         __m512 out[GM];
-        const int32_t *xr = xg + (g * nchunk + c0) * GREC;
+        const int32_t *xr = xb + g * cn * GREC;
         if (t->halves == 1 && !t->asym)
             gemm_tile_i8(tile, sw, ow, xr, cn, 1, 0, out);
         else if (t->halves == 1)
@@ -2035,6 +2054,73 @@ static void gemm_tile_rows(const wdesc *W, const gemm_traits *t, const uint8_t *
     }
 }
 #else /* AVX2 */
+
+/* A run of R weight vectors (t: R x 32 bytes, 8 rows' 4 codes each) against G activation rows
+ * (r: the group's words for the run's first vector, GM a vector): p[i] = the sum over the run of
+ * vpmaddubsw(vector, row i's 4 bytes broadcast), in int16 (exact for runs up to gemm_run's).
+ * Written in asm because GCC, given the intrinsics, hoists a chunk's broadcasts ahead of their
+ * multiplies and spills the products to the stack: the q4_k GEMM issued ~0.6 vpmaddubsw a cycle
+ * where this machine issues 2 (Zen 4 in the AVX2 build, 1B shapes, 2 threads: 164 GMAC/s, 211
+ * with this). Each step is a broadcast, a multiply and an add into a register, in the
+ * intrinsics' order, so the sums are theirs bit for bit. */
+_Static_assert(GM == 8, "bm_run's offsets take GM words a vector");
+#define BM_W(v) "vmovdqa " #v "*32(%[t]), %%ymm14\n\t"
+#define BM_X(v, i) "vpbroadcastd (" #v "*8+" #i ")*4(%[r]), %%ymm15\n\t"
+#define BM_SET(v, i) BM_X(v, i) "vpmaddubsw %%ymm15, %%ymm14, %[p" #i "]\n\t"
+#define BM_ADD(v, i) BM_X(v, i) "vpmaddubsw %%ymm15, %%ymm14, %%ymm15\n\tvpaddw %%ymm15, %[p" #i "], %[p" #i "]\n\t"
+#define BM_SET4(v) BM_W(v) BM_SET(v, 0) BM_SET(v, 1) BM_SET(v, 2) BM_SET(v, 3)
+#define BM_ADD4(v) BM_W(v) BM_ADD(v, 0) BM_ADD(v, 1) BM_ADD(v, 2) BM_ADD(v, 3)
+#define BM_SET8(v) BM_SET4(v) BM_SET(v, 4) BM_SET(v, 5) BM_SET(v, 6) BM_SET(v, 7)
+#define BM_ADD8(v) BM_ADD4(v) BM_ADD(v, 4) BM_ADD(v, 5) BM_ADD(v, 6) BM_ADD(v, 7)
+#define BM_OUT4 [p0] "=&x"(p[0]), [p1] "=&x"(p[1]), [p2] "=&x"(p[2]), [p3] "=&x"(p[3])
+#define BM_OUT8 BM_OUT4, [p4] "=&x"(p[4]), [p5] "=&x"(p[5]), [p6] "=&x"(p[6]), [p7] "=&x"(p[7])
+#define BM_IN(R) [t] "r"(t), [r] "r"(r), "m"(*(const uint8_t(*)[R * 32])t), \
+                 "m"(*(const int32_t(*)[R * GM])r)
+static inline __attribute__((always_inline)) void bm_run(const uint8_t *t, const int32_t *r,
+                                                         __m256i *p, const int R, const int G)
+{
+    if (G == 8 && R == 8)
+        __asm__(BM_SET8(0) BM_ADD8(1) BM_ADD8(2) BM_ADD8(3) BM_ADD8(4) BM_ADD8(5) BM_ADD8(6)
+                BM_ADD8(7) : BM_OUT8 : BM_IN(8) : "xmm14", "xmm15");
+    else if (G == 8 && R == 4)
+        __asm__(BM_SET8(0) BM_ADD8(1) BM_ADD8(2) BM_ADD8(3) : BM_OUT8 : BM_IN(4) : "xmm14", "xmm15");
+    else if (G == 4 && R == 4)
+        __asm__(BM_SET4(0) BM_ADD4(1) BM_ADD4(2) BM_ADD4(3) : BM_OUT4 : BM_IN(4) : "xmm14", "xmm15");
+    else if (G == 4 && R == 2)
+        __asm__(BM_SET4(0) BM_ADD4(1) : BM_OUT4 : BM_IN(2) : "xmm14", "xmm15");
+    else
+        __builtin_unreachable();
+}
+
+/* As bm_run for two tiles' runs (ta, tb) against 4 activation rows: pa, pb; each broadcast
+ * serves both tiles' vectors (gemm_tile2_i8). */
+#define BM2_W(v) "vmovdqa " #v "*32(%[ta]), %%ymm14\n\tvmovdqa " #v "*32(%[tb]), %%ymm13\n\t"
+#define BM2_SET(v, i)                                                                          \
+    BM_X(v, i) "vpmaddubsw %%ymm15, %%ymm14, %[a" #i "]\n\tvpmaddubsw %%ymm15, %%ymm13, %[b" #i "]\n\t"
+#define BM2_ADD(v, i)                                                                          \
+    BM_X(v, i) "vpmaddubsw %%ymm15, %%ymm14, %%ymm12\n\tvpaddw %%ymm12, %[a" #i "], %[a" #i "]\n\t" \
+               "vpmaddubsw %%ymm15, %%ymm13, %%ymm12\n\tvpaddw %%ymm12, %[b" #i "], %[b" #i "]\n\t"
+#define BM2_SET4(v) BM2_W(v) BM2_SET(v, 0) BM2_SET(v, 1) BM2_SET(v, 2) BM2_SET(v, 3)
+#define BM2_ADD4(v) BM2_W(v) BM2_ADD(v, 0) BM2_ADD(v, 1) BM2_ADD(v, 2) BM2_ADD(v, 3)
+#define BM2_OUT                                                                                \
+    [a0] "=&x"(pa[0]), [a1] "=&x"(pa[1]), [a2] "=&x"(pa[2]), [a3] "=&x"(pa[3]),                \
+    [b0] "=&x"(pb[0]), [b1] "=&x"(pb[1]), [b2] "=&x"(pb[2]), [b3] "=&x"(pb[3])
+#define BM2_IN(R)                                                                              \
+    [ta] "r"(ta), [tb] "r"(tb), [r] "r"(r), "m"(*(const uint8_t(*)[R * 32])ta),                \
+    "m"(*(const uint8_t(*)[R * 32])tb), "m"(*(const int32_t(*)[R * GM])r)
+static inline __attribute__((always_inline)) void bm_run2(const uint8_t *ta, const uint8_t *tb,
+                                                          const int32_t *r, __m256i *pa,
+                                                          __m256i *pb, const int R)
+{
+    if (R == 8)
+        __asm__(BM2_SET4(0) BM2_ADD4(1) BM2_ADD4(2) BM2_ADD4(3) BM2_ADD4(4) BM2_ADD4(5)
+                BM2_ADD4(6) BM2_ADD4(7) : BM2_OUT : BM2_IN(8) : "xmm12", "xmm13", "xmm14", "xmm15");
+    else if (R == 4)
+        __asm__(BM2_SET4(0) BM2_ADD4(1) BM2_ADD4(2) BM2_ADD4(3)
+                : BM2_OUT : BM2_IN(4) : "xmm12", "xmm13", "xmm14", "xmm15");
+    else
+        __builtin_unreachable();
+}
 
 /* 8 weight rows (tile, sw, ow: the layout above with 8 lanes) against activation group xg:
  * out[i] holds row i's 8 results. vpmaddubsw (codes unsigned, the activations signed) adds a
@@ -2060,20 +2146,13 @@ gemm_tile_i8(const uint8_t *tile, const float *sw, const float *ow, const int32_
             const float *d = (const float *)(rec + 8 * GM), *ds = (const float *)(rec + 11 * GM);
             const uint8_t *tc = tile + c * 8 * 32;
             for (int h = 0; h < halves; h++) {
-                __m256i acc[GM];
+                __m256i acc[GM]; /* codes with offsets have z = 0 (gemm_traits_kind): no iz */
                 for (int i = 0; i < GMH; i++)
-                    acc[i] = _mm256_set1_epi32(iz[h * GM + i0 + i]);
+                    acc[i] = asym ? _mm256_setzero_si256() : _mm256_set1_epi32(iz[h * GM + i0 + i]);
                 for (int j = 0; j < nj; j += run) {
                     __m256i p[GM];
-                    for (int jj = 0; jj < run && j + jj < nj; jj++) {
-                        const int v = h * nj + j + jj;
-                        const __m256i w = _mm256_load_si256((const __m256i *)(tc + v * 32));
-                        for (int i = 0; i < GMH; i++) {
-                            const __m256i m = _mm256_maddubs_epi16(
-                                w, _mm256_set1_epi32(rec[v * GM + i0 + i]));
-                            p[i] = jj ? _mm256_add_epi16(p[i], m) : m;
-                        }
-                    }
+                    const int v = h * nj + j; /* the run's first vector */
+                    bm_run(tc + v * 32, rec + v * GM + i0, p, run < nj ? run : nj, GMH);
                     for (int i = 0; i < GMH; i++)
                         acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(p[i], ones));
                 }
@@ -2126,18 +2205,7 @@ gemm_tile2_i8(const uint8_t *ta, const uint8_t *tb, const float *swa, const floa
                 acca[i] = accb[i] = _mm256_set1_epi32(iz[i0 + i]);
             for (int j = 0; j < 8; j += run) {
                 __m256i pa[4], pb[4];
-                for (int jj = 0; jj < run; jj++) {
-                    const int v = j + jj;
-                    const __m256i wa = _mm256_load_si256((const __m256i *)(tca + v * 32));
-                    const __m256i wb = _mm256_load_si256((const __m256i *)(tcb + v * 32));
-                    for (int i = 0; i < R; i++) {
-                        const __m256i x = _mm256_set1_epi32(rec[v * GM + i0 + i]);
-                        const __m256i ma = _mm256_maddubs_epi16(wa, x);
-                        const __m256i mb = _mm256_maddubs_epi16(wb, x);
-                        pa[i] = jj ? _mm256_add_epi16(pa[i], ma) : ma;
-                        pb[i] = jj ? _mm256_add_epi16(pb[i], mb) : mb;
-                    }
-                }
+                bm_run2(tca + j * 32, tcb + j * 32, rec + j * GM + i0, pa, pb, run);
                 for (int i = 0; i < R; i++) {
                     acca[i] = _mm256_add_epi32(acca[i], _mm256_madd_epi16(pa[i], ones));
                     accb[i] = _mm256_add_epi32(accb[i], _mm256_madd_epi16(pb[i], ones));
@@ -2161,8 +2229,7 @@ gemm_tile2_i8(const uint8_t *ta, const uint8_t *tb, const float *swa, const floa
  * offsets, t->run >= 4); rows past N masked. */
 static void gemm_tile_rows2(const wdesc *W, const gemm_traits *t, const uint8_t *ta,
                             const float *swa, const uint8_t *tb, const float *swb,
-                            const int32_t *xg, int64_t nchunk,
-                            int64_t c0, int64_t cn, int64_t m0, int64_t m1, int64_t n0, float *y,
+                            const int32_t *xb, int64_t c0, int64_t cn, int64_t m0, int64_t m1, int64_t n0, float *y,
                             int64_t ldy)
 {
     const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -2174,13 +2241,20 @@ static void gemm_tile_rows2(const wdesc *W, const gemm_traits *t, const uint8_t 
     const __m256 biasb = W->bias ? _mm256_maskload_ps(W->bias + n0 + GT, kb) : _mm256_setzero_ps();
     for (int64_t g = m0 / GM; g * GM < m1; g++) {
         __m256 outa[GM], outb[GM];
-        const int32_t *xr = xg + (g * nchunk + c0) * GREC;
+        const int32_t *xr = xb + g * cn * GREC;
         if (t->run >= 8)
             gemm_tile2_i8(ta, tb, swa, swb, xr, cn, 8, outa, outb);
         else
             gemm_tile2_i8(ta, tb, swa, swb, xr, cn, 4, outa, outb);
         for (int i = 0; i < GM && g * GM + i < m1; i++) {
             float *yr = y + (g * GM + i) * ldy + n0;
+            if (nb == GT) { /* whole tiles: plain loads and stores (masked ones are slow on AMD) */
+                const __m256 pa = c0 ? _mm256_loadu_ps(yr) : biasa;
+                const __m256 pb = c0 ? _mm256_loadu_ps(yr + GT) : biasb;
+                _mm256_storeu_ps(yr, _mm256_add_ps(outa[i], pa));
+                _mm256_storeu_ps(yr + GT, _mm256_add_ps(outb[i], pb));
+                continue;
+            }
             const __m256 pa = c0 ? _mm256_maskload_ps(yr, ka) : biasa;
             const __m256 pb = c0 ? _mm256_maskload_ps(yr + GT, kb) : biasb;
             _mm256_maskstore_ps(yr, ka, _mm256_add_ps(outa[i], pa));
@@ -2237,7 +2311,7 @@ static void tile_layout(const uint8_t *u, const float *so, int64_t Kb, int64_t n
 
 /* As the 512-bit gemm_tile_rows, 8 weight rows (masked stores past N) */
 static void gemm_tile_rows(const wdesc *W, const gemm_traits *t, const uint8_t *tile,
-                           const float *sw, const float *ow, const int32_t *xg, int64_t nchunk,
+                           const float *sw, const float *ow, const int32_t *xb,
                            int64_t c0, int64_t cn, int64_t m0, int64_t m1, int64_t n0, float *y,
                            int64_t ldy)
 {
@@ -2252,7 +2326,7 @@ static void gemm_tile_rows(const wdesc *W, const gemm_traits *t, const uint8_t *
                    : gemm_tile_i8(tile, sw, ow, xr, cn, h, a, 2, out))
     for (int64_t g = m0 / GM; g * GM < m1; g++) {
         __m256 out[GM];
-        const int32_t *xr = xg + (g * nchunk + c0) * GREC;
+        const int32_t *xr = xb + g * cn * GREC;
         if (t->halves == 1 && !t->asym)
             TILE(1, 0);
         else if (t->halves == 1)
@@ -2263,6 +2337,10 @@ static void gemm_tile_rows(const wdesc *W, const gemm_traits *t, const uint8_t *
             TILE(2, 1);
         for (int i = 0; i < GM && g * GM + i < m1; i++) {
             float *yr = y + (g * GM + i) * ldy + n0;
+            if (nr == GT) { /* a whole tile: plain loads and stores (masked ones are slow on AMD) */
+                _mm256_storeu_ps(yr, _mm256_add_ps(out[i], c0 ? _mm256_loadu_ps(yr) : bias));
+                continue;
+            }
             const __m256 prev = c0 ? _mm256_maskload_ps(yr, k) : bias;
             _mm256_maskstore_ps(yr, k, _mm256_add_ps(out[i], prev));
         }
@@ -2342,7 +2420,8 @@ int wgemm_i8(const wdesc *W, const float *x, int64_t M, int64_t ldx, float *y, i
         for (int64_t m0 = 0; m0 < M; m0 += GEMM_MB) {
             const int64_t m1 = M - m0 < GEMM_MB ? M : m0 + GEMM_MB;
             for (int64_t c0 = 0; c0 < nchunk; c0 += GEMM_KC) {
-                const int64_t cn = nchunk - c0 < GEMM_KC ? nchunk - c0 : GEMM_KC;
+                const int64_t cn = gemm_block_chunks(nchunk, c0);
+                const int32_t *xb = gemm_recs(xg, groups, c0);
                 /* the implicit barrier: a block's sums are in y before the next adds to them */
 #pragma omp for schedule(dynamic, 1)
                 for (int64_t n0 = 0; n0 < W->N; n0 += step) {
@@ -2352,12 +2431,12 @@ int wgemm_i8(const wdesc *W, const float *x, int64_t M, int64_t ldx, float *y, i
                         uint8_t *tile2 = tile + kc * CHUNK * GT;
                         float *sw2 = sw + 2 * GT * nhb;
                         gemm_pack_tile(W, n0 + GT, c0, cn, u, so, tile2, sw2, sw2 + GT * nhb);
-                        gemm_tile_rows2(W, &t, tile, sw, tile2, sw2, xg, nchunk, c0, cn, m0, m1,
+                        gemm_tile_rows2(W, &t, tile, sw, tile2, sw2, xb, c0, cn, m0, m1,
                                         n0, y, ldy);
                         continue;
                     }
 #endif
-                    gemm_tile_rows(W, &t, tile, sw, ow, xg, nchunk, c0, cn, m0, m1, n0, y, ldy);
+                    gemm_tile_rows(W, &t, tile, sw, ow, xb, c0, cn, m0, m1, n0, y, ldy);
                 }
             }
         }
@@ -2404,11 +2483,15 @@ int gemm_min_rows(const wdesc *W)
      * against the row kernels at 8 / 16 / 24 / 32 rows, q4_k 0.81-0.82 / 1.07-1.13 / 1.16-1.26
      * / 1.21-1.28x, q6_k 0.83-0.88 / 0.98-1.17 / 1.14-1.27 / 1.24-1.43x, int4 0.64-0.69 /
      * 0.98-1.02 / 1.13-1.20 / 1.35-1.55x */
-    if (W->kind == KIND_Q4_K_X16 || W->kind == KIND_Q6_K_X16 || W->kind == KIND_INT4_X16)
-        return 33; /* their row kernels beat the GEMM at every decode size (q4_k_x16 0.53-0.77x at
-                    * 16-32 rows, 8192 x 2048 and 2048 x 8192; q6_k_x16 84-94 GMAC/s against
-                    * the GEMM's 64-92 at 16-32 rows, 104 against 93 at 2048 x 2048): above
-                    * cpu_ops.py FUSED_MAX_ROWS, so never at decode */
+    /* the _x16 layouts (Zen 4 in the AVX2 build, 2 threads, the 1B's four shapes, the GEMM's
+     * time over the row kernels' at 8 / 12 / 16 / 32 rows): q4_k_x16 0.94-1.05 / 1.04-1.07 /
+     * 0.84-0.90 / 0.77-0.83, q6_k_x16 1.00-1.10 / 1.09-1.33 / 0.83-0.97 / 0.79-0.89, int4_x16
+     * 0.83-0.93 / 0.88-0.98 / 0.70-0.87 / 0.63-0.75; between multiples of 8 the GEMM's time
+     * steps with its 8-row groups, so 9-11 rows cost it as much as 16 */
+    if (W->kind == KIND_Q4_K_X16 || W->kind == KIND_Q6_K_X16)
+        return 16;
+    if (W->kind == KIND_INT4_X16)
+        return 12;
     return is_int4(W) || t.halves == 2 ? 20 : 16;
 #else
     if (is_int4(W))
