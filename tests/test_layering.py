@@ -5,7 +5,7 @@
 
 Each lower package, with every one of its modules, must import with the packages above it
 blocked (a meta-path hook that refuses them), so an upward import fails here rather than
-hiding behind a lazy import. config and errors are shared by all layers.
+hiding behind a lazy import. config, errors and heap are shared by all layers.
 """
 from __future__ import annotations
 

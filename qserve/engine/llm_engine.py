@@ -32,7 +32,7 @@ from qserve.engine.scheduler import Scheduler, SchedulerOutput, StagingPlan
 from qserve.engine.sequence import Sequence
 from qserve.engine.spec_decode import Speculator
 from qserve.errors import ConfigError, QServeError, QueueFullError
-from qserve.loader.weights import trim_heap
+from qserve.heap import keep_step_buffers, trim_heap
 from qserve.models.build import build_model
 from qserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from qserve.engine import kv_codebook
@@ -97,6 +97,8 @@ class LLMEngine:
         self.model = build_model(self.arch, loaded.weights, self.max_model_len, self.dtype,
                                  self.device)
         trim_heap()  # the load's freed temporaries, back to the OS
+        if self.device.type == "cpu":
+            keep_step_buffers()  # and from here each step's, kept for the next
         codebook = kv_codebook.for_cache(self.model, self.tokenizer, self.kv_dtype)
         self.cache_engine = CacheEngine(self.arch, config.cache, num_blocks, num_host_blocks,
                                         self.device, self.kv_dtype, codebook)

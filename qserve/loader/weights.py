@@ -6,11 +6,10 @@ before it would stay resident until the load ends. Row slices need no trims: eac
 its reader's one buffer and laid out in place (QuantLinear.laid_out), freeing nothing."""
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
 from collections.abc import Mapping
 from typing import Callable
+
+from qserve.heap import trim_heap
 
 
 class LazyWeights(Mapping):
@@ -46,26 +45,3 @@ class LazyWeights(Mapping):
 
     def __len__(self) -> int:
         return len(self.shapes)
-
-
-def trim_heap() -> None:
-    """Hand the pages of freed heap memory back to the OS (glibc's malloc_trim; elsewhere
-    nothing). A load frees temporaries per tensor (a file copy; a q/k matrix re-ordered; parts
-    stacked; a layout interleaved), and glibc keeps freed holes between live tensors
-    resident: measured after building an 8B Q4_K_M model, 40-300 MiB, varying from run to run.
-    LazyWeights trims before every read: 1B Q4_K_M's `qserve generate` then peaked at 944-952
-    MiB against 1,012-1,029 trimming only at the end, and loaded in 1.6 s against 1.0 (the
-    pages given back are faulted in again by the next tensor). Trimming only when mallinfo2
-    showed 16 MiB more free heap cost 0.2 s and peaked at 956-994."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
-@functools.lru_cache(maxsize=None)
-def _malloc_trim():
-    name = ctypes.util.find_library("c")
-    try:
-        return ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):
-        return None
