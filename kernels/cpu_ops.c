@@ -2060,14 +2060,17 @@ static void gemm_tile_rows(const wdesc *W, const gemm_traits *t, const uint8_t *
  * vpmaddubsw(vector, row i's 4 bytes broadcast), in int16 (exact for runs up to gemm_run's).
  * Written in asm because GCC, given the intrinsics, hoists a chunk's broadcasts ahead of their
  * multiplies and spills the products to the stack: the q4_k GEMM issued ~0.6 vpmaddubsw a cycle
- * where this machine issues 2 (Zen 4 in the AVX2 build, 1B shapes, 2 threads: 164 GMAC/s, 211
- * with this). Each step is a broadcast, a multiply and an add into a register, in the
- * intrinsics' order, so the sums are theirs bit for bit. */
+ * where a Zen 4 issues 2 (its AVX2 build, 1B shapes, 2 threads, one process alternating
+ * builds: 154-171 GMAC/s, 192-212 with this; q6_k +15%, int4 +36%). Each step is a broadcast,
+ * a multiply and an add into a register, in the intrinsics' order, so the sums are theirs bit
+ * for bit. */
 _Static_assert(GM == 8, "bm_run's offsets take GM words a vector");
 #define BM_W(v) "vmovdqa " #v "*32(%[t]), %%ymm14\n\t"
 #define BM_X(v, i) "vpbroadcastd (" #v "*8+" #i ")*4(%[r]), %%ymm15\n\t"
 #define BM_SET(v, i) BM_X(v, i) "vpmaddubsw %%ymm15, %%ymm14, %[p" #i "]\n\t"
-#define BM_ADD(v, i) BM_X(v, i) "vpmaddubsw %%ymm15, %%ymm14, %%ymm15\n\tvpaddw %%ymm15, %[p" #i "], %[p" #i "]\n\t"
+#define BM_ADD(v, i)                                                                           \
+    BM_X(v, i) "vpmaddubsw %%ymm15, %%ymm14, %%ymm15\n\t"                                     \
+               "vpaddw %%ymm15, %[p" #i "], %[p" #i "]\n\t"
 #define BM_SET4(v) BM_W(v) BM_SET(v, 0) BM_SET(v, 1) BM_SET(v, 2) BM_SET(v, 3)
 #define BM_ADD4(v) BM_W(v) BM_ADD(v, 0) BM_ADD(v, 1) BM_ADD(v, 2) BM_ADD(v, 3)
 #define BM_SET8(v) BM_SET4(v) BM_SET(v, 4) BM_SET(v, 5) BM_SET(v, 6) BM_SET(v, 7)
@@ -2083,9 +2086,11 @@ static inline __attribute__((always_inline)) void bm_run(const uint8_t *t, const
         __asm__(BM_SET8(0) BM_ADD8(1) BM_ADD8(2) BM_ADD8(3) BM_ADD8(4) BM_ADD8(5) BM_ADD8(6)
                 BM_ADD8(7) : BM_OUT8 : BM_IN(8) : "xmm14", "xmm15");
     else if (G == 8 && R == 4)
-        __asm__(BM_SET8(0) BM_ADD8(1) BM_ADD8(2) BM_ADD8(3) : BM_OUT8 : BM_IN(4) : "xmm14", "xmm15");
+        __asm__(BM_SET8(0) BM_ADD8(1) BM_ADD8(2) BM_ADD8(3)
+                : BM_OUT8 : BM_IN(4) : "xmm14", "xmm15");
     else if (G == 4 && R == 4)
-        __asm__(BM_SET4(0) BM_ADD4(1) BM_ADD4(2) BM_ADD4(3) : BM_OUT4 : BM_IN(4) : "xmm14", "xmm15");
+        __asm__(BM_SET4(0) BM_ADD4(1) BM_ADD4(2) BM_ADD4(3)
+                : BM_OUT4 : BM_IN(4) : "xmm14", "xmm15");
     else if (G == 4 && R == 2)
         __asm__(BM_SET4(0) BM_ADD4(1) : BM_OUT4 : BM_IN(2) : "xmm14", "xmm15");
     else
@@ -2096,10 +2101,13 @@ static inline __attribute__((always_inline)) void bm_run(const uint8_t *t, const
  * serves both tiles' vectors (gemm_tile2_i8). */
 #define BM2_W(v) "vmovdqa " #v "*32(%[ta]), %%ymm14\n\tvmovdqa " #v "*32(%[tb]), %%ymm13\n\t"
 #define BM2_SET(v, i)                                                                          \
-    BM_X(v, i) "vpmaddubsw %%ymm15, %%ymm14, %[a" #i "]\n\tvpmaddubsw %%ymm15, %%ymm13, %[b" #i "]\n\t"
+    BM_X(v, i) "vpmaddubsw %%ymm15, %%ymm14, %[a" #i "]\n\t"                                   \
+               "vpmaddubsw %%ymm15, %%ymm13, %[b" #i "]\n\t"
 #define BM2_ADD(v, i)                                                                          \
-    BM_X(v, i) "vpmaddubsw %%ymm15, %%ymm14, %%ymm12\n\tvpaddw %%ymm12, %[a" #i "], %[a" #i "]\n\t" \
-               "vpmaddubsw %%ymm15, %%ymm13, %%ymm12\n\tvpaddw %%ymm12, %[b" #i "], %[b" #i "]\n\t"
+    BM_X(v, i) "vpmaddubsw %%ymm15, %%ymm14, %%ymm12\n\t"                                     \
+               "vpaddw %%ymm12, %[a" #i "], %[a" #i "]\n\t"                                   \
+               "vpmaddubsw %%ymm15, %%ymm13, %%ymm12\n\t"                                     \
+               "vpaddw %%ymm12, %[b" #i "], %[b" #i "]\n\t"
 #define BM2_SET4(v) BM2_W(v) BM2_SET(v, 0) BM2_SET(v, 1) BM2_SET(v, 2) BM2_SET(v, 3)
 #define BM2_ADD4(v) BM2_W(v) BM2_ADD(v, 0) BM2_ADD(v, 1) BM2_ADD(v, 2) BM2_ADD(v, 3)
 #define BM2_OUT                                                                                \
@@ -2174,21 +2182,23 @@ gemm_tile_i8(const uint8_t *tile, const float *sw, const float *ow, const int32_
 }
 
 /* Two tiles at once (weight rows n0 .. n0 + 15: a and b, 8 each) against activation group xg,
- * for codes with one scale per 32 inputs (halves == 1), no offsets, runs of 8 or 4 (int4 of a
- * Q4_0 file, q4_0, q5_0): each broadcast activation word serves both tiles' vectors, so a
+ * for codes with one scale per 32 inputs (halves == 1), runs of 8 or 4 (q4_k, int4, q4_0,
+ * q5_0, q5_1, q5_k): each broadcast activation word serves both tiles' vectors, so a
  * vpmaddubsw costs half a broadcast, not one. 4 activation rows a pass: 8 int16 sums, 2 weight
- * vectors and a broadcast in registers. On a Zen 4 running the AVX2 build (2 threads, 128 rows,
- * one process alternating builds) int4_x16 went from 129-135 to 148-159 GMAC/s at 1B shapes;
- * with q4_k's offsets (a load and an fmadd more per row and chunk) it ran 5-8% slower than
- * gemm_tile_i8, however the offsets were added, so codes with offsets keep one tile. The
- * integer sums and the float operations per lane are gemm_tile_i8's, in the same order, so a
- * row's result does not depend on whether its tile ran paired (GEMM_PAIR=0 builds without). */
+ * vectors and a broadcast in registers. On a Zen 4 running the AVX2 build (2 threads, 1B
+ * shapes, one process alternating builds) int4_x16 went from 129-135 to 148-159 GMAC/s at 128
+ * rows; with the runs in asm (bm_run2), codes with offsets too: q4_k_x16 4-13% faster than
+ * one tile at 32 and 512 rows, q5_k and q5_1 8-18% (compiled from intrinsics, the offsets'
+ * extra load and fmadd had made it 5-8% slower). The integer sums and the float operations
+ * per lane are gemm_tile_i8's, in the same order, so a row's result does not depend on whether
+ * its tile ran paired (GEMM_PAIR=0 builds without). */
 #ifndef GEMM_PAIR
 #define GEMM_PAIR 1
 #endif
 static inline __attribute__((always_inline)) void
 gemm_tile2_i8(const uint8_t *ta, const uint8_t *tb, const float *swa, const float *swb,
-              const int32_t *xg, int64_t nchunk, const int run, __m256 *outa, __m256 *outb)
+              const float *owa, const float *owb, const int32_t *xg, int64_t nchunk,
+              const int run, const int asym, __m256 *outa, __m256 *outb)
 {
     const __m256i ones = _mm256_set1_epi16(1);
     const int R = 4;
@@ -2198,11 +2208,11 @@ gemm_tile2_i8(const uint8_t *ta, const uint8_t *tb, const float *swa, const floa
             fa[i] = fb[i] = _mm256_setzero_ps();
         for (int64_t c = 0; c < nchunk; c++) {
             const int32_t *rec = xg + c * GREC, *iz = rec + 9 * GM;
-            const float *d = (const float *)(rec + 8 * GM);
+            const float *d = (const float *)(rec + 8 * GM), *ds = (const float *)(rec + 11 * GM);
             const uint8_t *tca = ta + c * 8 * 32, *tcb = tb + c * 8 * 32;
             __m256i acca[4], accb[4];
             for (int i = 0; i < R; i++)
-                acca[i] = accb[i] = _mm256_set1_epi32(iz[i0 + i]);
+                acca[i] = accb[i] = asym ? _mm256_setzero_si256() : _mm256_set1_epi32(iz[i0 + i]);
             for (int j = 0; j < 8; j += run) {
                 __m256i pa[4], pb[4];
                 bm_run2(tca + j * 32, tcb + j * 32, rec + j * GM + i0, pa, pb, run);
@@ -2217,6 +2227,15 @@ gemm_tile2_i8(const uint8_t *ta, const uint8_t *tb, const float *swa, const floa
                 fa[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acca[i]), _mm256_mul_ps(sa, di), fa[i]);
                 fb[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(accb[i]), _mm256_mul_ps(sb, di), fb[i]);
             }
+            if (asym) {
+                const __m256 oa = _mm256_load_ps(owa + 2 * c * GT);
+                const __m256 ob = _mm256_load_ps(owb + 2 * c * GT);
+                for (int i = 0; i < R; i++) {
+                    const __m256 dsi = _mm256_set1_ps(ds[i0 + i]);
+                    fa[i] = _mm256_fmadd_ps(oa, dsi, fa[i]);
+                    fb[i] = _mm256_fmadd_ps(ob, dsi, fb[i]);
+                }
+            }
         }
         for (int i = 0; i < R; i++) {
             outa[i0 + i] = fa[i];
@@ -2225,12 +2244,12 @@ gemm_tile2_i8(const uint8_t *ta, const uint8_t *tb, const float *swa, const floa
     }
 }
 
-/* As gemm_tile_rows for the 16 weight rows of two tiles (gemm_tile2_i8: t->halves == 1, no
- * offsets, t->run >= 4); rows past N masked. */
+/* As gemm_tile_rows for the 16 weight rows of two tiles (gemm_tile2_i8: t->halves == 1,
+ * t->run >= 4); rows past N masked. */
 static void gemm_tile_rows2(const wdesc *W, const gemm_traits *t, const uint8_t *ta,
-                            const float *swa, const uint8_t *tb, const float *swb,
-                            const int32_t *xb, int64_t c0, int64_t cn, int64_t m0, int64_t m1, int64_t n0, float *y,
-                            int64_t ldy)
+                            const float *swa, const float *owa, const uint8_t *tb,
+                            const float *swb, const float *owb, const int32_t *xb, int64_t c0,
+                            int64_t cn, int64_t m0, int64_t m1, int64_t n0, float *y, int64_t ldy)
 {
     const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     const int64_t na = W->N - n0 < GT ? W->N - n0 : GT;
@@ -2242,10 +2261,14 @@ static void gemm_tile_rows2(const wdesc *W, const gemm_traits *t, const uint8_t 
     for (int64_t g = m0 / GM; g * GM < m1; g++) {
         __m256 outa[GM], outb[GM];
         const int32_t *xr = xb + g * cn * GREC;
-        if (t->run >= 8)
-            gemm_tile2_i8(ta, tb, swa, swb, xr, cn, 8, outa, outb);
+        if (t->run >= 8 && t->asym)
+            gemm_tile2_i8(ta, tb, swa, swb, owa, owb, xr, cn, 8, 1, outa, outb);
+        else if (t->run >= 8)
+            gemm_tile2_i8(ta, tb, swa, swb, owa, owb, xr, cn, 8, 0, outa, outb);
+        else if (t->asym)
+            gemm_tile2_i8(ta, tb, swa, swb, owa, owb, xr, cn, 4, 1, outa, outb);
         else
-            gemm_tile2_i8(ta, tb, swa, swb, xr, cn, 4, outa, outb);
+            gemm_tile2_i8(ta, tb, swa, swb, owa, owb, xr, cn, 4, 0, outa, outb);
         for (int i = 0; i < GM && g * GM + i < m1; i++) {
             float *yr = y + (g * GM + i) * ldy + n0;
             if (nb == GT) { /* whole tiles: plain loads and stores (masked ones are slow on AMD) */
@@ -2407,7 +2430,7 @@ int wgemm_i8(const wdesc *W, const float *x, int64_t M, int64_t ldx, float *y, i
 #ifdef HAVE_ZMM_PATH
     const int64_t step = GT;
 #else /* two tiles at a time where gemm_tile2_i8 takes the codes */
-    const int64_t step = GEMM_PAIR && t.halves == 1 && !t.asym && t.run >= 4 ? 2 * GT : GT;
+    const int64_t step = GEMM_PAIR && t.halves == 1 && t.run >= 4 ? 2 * GT : GT;
 #endif
 #pragma omp parallel num_threads(nthreads)
     {
@@ -2431,8 +2454,8 @@ int wgemm_i8(const wdesc *W, const float *x, int64_t M, int64_t ldx, float *y, i
                         uint8_t *tile2 = tile + kc * CHUNK * GT;
                         float *sw2 = sw + 2 * GT * nhb;
                         gemm_pack_tile(W, n0 + GT, c0, cn, u, so, tile2, sw2, sw2 + GT * nhb);
-                        gemm_tile_rows2(W, &t, tile, sw, tile2, sw2, xb, c0, cn, m0, m1,
-                                        n0, y, ldy);
+                        gemm_tile_rows2(W, &t, tile, sw, ow, tile2, sw2, sw2 + GT * nhb, xb, c0,
+                                        cn, m0, m1, n0, y, ldy);
                         continue;
                     }
 #endif
