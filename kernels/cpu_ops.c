@@ -1848,9 +1848,9 @@ static void gemm_codes_row(const wdesc *W, int64_t n, int64_t k0, int64_t k1, ui
 
 /* The records lie block by block of GEMM_KC chunks, each block's group by group: a block's
  * records are one run of memory (a group's chunks of a block in a row), as the GEMM reads them.
- * Laid out group by group over all the inputs, a 8192-input down projection's block read its
- * 256 groups' records 106 KB apart, 27 MB of pages for 6.8 MB of records (q4_k, 4096 rows,
- * AVX2: 146 GMAC/s, against 200 at 512 rows). */
+ * Laid out group by group over all the inputs, an 8192-input down projection's block read its
+ * 256 groups' records 106 KB apart, 27 MB of pages for 6.8 MB of records (q4_k 8192 x 2048 at
+ * 4096 rows, AVX2, one process alternating builds: 144 GMAC/s that way, 153 this way). */
 static inline int64_t gemm_block_chunks(int64_t nchunk, int64_t c)
 {
     const int64_t c0 = c - c % GEMM_KC;
@@ -2156,7 +2156,8 @@ gemm_tile_i8(const uint8_t *tile, const float *sw, const float *ow, const int32_
             for (int h = 0; h < halves; h++) {
                 __m256i acc[GM]; /* codes with offsets have z = 0 (gemm_traits_kind): no iz */
                 for (int i = 0; i < GMH; i++)
-                    acc[i] = asym ? _mm256_setzero_si256() : _mm256_set1_epi32(iz[h * GM + i0 + i]);
+                    acc[i] = asym ? _mm256_setzero_si256()
+                                  : _mm256_set1_epi32(iz[h * GM + i0 + i]);
                 for (int j = 0; j < nj; j += run) {
                     __m256i p[GM];
                     const int v = h * nj + j; /* the run's first vector */
@@ -2208,11 +2209,13 @@ gemm_tile2_i8(const uint8_t *ta, const uint8_t *tb, const float *swa, const floa
             fa[i] = fb[i] = _mm256_setzero_ps();
         for (int64_t c = 0; c < nchunk; c++) {
             const int32_t *rec = xg + c * GREC, *iz = rec + 9 * GM;
-            const float *d = (const float *)(rec + 8 * GM), *ds = (const float *)(rec + 11 * GM);
+            const float *d = (const float *)(rec + 8 * GM);
+            const float *ds = (const float *)(rec + 11 * GM);
             const uint8_t *tca = ta + c * 8 * 32, *tcb = tb + c * 8 * 32;
             __m256i acca[4], accb[4];
             for (int i = 0; i < R; i++)
-                acca[i] = accb[i] = asym ? _mm256_setzero_si256() : _mm256_set1_epi32(iz[i0 + i]);
+                acca[i] = accb[i] = asym ? _mm256_setzero_si256()
+                                         : _mm256_set1_epi32(iz[i0 + i]);
             for (int j = 0; j < 8; j += run) {
                 __m256i pa[4], pb[4];
                 bm_run2(tca + j * 32, tcb + j * 32, rec + j * GM + i0, pa, pb, run);
