@@ -2510,10 +2510,10 @@ int gemm_min_rows(const wdesc *W)
      * / 1.21-1.28x, q6_k 0.83-0.88 / 0.98-1.17 / 1.14-1.27 / 1.24-1.43x, int4 0.64-0.69 /
      * 0.98-1.02 / 1.13-1.20 / 1.35-1.55x */
     /* the _x16 layouts (Zen 4 in the AVX2 build, 2 threads, the 1B's four shapes, the GEMM's
-     * time over the row kernels' at 8 / 12 / 16 / 32 rows): q4_k_x16 0.94-1.05 / 1.04-1.07 /
-     * 0.84-0.90 / 0.77-0.83, q6_k_x16 1.00-1.10 / 1.09-1.33 / 0.83-0.97 / 0.79-0.89, int4_x16
-     * 0.83-0.93 / 0.88-0.98 / 0.70-0.87 / 0.63-0.75; between multiples of 8 the GEMM's time
-     * steps with its 8-row groups, so 9-11 rows cost it as much as 16 */
+     * time over the row kernels' at 8 / 12 / 16 / 32 rows): q4_k_x16 0.88-1.07 / 0.99-1.03 /
+     * 0.76-0.87 / 0.70-0.81, q6_k_x16 0.97-1.17 / 1.11-1.29 / 0.85-1.02 / 0.81-1.02, int4_x16
+     * 0.77-0.97 / 0.89-0.91 / 0.72-0.77 / 0.59-0.72; between multiples of 8 the GEMM's time
+     * steps with its 8-row groups, so 9-11 rows cost it as much as 12-16 */
     if (W->kind == KIND_Q4_K_X16 || W->kind == KIND_Q6_K_X16)
         return 16;
     if (W->kind == KIND_INT4_X16)
