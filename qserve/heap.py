@@ -49,9 +49,9 @@ def _libc():
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name) if name else None
-        if libc is None or not hasattr(libc, "malloc_trim") or not hasattr(libc, "mallopt"):
-            return None
     except OSError:
+        return None
+    if libc is None or not (hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt")):
         return None
     libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     return libc
