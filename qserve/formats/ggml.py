@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from qserve.formats.qtensor import QuantizedTensor, pack_int4, unpack_int4
+from qserve.heap import weight_buffer
 
 
 @dataclass(frozen=True)
@@ -287,8 +288,8 @@ def empty_rows(qt: QuantizedTensor, rows: int, fmt: str | None = None) -> Quanti
     if fmt != qt.format and INTERLEAVED[fmt][1] is not None:  # int4_x16: int4's shapes
         width = qt.in_features // 256 * INTERLEAVED[fmt][1]
     new = lambda t: None if t is None else t.new_empty((rows, t.shape[1]))  # noqa: E731
-    return QuantizedTensor(fmt, qt.qweight.new_empty((rows, width)), new(qt.scales),
-                           new(qt.offsets), qt.in_features)
+    codes = weight_buffer((rows, width), qt.qweight.dtype, qt.qweight.device)  # 2 MiB pages
+    return QuantizedTensor(fmt, codes, new(qt.scales), new(qt.offsets), qt.in_features)
 
 
 def interleave(qt: QuantizedTensor) -> QuantizedTensor:

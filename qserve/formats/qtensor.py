@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from qserve.formats.weight_format import get_format
+from qserve.heap import weight_buffer
 
 
 @dataclass
@@ -126,6 +127,9 @@ def cat_quantized(parts: list[QuantizedTensor]) -> QuantizedTensor:
     if not all(stackable(first, p) for p in parts[1:]):
         raise ValueError("fused matrices must share format, group size and symmetry")
     cat = lambda ts: None if ts[0] is None else torch.cat(ts)  # noqa: E731
-    return QuantizedTensor(first.format, torch.cat([p.qweight for p in parts]),
+    codes = [p.qweight for p in parts]
+    stack = weight_buffer((sum(c.shape[0] for c in codes), *codes[0].shape[1:]), codes[0].dtype,
+                          codes[0].device)  # in 2 MiB pages
+    return QuantizedTensor(first.format, torch.cat(codes, out=stack),
                            cat([p.scales for p in parts]), cat([p.offsets for p in parts]),
                            first.in_features)

@@ -33,6 +33,7 @@ import torch
 from qserve.config import ModelArchConfig
 from qserve.errors import ConfigError, ModelLoadError
 from qserve.formats import QuantizedTensor, format_for_ggml, ggml
+from qserve.heap import weight_buffer
 from qserve.loader.hf_loader import check_shapes
 from qserve.loader.weights import LazyWeights
 from qserve.loader.tokenizer import Tokenizer, byte_level_bpe, sentencepiece_bpe
@@ -207,7 +208,7 @@ class GGUFFile:
     def read(self, name: str) -> torch.Tensor:
         """A tensor's raw bytes, (nbytes,) uint8, read from the file into fresh memory."""
         info = self.tensors[name]
-        buf = torch.empty(info.nbytes, dtype=torch.uint8)
+        buf = weight_buffer((info.nbytes,))
         with open(self.path, "rb") as f:
             f.seek(info.offset)
             if f.readinto(memoryview(buf.numpy())) != info.nbytes:
@@ -220,7 +221,7 @@ class GGUFFile:
         from the file into `out` (contiguous, that shape), or fresh memory."""
         info = self.tensors[name]
         row_bytes = info.nbytes // info.shape[0]
-        buf = torch.empty(r1 - r0, row_bytes, dtype=torch.uint8) if out is None else out
+        buf = weight_buffer((r1 - r0, row_bytes)) if out is None else out
         assert buf.shape == (r1 - r0, row_bytes) and buf.dtype == torch.uint8
         assert buf.is_contiguous()
         with open(self.path, "rb") as f:
@@ -469,7 +470,7 @@ def tensor_rows(gguf: GGUFFile, gguf_name: str, arch: ModelArchConfig, native: b
     def read(r0: int, r1: int) -> QuantizedTensor:
         nonlocal buf
         if buf.shape[0] < r1 - r0:
-            buf = torch.empty(r1 - r0, row_bytes, dtype=torch.uint8)
+            buf = weight_buffer((r1 - r0, row_bytes))  # the part itself when read whole
         rows = gguf.read_rows(gguf_name, r0, r1, out=buf[:r1 - r0])
         return _as_qtensor(rows, type_name, info.shape[1])
     return read
