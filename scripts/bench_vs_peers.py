@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """qserve against its peers on the same machine and GGUF file, in one run, printed as one table.
 
-    python scripts/bench_vs_peers.py [--model FILE.gguf] [--repeats 3] [--threads N]
-                                     [--input-len 128] [--output-len 128]
+    python scripts/bench_vs_peers.py [--model FILE.gguf] [--repeats 3] [--rounds 1]
+                                     [--threads N] [--input-len 128] [--output-len 128]
                                      [--only qserve,llama.cpp] [--json [FILE]] [--isa avx2]
 
 Rows: decode tokens/s at batch 1; prefill tokens/s of one prompt; throughput with 32 concurrent
@@ -27,6 +27,12 @@ wait4; for llama.cpp the larger of llama-bench's and llama-batched-bench's). Lin
 parent's resident memory at fork into a child's peak too, so this process imports neither torch
 nor qserve. Each cell is the median of --repeats runs (llama-bench's per-repetition samples);
 ratio columns are qserve / peer. Below the table each target is checked against these numbers.
+
+--rounds N measures the columns N times in turn (qserve, llama.cpp, qserve, llama.cpp, ...),
+each time --repeats runs, and pools the runs (peak RSS: the largest). On a machine whose speed
+drifts over minutes (a shared VM: one column measured in a slow spell and the other in a fast
+one moved batch-1 ratios by 0.3 here) the drift then weighs on both sides alike; each round's
+own ratios for the targets are printed under the table.
 
 --isa avx2 measures both sides as an AVX2-only CPU (a Zen 3) would run them, on a CPU that has
 AVX-512: qserve's kernels built with QSERVE_CPU_ISA=avx2 and llama.cpp's second build,
@@ -291,6 +297,27 @@ def markdown(header: list[str], rows: list[list[str]]) -> str:
                       *map(line, rows)])
 
 
+def pooled(runs: list[dict[str, list[float]]]) -> dict[str, float]:
+    """One column's rounds -> each row's median over all their runs (peak RSS: the largest)."""
+    keys = dict.fromkeys(k for r in runs for k in r)
+    return {k: (max if k == "peak_rss_mib" else statistics.median)([v for r in runs
+                                                                     for v in r.get(k, [])])
+            for k in keys}
+
+
+def round_ratios(rounds: dict[str, list[dict[str, list[float]]]]) -> list[str]:
+    """Each target's ratio in each round (medians of that round's runs), one line a target."""
+    lines = []
+    for label, q, p, key, need in TARGETS:
+        if q not in rounds or p not in rounds:
+            continue
+        got = [statistics.median(a[key]) / statistics.median(b[key])
+               for a, b in zip(rounds[q], rounds[p]) if a.get(key) and b.get(key)]
+        if got:
+            lines.append(f"- {COLUMNS[q]} {label}: " + ", ".join(f"{r:.2f}x" for r in got))
+    return lines
+
+
 def report(args, medians: dict[str, dict[str, float]]) -> str:
     ours = [n for n in medians if n in QSERVE_RECIPES]
     peers = [n for n in PEERS if n in medians]
@@ -319,6 +346,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, help="a GGUF file  [default: the default model]")
     ap.add_argument("--repeats", type=int, default=3, help="runs per cell; the median is shown")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="measure the columns this many times in turn, pooling their runs")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                     help="CPU threads for every column  [default: all]")
     ap.add_argument("--input-len", type=int, default=128)
@@ -336,9 +365,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.worker:
         return worker(args)
-    if args.repeats < 1 or args.threads < 1 or args.input_len < 1 or args.output_len < 2:
-        ap.error("--repeats, --threads and --input-len must be >= 1 and --output-len >= 2 "
-                 "(batch-1 decode needs a token after the first)")
+    if (args.repeats < 1 or args.rounds < 1 or args.threads < 1 or args.input_len < 1
+            or args.output_len < 2):
+        ap.error("--repeats, --rounds, --threads and --input-len must be >= 1 and --output-len "
+                 ">= 2 (batch-1 decode needs a token after the first)")
     if args.model is not None and (args.model.suffix != ".gguf" or not args.model.is_file()):
         ap.error(f"--model {args.model}: give an existing .gguf file")
     only = DEFAULT_COLUMNS if args.only is None else [n.strip() for n in args.only.split(",")]
@@ -352,24 +382,34 @@ def main() -> None:
     if args.isa == "avx2":  # the children (qserve's workers, llama.cpp's binaries) inherit it
         os.environ |= {"QSERVE_CPU_ISA": "avx2", "QSERVE_PEER_ISA": "avx2"}
 
-    runs, about = {}, []
-    for name in names:
-        print(f"measuring {COLUMNS[name]} on {gguf.name} ...", file=sys.stderr)
-        if name == "llama.cpp":
-            runs[name], build = bench_llama_cpp(args, gguf)
-            about.append(build)
-        else:
-            runs[name], child = measure_in_child(name, args, gguf)
-            about.append(f"torch {child['torch']} ({child['torch_threads']} threads)")
-    medians = {n: {k: statistics.median(v) for k, v in r.items()} for n, r in runs.items()}
+    rounds, about = {}, []  # column -> its runs, a dict a round
+    for r in range(args.rounds):
+        for name in names:
+            of = f" (round {r + 1} of {args.rounds})" if args.rounds > 1 else ""
+            print(f"measuring {COLUMNS[name]} on {gguf.name}{of} ...", file=sys.stderr)
+            if name == "llama.cpp":
+                got, build = bench_llama_cpp(args, gguf)
+                about.append(build)
+            else:
+                got, child = measure_in_child(name, args, gguf)
+                about.append(f"torch {child['torch']} ({child['torch_threads']} threads)")
+            rounds.setdefault(name, []).append(got)
+    runs = {n: {k: [v for got in rs for v in got.get(k, [])] for k in dict.fromkeys(
+        k for got in rs for k in got)} for n, rs in rounds.items()}
+    medians = {n: pooled(rs) for n, rs in rounds.items()}
+    runs_each = f"{args.repeats} x {args.rounds} rounds" if args.rounds > 1 else args.repeats
     print(f"\nmodel: {gguf.name}; {args.threads} threads of {os.cpu_count()} CPUs; "
           f"{'; '.join(dict.fromkeys(about))}; ISA {args.isa}; {args.input_len} prompt + {args.output_len} "
-          f"new tokens, median of {args.repeats}\n")
+          f"new tokens, median of {runs_each}\n")
     print(report(args, medians))
+    if args.rounds > 1:
+        print("\neach round (qserve / peer, medians of that round's runs):")
+        print("\n".join(round_ratios(rounds)))
     if args.json:
         dump = json.dumps({"model": str(gguf), "cpu_threads": os.cpu_count(), "isa": args.isa,
                            "threads": args.threads, "input_len": args.input_len,
                            "output_len": args.output_len, "concurrent": N_CONCURRENT,
+                           "rounds": args.rounds,
                            "about": about, "runs": runs, "median": medians}, indent=2)
         if args.json == "-":
             print(dump)
