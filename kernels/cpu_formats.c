@@ -998,9 +998,10 @@ static void half_dequant_row(const wdesc *W, int64_t n, float *out)
  * a kernel's own order leaves the hardware prefetchers behind: Q6_K's three regions of a
  * super-block (low bits, high bits, scales) read side by side, and AVX2's int4. Zen 4, 2
  * threads, 600 MB of 1B-shaped matrices cycled from DRAM, one process alternating builds, at
- * batch 1: AVX2 q6_k_x16 (2048 x 8192) 20.8 / 14.0 GB/s -> 26.9-28.1 / 19.9 two super-blocks
- * ahead (24.0 one ahead, 27.5 four), 12.3 -> 16.4 at 2 rows, 14.6 -> 15.7 at 4; AVX2 int4_x16
- * (8192 x 2048) 24.1-24.7 -> 25.4-27.6 4 KiB ahead; 512-bit q6_k_x16 26.6 -> 29.7. Q4_K's
+ * batch 1: AVX2 q6_k_x16 (2048 x 8192, a down projection) 20.8 / 14.0 GB/s -> 26.9-28.1 / 19.9
+ * two super-blocks ahead (24.0 one ahead, 27.5 four), and 8192 x 2048 at 2 / 4 rows 12.3 /
+ * 14.6 -> 16.4 / 15.7; AVX2 int4_x16 (8192 x 2048) 24.1-24.7 -> 25.4-27.6 4 KiB ahead; 512-bit
+ * q6_k_x16 (8192 x 2048) 26.6 -> 29.7. Q4_K's
  * kernels (one region, walked in order) read no faster (AVX2 21.4-28.8 -> 21.7-27.0), nor
  * 512-bit int4 (27.1 -> 27.3): they keep the burst. */
 #define X16Q6_AHEAD (2 * X16Q6_SB)
