@@ -297,14 +297,6 @@ def markdown(header: list[str], rows: list[list[str]]) -> str:
                       *map(line, rows)])
 
 
-def pooled(runs: list[dict[str, list[float]]]) -> dict[str, float]:
-    """One column's rounds -> each row's median over all their runs (peak RSS: the largest)."""
-    keys = dict.fromkeys(k for r in runs for k in r)
-    return {k: (max if k == "peak_rss_mib" else statistics.median)([v for r in runs
-                                                                     for v in r.get(k, [])])
-            for k in keys}
-
-
 def round_ratios(rounds: dict[str, list[dict[str, list[float]]]]) -> list[str]:
     """Each target's ratio in each round (medians of that round's runs), one line a target."""
     lines = []
@@ -396,15 +388,16 @@ def main() -> None:
             rounds.setdefault(name, []).append(got)
     runs = {n: {k: [v for got in rs for v in got.get(k, [])] for k in dict.fromkeys(
         k for got in rs for k in got)} for n, rs in rounds.items()}
-    medians = {n: pooled(rs) for n, rs in rounds.items()}
+    medians = {n: {k: (max if k == "peak_rss_mib" else statistics.median)(v)  # RSS: largest
+                   for k, v in r.items()} for n, r in runs.items()}
     runs_each = f"{args.repeats} x {args.rounds} rounds" if args.rounds > 1 else args.repeats
     print(f"\nmodel: {gguf.name}; {args.threads} threads of {os.cpu_count()} CPUs; "
           f"{'; '.join(dict.fromkeys(about))}; ISA {args.isa}; {args.input_len} prompt + {args.output_len} "
           f"new tokens, median of {runs_each}\n")
     print(report(args, medians))
-    if args.rounds > 1:
+    if args.rounds > 1 and (each := round_ratios(rounds)):
         print("\neach round (qserve / peer, medians of that round's runs):")
-        print("\n".join(round_ratios(rounds)))
+        print("\n".join(each))
     if args.json:
         dump = json.dumps({"model": str(gguf), "cpu_threads": os.cpu_count(), "isa": args.isa,
                            "threads": args.threads, "input_len": args.input_len,

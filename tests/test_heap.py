@@ -111,8 +111,7 @@ def test_weight_buffer_is_torch_empty_unless_asked(monkeypatch):
 
 
 def test_a_load_lays_large_weights_out_in_huge_page_buffers(monkeypatch):
-    """The load's stacks (ggml.empty_rows, cat_quantized) and its GGUF reads take
-    weight_buffer's memory."""
+    """The load's stacks (ggml.empty_rows, cat_quantized) take weight_buffer's memory."""
     monkeypatch.setenv("QSERVE_HUGE_PAGES", "1")
     g = torch.Generator().manual_seed(0)
     rows = ggml.random_rows("q4_k", 256, 4096 * 4, g)  # 256 x 9216 bytes: 2.25 MiB
