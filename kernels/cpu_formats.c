@@ -966,14 +966,18 @@ static void half_dequant_row(const wdesc *W, int64_t n, float *out)
  *
  *   +0    d[16]             fp16, row r's d
  *   +32   dmin[16]          fp16
- *   +64   sc[8][16]         uint8: sub-block j's 6-bit scale, row r
- *   +192  mn[8][16]         uint8: its min
- *   +320  qs[4][8][16][4]   [p][lg][r][t] = byte 4 lg + t of row r's qs run p (qs[32 p + 4 lg + t]
+ *   +64   lo[8][16]         sub-block j's 6-bit scale sc and min m of row r, their low 4 bits:
+ *                           sc & 15 | (m & 15) << 4
+ *   +192  hi[4][16]         their top 2 bits, sub-blocks 2i and 2i + 1: bits 0-1 sc_2i >> 4,
+ *                           2-3 m_2i >> 4, 4-5 sc_2i+1 >> 4, 6-7 m_2i+1 >> 4 (x16_scale_min)
+ *   +256  qs[4][8][16][4]   [p][lg][r][t] = byte 4 lg + t of row r's qs run p (qs[32 p + 4 lg + t]
  *                           of the block): low nibble input 64 p + 4 lg + t (sub-block 2p),
  *                           high nibble input 64 p + 32 + 4 lg + t (sub-block 2p + 1)
  *
- * The file's bytes, moved, with the 12-byte scale packing spelled out (148 bytes a row and block
- * against 144); w = d sc_j q - dmin m_j as for q4_k. One 64-byte load is 4 inputs of 16 rows, so
+ * The file's bytes, moved, 144 a row and block as in the file; only the 12-byte scale packing is
+ * rearranged so that one 16-byte load and a few shifts give a sub-block's 16 scales (and mins).
+ * They were stored unpacked, a byte each (148 bytes a row and block), until 2026-12-05: 2.8%
+ * more bytes to stream and hold. w = d sc_j q - dmin m_j as for q4_k. One 64-byte load is 4 inputs of 16 rows, so
  * a vpdpbusd against 4 activation bytes broadcast adds their products into 16 row lanes, and 8
  * make a sub-block's exact integer dot for 16 rows, converted and scaled once: ~3.5 vector ops a
  * vpdpbusd, against ~6 in k4_row_z (which converts and scales after every one). The int8 GEMM
@@ -982,8 +986,10 @@ static void half_dequant_row(const wdesc *W, int64_t n, float *out)
  * their GEMM's 8-row tiles are one ymm of each). */
 #ifdef HAVE_I8_PATH
 #define X16 16
-#define X16_SB (X16 * 148)
-#define X16_QS 320
+#define X16_SB (X16 * 144)
+#define X16_LO 64
+#define X16_HI 192
+#define X16_QS 256
 /* How far ahead the _x16 row kernels prefetch their weight stream: one line, which leaves the
  * stream to the hardware prefetchers. On a Zen 4 (2 threads, 14 q4_k_x16 matrices of 16384 x
  * 2048 cycled, so read from DRAM) they read at 0.84x of a torch sum's bandwidth with this
@@ -1001,10 +1007,19 @@ static void half_dequant_row(const wdesc *W, int64_t n, float *out)
  * batch 1: AVX2 q6_k_x16 (2048 x 8192, a down projection) 20.8 / 14.0 GB/s -> 26.9-28.1 / 19.9
  * two super-blocks ahead (24.0 one ahead, 27.5 four), and 8192 x 2048 at 2 / 4 rows 12.3 /
  * 14.6 -> 16.4 / 15.7; AVX2 int4_x16 (8192 x 2048) 24.1-24.7 -> 25.4-27.6 4 KiB ahead; 512-bit
- * q6_k_x16 (8192 x 2048) 26.6 -> 29.7. Q4_K's
- * kernels (one region, walked in order) read no faster (AVX2 21.4-28.8 -> 21.7-27.0), nor
- * 512-bit int4 (27.1 -> 27.3): they keep the burst. */
+ * q6_k_x16 (8192 x 2048) 26.6 -> 29.7. 512-bit int4 read no faster (27.1 -> 27.3) and keeps
+ * the burst. Q4_K's kernels read no faster on that Zen 4 spread out (AVX2 21.4-28.8 -> 21.7-27.0,
+ * 148-byte rows) but do on a 2-core Sapphire Rapids VM, one super-block ahead (packed 144-byte
+ * rows, 8192 x 2048 from DRAM, 2 threads, separate processes alternated): AVX2 15.4 -> 18.5 GB/s
+ * (17.9 two ahead, 17.2 in a burst one ahead) and 38.8 -> 50.3 from cache, where the
+ * burst had stalled it; 512-bit 18.6 -> 19.0; 1B Q4_K_M batch-1 decode 24.4 -> 25.6 tok/s
+ * (AVX2) and 26.0 -> 27.7 (512-bit) with the packed scales, against 24.5 / 25.9 before both. */
+#ifndef X16Q6_AHEAD
 #define X16Q6_AHEAD (2 * X16Q6_SB)
+#endif
+#ifndef X16Q4_AHEAD
+#define X16Q4_AHEAD X16_SB
+#endif
 #define X16I4_AHEAD 4096
 
 /* Prefetch share `part` of `parts` of the `bytes` bytes at p, a line at a time */
@@ -1014,6 +1029,48 @@ static inline __attribute__((always_inline)) void prefetch_part(const uint8_t *p
     const int per = (bytes / 64 + parts - 1) / parts * 64;
     for (int o = part * per; o < (part + 1) * per && o < bytes; o += 64)
         _mm_prefetch((const char *)(p + o), _MM_HINT_T0);
+}
+
+/* Sub-block j's 6-bit scales and mins of a q4_k_x16 super-block's 16 rows, a byte each */
+static inline __attribute__((always_inline)) void x16_scale_min(const uint8_t *sb, int j,
+                                                                __m128i *sc, __m128i *mn)
+{
+    const __m128i m4 = _mm_set1_epi8(15), m3 = _mm_set1_epi8(3);
+    const __m128i lo = _mm_loadu_si128((const __m128i *)(sb + X16_LO + 16 * j));
+    __m128i hi = _mm_loadu_si128((const __m128i *)(sb + X16_HI + 16 * (j >> 1)));
+    if (j & 1)
+        hi = _mm_srli_epi16(hi, 4); /* bits shifted in from the next byte are masked off */
+    *sc = _mm_or_si128(_mm_and_si128(lo, m4), _mm_slli_epi16(_mm_and_si128(hi, m3), 4));
+    *mn = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(lo, 4), m4),
+                       _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(hi, 2), m3), 4));
+}
+
+/* All 8 sub-blocks' scales and mins of a super-block's 16 rows: sc[16 j + r], mn[16 j + r]. Two
+ * sub-blocks a ymm (x16_scale_min's steps), for the AVX2 kernels, which take each row half's in
+ * turn: unpacking a sub-block's per row half and step cost AVX2 batch-1 decode ~6% (1B Q4_K_M, a
+ * 2-core Sapphire Rapids). */
+static inline __attribute__((always_inline)) void x16_scales_all(const uint8_t *sb, uint8_t *sc,
+                                                                 uint8_t *mn)
+{
+    const __m256i m4 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);
+    for (int i = 0; i < 4; i++) { /* sub-blocks 2i (low lane) and 2i + 1 (high lane) */
+        const __m256i lo = _mm256_loadu_si256((const __m256i *)(sb + X16_LO + 32 * i));
+        const __m128i h = _mm_loadu_si128((const __m128i *)(sb + X16_HI + 16 * i));
+        const __m256i hi = _mm256_set_m128i(_mm_srli_epi16(h, 4), h);
+        _mm256_storeu_si256((__m256i *)(sc + 32 * i),
+                            _mm256_or_si256(_mm256_and_si256(lo, m4),
+                                            _mm256_slli_epi16(_mm256_and_si256(hi, m3), 4)));
+        _mm256_storeu_si256(
+            (__m256i *)(mn + 32 * i),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo, 4), m4),
+                            _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hi, 2), m3), 4)));
+    }
+}
+
+/* Rows 0-7 (h = 0) or 8-15 (h = 1) of one of those */
+static inline __attribute__((always_inline)) __m128i x16_half(__m128i v, int h)
+{
+    return h ? _mm_unpackhi_epi64(v, v) : v;
 }
 
 /* Row r of a group's super-block sb -> its codes, scales and offsets, as codes_k4 gives them
@@ -1031,8 +1088,13 @@ static void codes_x16(const uint8_t *sb, int r, uint8_t *u, float *s, float *o)
                             _mm256_and_si256(_mm256_srli_epi16(q, 4), m4));
     }
     for (int j = 0; j < 8; j++) {
-        s[2 * j] = s[2 * j + 1] = d * (float)sb[64 + 16 * j + r];
-        o[2 * j] = o[2 * j + 1] = -(dmin * (float)sb[192 + 16 * j + r]);
+        uint8_t sc[16], mn[16];
+        __m128i vs, vm;
+        x16_scale_min(sb, j, &vs, &vm);
+        _mm_storeu_si128((__m128i *)sc, vs);
+        _mm_storeu_si128((__m128i *)mn, vm);
+        s[2 * j] = s[2 * j + 1] = d * (float)sc[r];
+        o[2 * j] = o[2 * j + 1] = -(dmin * (float)mn[r]);
     }
 }
 
@@ -1181,20 +1243,21 @@ x16_rows_y(const uint8_t *grp, int64_t nb, const qacts *a, int64_t m0, int64_t K
     const __m256i m4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *sb = grp + b * X16_SB;
-        for (int o = 0; o < X16_SB; o += 64)
-            _mm_prefetch((const char *)(sb + X16_PF + o), _MM_HINT_T0);
+        uint8_t scs[128], mns[128];
+        x16_scales_all(sb, scs, mns);
         for (int h = 0; h < 2; h++) {
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 16 * h)));
             const __m256 dmin = _mm256_cvtph_ps(
                 _mm_loadu_si128((const __m128i *)(sb + 32 + 16 * h)));
             for (int p = 0; p < 4; p++) {
+                prefetch_part(sb + X16Q4_AHEAD, 4 * h + p, 8, X16_SB);
                 __m256 s[2], o[2];
                 for (int u = 0; u < 2; u++) {
                     const int j = 2 * p + u;
                     s[u] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-                        _mm_loadl_epi64((const __m128i *)(sb + 64 + 16 * j + 8 * h)))));
+                        _mm_loadl_epi64((const __m128i *)(scs + 16 * j + 8 * h)))));
                     o[u] = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-                        _mm_loadl_epi64((const __m128i *)(sb + 192 + 16 * j + 8 * h)))));
+                        _mm_loadl_epi64((const __m128i *)(mns + 16 * j + 8 * h)))));
                 }
                 for (int i0 = 0; i0 < mt; i0 += X16Y_MT) {
                     const int n = mt - i0 < X16Y_MT ? mt - i0 : X16Y_MT;
@@ -1455,10 +1518,11 @@ static void x16_pack_tile(const wdesc *W, int64_t n0, int64_t c0, int64_t cn, ui
         const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 32 + 16 * rh)));
         for (int j = 0; j < 8; j++) {
             const int64_t h = 2 * (8 * b + j - c0); /* the chunk's two 16-input halves */
-            const __m256 sv = _mm256_mul_ps(d, u8_to_ps(_mm_loadl_epi64(
-                (const __m128i *)(sb + 64 + 16 * j + 8 * rh))));
+            __m128i vs, vm;
+            x16_scale_min(sb, j, &vs, &vm);
+            const __m256 sv = _mm256_mul_ps(d, u8_to_ps(x16_half(vs, rh)));
             const __m256 ov = _mm256_xor_ps(neg, _mm256_mul_ps(dmin, u8_to_ps( /* -(dmin m) */
-                _mm_loadl_epi64((const __m128i *)(sb + 192 + 16 * j + 8 * rh)))));
+                x16_half(vm, rh))));
             _mm256_store_ps(sw + h * X16Y_GT, sv);
             _mm256_store_ps(sw + (h + 1) * X16Y_GT, sv);
             _mm256_store_ps(ow + h * X16Y_GT, ov);
@@ -1549,11 +1613,10 @@ x16_rows_z(const uint8_t *grp, int64_t nb, const qacts *a, int64_t m0, int64_t K
     const __m512i m4 = _mm512_set1_epi8(15);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *sb = grp + b * X16_SB;
-        for (int o = 0; o < X16_SB; o += 64)
-            _mm_prefetch((const char *)(sb + X16_PF + o), _MM_HINT_T0);
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sb));
         const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sb + 32)));
         for (int p0 = 0; p0 < 4; p0 += np) {
+            prefetch_part(sb + X16Q4_AHEAD, p0 / np, 4 / np, X16_SB);
             __m512i acc[4][2][MTI]; /* [p - p0][u][i] */
             for (int pp = 0; pp < np; pp++)
                 for (int i = 0; i < mt; i++)
@@ -1577,10 +1640,10 @@ x16_rows_z(const uint8_t *grp, int64_t nb, const qacts *a, int64_t m0, int64_t K
                 for (int u = 0; u < 2; u++) {
                     const int j = 2 * (p0 + pp) + u;
                     const int64_t c = 8 * b + j;
-                    const __m512 s = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                        _mm_loadu_si128((const __m128i *)(sb + 64 + 16 * j)))));
-                    const __m512 o = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                        _mm_loadu_si128((const __m128i *)(sb + 192 + 16 * j)))));
+                    __m128i vs, vm;
+                    x16_scale_min(sb, j, &vs, &vm);
+                    const __m512 s = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(vs)));
+                    const __m512 o = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(vm)));
                     for (int i = 0; i < mt; i++) {
                         const float dx = a->d[c * a->Mp + m0 + i], ds = a->dsum[c * a->Mp + m0 + i];
                         /* both terms into one accumulator: the min term cancels much of the
@@ -1636,10 +1699,11 @@ static void x16_pack_tile(const wdesc *W, int64_t n0, int64_t c0, int64_t cn, ui
         const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sb + 32)));
         for (int j = 0; j < 8; j++) {
             const int64_t h = 2 * (8 * b + j - c0); /* the chunk's two 16-input halves */
-            const __m512 s = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                _mm_loadu_si128((const __m128i *)(sb + 64 + 16 * j)))));
+            __m128i vs, vm;
+            x16_scale_min(sb, j, &vs, &vm);
+            const __m512 s = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(vs)));
             const __m512 o = _mm512_xor_ps(neg, _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(
-                _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sb + 192 + 16 * j))))));
+                _mm512_cvtepu8_epi32(vm))));
             _mm512_store_ps(sw + h * X16, s);
             _mm512_store_ps(sw + (h + 1) * X16, s);
             _mm512_store_ps(ow + h * X16, o);
@@ -1941,7 +2005,7 @@ static void x16_matmul(const wdesc *W, const float *x, int64_t M, int64_t ldx, f
 #define LAY_ROWS 16
 
 /* q4_k: super-block b of a group's 16 rows (row r at src + r * ld) -> its X16 super-block
- * (d[16] | dmin[16] | sc[8][16] | mn[8][16] | qs[32][16][4]; 16 x 148 bytes) */
+ * (d[16] | dmin[16] | lo[8][16] | hi[4][16] | qs[32][16][4]; 16 x 144 bytes) */
 static void lay_q4_k_x16(const uint8_t *src, int64_t ld, uint8_t *dst)
 {
     for (int r = 0; r < LAY_ROWS; r++) {
@@ -1952,12 +2016,14 @@ static void lay_q4_k_x16(const uint8_t *src, int64_t ld, uint8_t *dst)
         memcpy(sm, w, sizeof sm);
         memcpy(dst + 2 * r, b, 2);
         memcpy(dst + 32 + 2 * r, b + 2, 2);
-        for (int j = 0; j < 8; j++) {
-            dst[64 + LAY_ROWS * j + r] = sm[j];
-            dst[192 + LAY_ROWS * j + r] = sm[8 + j];
-        }
+        for (int j = 0; j < 8; j++)
+            dst[64 + LAY_ROWS * j + r] = (uint8_t)((sm[j] & 15) | (sm[8 + j] & 15) << 4);
+        for (int i = 0; i < 4; i++)
+            dst[192 + LAY_ROWS * i + r] = (uint8_t)(sm[2 * i] >> 4 | (sm[8 + 2 * i] >> 4) << 2 |
+                                                    (sm[2 * i + 1] >> 4) << 4 |
+                                                    (sm[9 + 2 * i] >> 4) << 6);
         for (int c = 0; c < 32; c++)
-            memcpy(dst + 320 + 4 * (LAY_ROWS * c + r), b + 16 + 4 * c, 4);
+            memcpy(dst + 256 + 4 * (LAY_ROWS * c + r), b + 16 + 4 * c, 4);
     }
 }
 
@@ -2016,7 +2082,7 @@ int x16_interleave(const wdesc *S, const wdesc *D, int64_t r0, int nthreads)
         return -1;
     switch (S->kind) {
     case KIND_Q4_K:
-        if (D->kind != KIND_Q4_K_X16 || K % QK_K || D->row_bytes != nb * 148)
+        if (D->kind != KIND_Q4_K_X16 || K % QK_K || D->row_bytes != nb * 144)
             return -1;
         break;
     case KIND_Q6_K:
@@ -2047,7 +2113,7 @@ int x16_interleave(const wdesc *S, const wdesc *D, int64_t r0, int nthreads)
                 lay_groups_x16(S->offsets + g * LAY_ROWS * G, G, (half *)D->offsets + at);
         } else if (S->kind == KIND_Q4_K)
             for (int64_t b = 0; b < nb; b++)
-                lay_q4_k_x16(src + b * 144, ld, dst + b * LAY_ROWS * 148);
+                lay_q4_k_x16(src + b * 144, ld, dst + b * LAY_ROWS * 144);
         else
             for (int64_t b = 0; b < nb; b++)
                 lay_q6_k_x16(src + b * 210, ld, dst + b * LAY_ROWS * 212);

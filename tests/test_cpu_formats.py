@@ -529,7 +529,7 @@ X16 = ["q4_k_x16", "q6_k_x16", "int4_x16", "int4_x16-sym"]  # -sym: int4 g64 sym
 
 @pytest.mark.parametrize("fmt", ["q4_k_x16", "q6_k_x16"])
 def test_x16_is_the_same_bytes_and_weights(fmt):
-    """interleave moves bytes (q4_k's 6-bit scale packing spelled out); deinterleave gives the
+    """interleave moves bytes (q4_k's 6-bit scales and mins regrouped); deinterleave gives the
     file's blocks back byte for byte (every bit pattern of random blocks, d / dmin included),
     so the weights are the base format's exactly; rows (an embedding's lookup) deinterleave
     only their groups. A wrong shape is named."""
@@ -551,7 +551,7 @@ def test_x16_is_the_same_bytes_and_weights(fmt):
         assert torch.equal(x16.rows(slice(1, N - 1)).dequantize(), w[1:N - 1])
     bad = QuantizedTensor(fmt, torch.zeros(8, row_bytes, dtype=torch.uint8), None, None, 256)
     assert "multiple of 16 rows" in bad.validate()
-    bad = QuantizedTensor(fmt, torch.zeros(16, 144, dtype=torch.uint8), None, None, 256)
+    bad = QuantizedTensor(fmt, torch.zeros(16, row_bytes - 4, dtype=torch.uint8), None, None, 256)
     assert f"take {row_bytes} bytes" in bad.validate()
 
 

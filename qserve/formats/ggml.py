@@ -115,14 +115,16 @@ def repack(name: str, rows: torch.Tensor, in_features: int) -> QuantizedTensor:
 
 
 # ---- q4_k_x16: Q4_K with 16 rows interleaved, for the CPU's 512-bit kernels ------------------
-# Group g (rows 16g .. 16g + 15) holds its super-blocks in order, X16_SB bytes each:
-#   d[16] fp16 | dmin[16] fp16 | sc[8][16] | mn[8][16] | qs[4][8][16][4]
-# (sc/mn: sub-block j's 6-bit scale/min of row r; qs[p][lg][r][t] = byte 32p + 4lg + t of row
-# r's qs). Only bytes move and the 6-bit packing is spelled out (_k_scale_min and
-# _pack_scale_min are inverse bijections of 96 bits), so deinterleave gives back the file's
-# bytes exactly and the weights are q4_k's bit for bit. kernels/cpu_formats.c reads the layout.
+# Group g (rows 16g .. 16g + 15) holds its super-blocks in order, 16 x 144 bytes each:
+#   d[16] fp16 | dmin[16] fp16 | lo[8][16] | hi[4][16] | qs[4][8][16][4]
+# (sub-block j's 6-bit scale sc and min m of row r: lo[j][r] = sc & 15 | (m & 15) << 4, and
+# hi[i][r] holds the top 2 bits of sub-blocks 2i (bits 0-1 sc, 2-3 m) and 2i + 1 (bits 4-5 sc,
+# 6-7 m); qs[p][lg][r][t] = byte 32p + 4lg + t of row r's qs). Only bytes move and the 6-bit
+# values are regrouped (_k_scale_min / _pack_scale_min and _split_scale_min / _join_scale_min
+# are inverse bijections of 96 bits each), so deinterleave gives back the file's bytes exactly
+# and the weights are q4_k's bit for bit. kernels/cpu_formats.c reads the layout.
 X16_ROWS = 16
-X16_ROW_BYTES = 148  # per row and super-block: 144 + 4 for the unpacked scales
+X16_ROW_BYTES = 144  # per row and super-block, as in the file
 X16_CHUNK = 64 * X16_ROWS  # rows interleaved at a time
 
 
@@ -132,6 +134,19 @@ def _pack_scale_min(sc: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
     m = (mn[:, 0:4] & 63) | ((mn[:, 4:8] >> 4) << 6)
     lo = (sc[:, 4:8] & 15) | ((mn[:, 4:8] & 15) << 4)
     return torch.cat([a, m, lo], dim=1)
+
+
+def _split_scale_min(sc: torch.Tensor, mn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n, 8) 6-bit scales and mins -> q4_k_x16's (n, 8) low nibbles and (n, 4) top bits."""
+    lo = (sc & 15) | ((mn & 15) << 4)
+    top = (sc >> 4) | ((mn >> 4) << 2)  # (n, 8), 4 bits each
+    return lo, top[:, 0::2] | (top[:, 1::2] << 4)
+
+
+def _join_scale_min(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of _split_scale_min."""
+    top = torch.stack([hi & 15, hi >> 4], dim=2).reshape(-1, 8)
+    return (lo & 15) | ((top & 3) << 4), (lo >> 4) | ((top >> 2) << 4)
 
 
 def _by_groups(qt: QuantizedTensor, name: str, row_bytes: int, one) -> QuantizedTensor:
@@ -155,7 +170,7 @@ def _interleave_q4_k(rows: torch.Tensor, nb: int) -> torch.Tensor:
     n = rows.shape[0]
     g = n // X16_ROWS
     b = rows.reshape(g, X16_ROWS, nb, 144)
-    sc, mn = _k_scale_min(b[..., 4:16].reshape(-1, 12))
+    lo, hi = _split_scale_min(*_k_scale_min(b[..., 4:16].reshape(-1, 12)))
 
     def by_row(t: torch.Tensor, width: int) -> torch.Tensor:  # (g, r, nb, w) -> (g, nb, w, r)
         return t.reshape(g, X16_ROWS, nb, width).permute(0, 2, 3, 1)
@@ -163,8 +178,8 @@ def _interleave_q4_k(rows: torch.Tensor, nb: int) -> torch.Tensor:
     d = b[..., 0:2].permute(0, 2, 1, 3).reshape(g, nb, 32)
     dmin = b[..., 2:4].permute(0, 2, 1, 3).reshape(g, nb, 32)
     qs = b[..., 16:].reshape(g, X16_ROWS, nb, 4, 8, 4).permute(0, 2, 3, 4, 1, 5)
-    out = torch.cat([d, dmin, by_row(sc, 8).reshape(g, nb, 128),
-                     by_row(mn, 8).reshape(g, nb, 128), qs.reshape(g, nb, 2048)], dim=2)
+    out = torch.cat([d, dmin, by_row(lo, 8).reshape(g, nb, 128),
+                     by_row(hi, 4).reshape(g, nb, 64), qs.reshape(g, nb, 2048)], dim=2)
     return out.reshape(n, nb * X16_ROW_BYTES)
 
 
@@ -179,10 +194,10 @@ def deinterleave_q4_k(qt: QuantizedTensor) -> QuantizedTensor:
 
     d = x[..., 0:32].reshape(g, nb, X16_ROWS, 2).permute(0, 2, 1, 3)
     dmin = x[..., 32:64].reshape(g, nb, X16_ROWS, 2).permute(0, 2, 1, 3)
-    sc = by_block(x[..., 64:192], 8).reshape(-1, 8)
-    mn = by_block(x[..., 192:320], 8).reshape(-1, 8)
+    sc, mn = _join_scale_min(by_block(x[..., 64:192], 8).reshape(-1, 8),
+                             by_block(x[..., 192:256], 4).reshape(-1, 4))
     scales = _pack_scale_min(sc, mn).reshape(g, X16_ROWS, nb, 12)
-    qs = x[..., 320:].reshape(g, nb, 4, 8, X16_ROWS, 4).permute(0, 4, 1, 2, 3, 5)
+    qs = x[..., 256:].reshape(g, nb, 4, 8, X16_ROWS, 4).permute(0, 4, 1, 2, 3, 5)
     blocks = torch.cat([d, dmin, scales, qs.reshape(g, X16_ROWS, nb, 128)], dim=3)
     return QuantizedTensor("q4_k", blocks.reshape(n, nb * 144), None, None, qt.in_features)
 
