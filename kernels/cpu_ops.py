@@ -218,10 +218,13 @@ def fast_bf16() -> bool:
     AMX, at 4-5x the fp32 GEMM's rate (128 x 2048 x 8192: 218 against 43 GMAC/s on one core).
     AVX512-BF16 alone is not enough: on such a Xeon without AMX the bf16 GEMM ran at 0.64x
     the fp32 one (2 threads, 82 against 128 GFLOP/s at the same size, 0.76x at 512 rows).
-    QSERVE_CPU_BF16=1 or 0 decides instead of the CPU's flags."""
+    QSERVE_CPU_BF16=1 or 0 decides instead of the CPU's flags; QSERVE_CPU_ISA=avx2 (what an
+    AVX2-only CPU runs, which has no AMX) means 0 unless it is set."""
     forced = os.environ.get("QSERVE_CPU_BF16")
     if forced in ("0", "1"):
         return forced == "1"
+    if os.environ.get("QSERVE_CPU_ISA") == "avx2":
+        return False
     try:
         flags = Path("/proc/cpuinfo").read_text().split()
     except OSError:
