@@ -373,16 +373,23 @@ def _read_back(qt: QuantizedTensor, M: int, **kw) -> torch.Tensor:
 
 
 def test_bf16_prefill_is_chosen_by_amx_or_the_variable(monkeypatch):
-    """AVX512-BF16 without AMX multiplies bf16 slower than fp32, so only AMX picks bf16;
-    QSERVE_CPU_BF16 overrides either way."""
-    for value, want in (("1", True), ("0", False)):
-        monkeypatch.setenv("QSERVE_CPU_BF16", value)
+    """AVX512-BF16 without AMX multiplies bf16 slower than fp32, so only AMX picks bf16, and
+    never QSERVE_CPU_ISA=avx2 (an AVX2-only CPU has no AMX); QSERVE_CPU_BF16 overrides either
+    way."""
+    amx = "amx_bf16" in Path("/proc/cpuinfo").read_text().split()
+    try:
+        for isa in ("native", "avx2"):
+            monkeypatch.setenv("QSERVE_CPU_ISA", isa)
+            for value, want in (("1", True), ("0", False), (None, amx and isa == "native")):
+                if value is None:
+                    monkeypatch.delenv("QSERVE_CPU_BF16", raising=False)
+                else:
+                    monkeypatch.setenv("QSERVE_CPU_BF16", value)
+                cpu_ops.fast_bf16.cache_clear()
+                assert cpu_ops.fast_bf16() is want, (isa, value)
+    finally:
+        monkeypatch.undo()
         cpu_ops.fast_bf16.cache_clear()
-        assert cpu_ops.fast_bf16() is want
-    monkeypatch.delenv("QSERVE_CPU_BF16")
-    cpu_ops.fast_bf16.cache_clear()
-    flags = Path("/proc/cpuinfo").read_text().split()
-    assert cpu_ops.fast_bf16() is ("amx_bf16" in flags)
 
 
 @pytest.mark.parametrize("fmt", GGML + DENSE + ["int4", "int4z", "int8"])

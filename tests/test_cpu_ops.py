@@ -165,25 +165,6 @@ def test_int4z_int8_gemm_prefill_matches_the_rounded_reference(gs, N, K, monkeyp
         cpu_ops.fast_bf16.cache_clear()
 
 
-def test_avx2_builds_never_take_amx_bf16_unless_told(monkeypatch):
-    """QSERVE_CPU_ISA=avx2 stands for an AVX2-only CPU, which has no AMX: its prefill takes the
-    int8 GEMM even where this CPU has AMX (a Sapphire Rapids), unless QSERVE_CPU_BF16 says."""
-    monkeypatch.delenv("QSERVE_CPU_BF16", raising=False)
-    try:
-        for isa, bf16, want in [("avx2", None, False), ("avx2", "1", True), ("native", "0", False),
-                                ("native", "1", True)]:
-            monkeypatch.setenv("QSERVE_CPU_ISA", isa)
-            if bf16 is None:
-                monkeypatch.delenv("QSERVE_CPU_BF16", raising=False)
-            else:
-                monkeypatch.setenv("QSERVE_CPU_BF16", bf16)
-            cpu_ops.fast_bf16.cache_clear()
-            assert cpu_ops.fast_bf16() is want, (isa, bf16)
-    finally:
-        monkeypatch.undo()
-        cpu_ops.fast_bf16.cache_clear()
-
-
 # ---- KV writes and decode attention ------------------------------------------------------------
 KV = ["fp32", "fp16", "bf16", "int8", "int4"]
 
