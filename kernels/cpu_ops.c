@@ -2126,6 +2126,8 @@ static inline __attribute__((always_inline)) void bm_run2(const uint8_t *ta, con
     else if (R == 4)
         __asm__(BM2_SET4(0) BM2_ADD4(1) BM2_ADD4(2) BM2_ADD4(3)
                 : BM2_OUT : BM2_IN(4) : "xmm12", "xmm13", "xmm14", "xmm15");
+    else if (R == 2)
+        __asm__(BM2_SET4(0) BM2_ADD4(1) : BM2_OUT : BM2_IN(2) : "xmm12", "xmm13", "xmm14", "xmm15");
     else
         __builtin_unreachable();
 }
@@ -2184,8 +2186,12 @@ gemm_tile_i8(const uint8_t *tile, const float *sw, const float *ow, const int32_
 
 /* Two tiles at once (weight rows n0 .. n0 + 15: a and b, 8 each) against activation group xg,
  * for codes with one scale per 32 inputs (halves == 1), runs of 8 or 4 (q4_k, int4, q4_0,
- * q5_0, q5_1, q5_k): each broadcast activation word serves both tiles' vectors, so a
- * vpmaddubsw costs half a broadcast, not one. 4 activation rows a pass: 8 int16 sums, 2 weight
+ * q5_0, q5_1, q5_k), or per 16 (halves == 2), runs of 4 or 2 (q2_k, q3_k, q6_k): each
+ * broadcast activation word serves both tiles' vectors, so a vpmaddubsw costs half a
+ * broadcast, not one. Per 16 inputs (2026-12-05, a Sapphire Rapids VM built for AVX2, 2
+ * threads, 128 rows, one matrix, separate processes alternated): q3_k and q2_k 2048 x 8192
+ * 6-13% faster, q6_k_x16 8192 x 2048 121-126 -> 129-138 GMAC/s and 2048 x 8192 the same
+ * (125-136 against 133-137): its runs of 2 are widened and its halves scaled apart either way. 4 activation rows a pass: 8 int16 sums, 2 weight
  * vectors and a broadcast in registers. On a Zen 4 running the AVX2 build (2 threads, 1B
  * shapes, one process alternating builds) int4_x16 went from 129-135 to 148-159 GMAC/s at 128
  * rows; with the runs in asm (bm_run2), codes with offsets too: q4_k_x16 4-13% faster than
@@ -2199,10 +2205,10 @@ gemm_tile_i8(const uint8_t *tile, const float *sw, const float *ow, const int32_
 static inline __attribute__((always_inline)) void
 gemm_tile2_i8(const uint8_t *ta, const uint8_t *tb, const float *swa, const float *swb,
               const float *owa, const float *owb, const int32_t *xg, int64_t nchunk,
-              const int run, const int asym, __m256 *outa, __m256 *outb)
+              const int halves, const int run, const int asym, __m256 *outa, __m256 *outb)
 {
     const __m256i ones = _mm256_set1_epi16(1);
-    const int R = 4;
+    const int R = 4, nj = halves == 1 ? 8 : 4; /* vectors a half */
     for (int i0 = 0; i0 < GM; i0 += R) {
         __m256 fa[4], fb[4];
         for (int i = 0; i < R; i++)
@@ -2212,33 +2218,38 @@ gemm_tile2_i8(const uint8_t *ta, const uint8_t *tb, const float *swa, const floa
             const float *d = (const float *)(rec + 8 * GM);
             const float *ds = (const float *)(rec + 11 * GM);
             const uint8_t *tca = ta + c * 8 * 32, *tcb = tb + c * 8 * 32;
-            __m256i acca[4], accb[4];
-            for (int i = 0; i < R; i++)
-                acca[i] = accb[i] = asym ? _mm256_setzero_si256()
-                                         : _mm256_set1_epi32(iz[i0 + i]);
-            for (int j = 0; j < 8; j += run) {
-                __m256i pa[4], pb[4];
-                bm_run2(tca + j * 32, tcb + j * 32, rec + j * GM + i0, pa, pb, run);
+            for (int h = 0; h < halves; h++) {
+                __m256i acca[4], accb[4];
+                for (int i = 0; i < R; i++)
+                    acca[i] = accb[i] = asym ? _mm256_setzero_si256()
+                                             : _mm256_set1_epi32(iz[h * GM + i0 + i]);
+                for (int j = 0; j < nj; j += run) {
+                    __m256i pa[4], pb[4];
+                    const int v = h * nj + j; /* the run's first vector */
+                    bm_run2(tca + v * 32, tcb + v * 32, rec + v * GM + i0, pa, pb, run);
+                    for (int i = 0; i < R; i++) {
+                        acca[i] = _mm256_add_epi32(acca[i], _mm256_madd_epi16(pa[i], ones));
+                        accb[i] = _mm256_add_epi32(accb[i], _mm256_madd_epi16(pb[i], ones));
+                    }
+                }
+                const __m256 sa = _mm256_load_ps(swa + (2 * c + h) * GT);
+                const __m256 sb = _mm256_load_ps(swb + (2 * c + h) * GT);
                 for (int i = 0; i < R; i++) {
-                    acca[i] = _mm256_add_epi32(acca[i], _mm256_madd_epi16(pa[i], ones));
-                    accb[i] = _mm256_add_epi32(accb[i], _mm256_madd_epi16(pb[i], ones));
+                    const __m256 di = _mm256_set1_ps(d[i0 + i]);
+                    fa[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acca[i]), _mm256_mul_ps(sa, di), fa[i]);
+                    fb[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(accb[i]), _mm256_mul_ps(sb, di), fb[i]);
                 }
             }
-            const __m256 sa = _mm256_load_ps(swa + 2 * c * GT), sb = _mm256_load_ps(swb + 2 * c * GT);
-            for (int i = 0; i < R; i++) {
-                const __m256 di = _mm256_set1_ps(d[i0 + i]);
-                fa[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acca[i]), _mm256_mul_ps(sa, di), fa[i]);
-                fb[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(accb[i]), _mm256_mul_ps(sb, di), fb[i]);
-            }
-            if (asym) {
-                const __m256 oa = _mm256_load_ps(owa + 2 * c * GT);
-                const __m256 ob = _mm256_load_ps(owb + 2 * c * GT);
-                for (int i = 0; i < R; i++) {
-                    const __m256 dsi = _mm256_set1_ps(ds[i0 + i]);
-                    fa[i] = _mm256_fmadd_ps(oa, dsi, fa[i]);
-                    fb[i] = _mm256_fmadd_ps(ob, dsi, fb[i]);
+            if (asym)
+                for (int h = 0; h < halves; h++) {
+                    const __m256 oa = _mm256_load_ps(owa + (2 * c + h) * GT);
+                    const __m256 ob = _mm256_load_ps(owb + (2 * c + h) * GT);
+                    for (int i = 0; i < R; i++) {
+                        const __m256 dsi = _mm256_set1_ps(ds[h * GM + i0 + i]);
+                        fa[i] = _mm256_fmadd_ps(oa, dsi, fa[i]);
+                        fb[i] = _mm256_fmadd_ps(ob, dsi, fb[i]);
+                    }
                 }
-            }
         }
         for (int i = 0; i < R; i++) {
             outa[i0 + i] = fa[i];
@@ -2247,8 +2258,8 @@ gemm_tile2_i8(const uint8_t *ta, const uint8_t *tb, const float *swa, const floa
     }
 }
 
-/* As gemm_tile_rows for the 16 weight rows of two tiles (gemm_tile2_i8: t->halves == 1,
- * t->run >= 4); rows past N masked. */
+/* As gemm_tile_rows for the 16 weight rows of two tiles (gemm_tile2_i8: t->run >= 4, or >= 2
+ * where t->halves == 2); rows past N masked. */
 static void gemm_tile_rows2(const wdesc *W, const gemm_traits *t, const uint8_t *ta,
                             const float *swa, const float *owa, const uint8_t *tb,
                             const float *swb, const float *owb, const int32_t *xb, int64_t c0,
@@ -2264,14 +2275,14 @@ static void gemm_tile_rows2(const wdesc *W, const gemm_traits *t, const uint8_t 
     for (int64_t g = m0 / GM; g * GM < m1; g++) {
         __m256 outa[GM], outb[GM];
         const int32_t *xr = xb + g * cn * GREC;
-        if (t->run >= 8 && t->asym)
-            gemm_tile2_i8(ta, tb, swa, swb, owa, owb, xr, cn, 8, 1, outa, outb);
-        else if (t->run >= 8)
-            gemm_tile2_i8(ta, tb, swa, swb, owa, owb, xr, cn, 8, 0, outa, outb);
-        else if (t->asym)
-            gemm_tile2_i8(ta, tb, swa, swb, owa, owb, xr, cn, 4, 1, outa, outb);
+#define TILE2(h, r, a) gemm_tile2_i8(ta, tb, swa, swb, owa, owb, xr, cn, h, r, a, outa, outb)
+        if (t->halves == 1)
+            t->run >= 8 ? (t->asym ? TILE2(1, 8, 1) : TILE2(1, 8, 0))
+                        : (t->asym ? TILE2(1, 4, 1) : TILE2(1, 4, 0));
         else
-            gemm_tile2_i8(ta, tb, swa, swb, owa, owb, xr, cn, 4, 0, outa, outb);
+            t->run >= 4 ? (t->asym ? TILE2(2, 4, 1) : TILE2(2, 4, 0))
+                        : (t->asym ? TILE2(2, 2, 1) : TILE2(2, 2, 0));
+#undef TILE2
         for (int i = 0; i < GM && g * GM + i < m1; i++) {
             float *yr = y + (g * GM + i) * ldy + n0;
             if (nb == GT) { /* whole tiles: plain loads and stores (masked ones are slow on AMD) */
@@ -2433,7 +2444,7 @@ int wgemm_i8(const wdesc *W, const float *x, int64_t M, int64_t ldx, float *y, i
 #ifdef HAVE_ZMM_PATH
     const int64_t step = GT;
 #else /* two tiles at a time where gemm_tile2_i8 takes the codes */
-    const int64_t step = GEMM_PAIR && t.halves == 1 && t.run >= 4 ? 2 * GT : GT;
+    const int64_t step = GEMM_PAIR && t.run >= (t.halves == 1 ? 4 : 2) ? 2 * GT : GT;
 #endif
 #pragma omp parallel num_threads(nthreads)
     {
