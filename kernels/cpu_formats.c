@@ -977,7 +977,8 @@ static void half_dequant_row(const wdesc *W, int64_t n, float *out)
  * The file's bytes, moved, 144 a row and block as in the file; only the 12-byte scale packing is
  * rearranged so that one 16-byte load and a few shifts give a sub-block's 16 scales (and mins).
  * They were stored unpacked, a byte each (148 bytes a row and block), until 2026-12-05: 2.8%
- * more bytes to stream and hold. w = d sc_j q - dmin m_j as for q4_k. One 64-byte load is 4 inputs of 16 rows, so
+ * more bytes to stream and hold. w = d sc_j q - dmin m_j as for q4_k. One 64-byte load is 4
+ * inputs of 16 rows, so
  * a vpdpbusd against 4 activation bytes broadcast adds their products into 16 row lanes, and 8
  * make a sub-block's exact integer dot for 16 rows, converted and scaled once: ~3.5 vector ops a
  * vpdpbusd, against ~6 in k4_row_z (which converts and scales after every one). The int8 GEMM
@@ -990,11 +991,12 @@ static void half_dequant_row(const wdesc *W, int64_t n, float *out)
 #define X16_LO 64
 #define X16_HI 192
 #define X16_QS 256
-/* How far ahead the _x16 row kernels prefetch their weight stream: one line, which leaves the
- * stream to the hardware prefetchers. On a Zen 4 (2 threads, 14 q4_k_x16 matrices of 16384 x
- * 2048 cycled, so read from DRAM) they read at 0.84x of a torch sum's bandwidth with this
- * against 0.42-0.54x prefetching 1-16 KiB ahead; 1B Q4_K_M batch-1 decode 25-31 against
- * 17-25 tok/s in interleaved runs. */
+/* How far ahead the _x16 row kernels prefetched their weight stream (now only 512-bit int4's,
+ * the others spread out, below): one line, which leaves the stream to the hardware
+ * prefetchers. On a Zen 4 (2 threads, 14 q4_k_x16 matrices of 16384 x 2048 cycled, so read
+ * from DRAM) they read at 0.84x of a torch sum's bandwidth with this against 0.42-0.54x
+ * prefetching 1-16 KiB ahead; 1B Q4_K_M batch-1 decode 25-31 against 17-25 tok/s in
+ * interleaved runs. */
 #ifndef X16_PF
 #define X16_PF 64
 #endif
@@ -1046,9 +1048,10 @@ static inline __attribute__((always_inline)) void x16_scale_min(const uint8_t *s
 }
 
 /* All 8 sub-blocks' scales and mins of a super-block's 16 rows: sc[16 j + r], mn[16 j + r]. Two
- * sub-blocks a ymm (x16_scale_min's steps), for the AVX2 kernels, which take each row half's in
- * turn: unpacking a sub-block's per row half and step cost AVX2 batch-1 decode ~6% (1B Q4_K_M, a
- * 2-core Sapphire Rapids). */
+ * sub-blocks a ymm (x16_scale_min's steps), for the AVX2 row kernel, which takes each row half
+ * in turn: 1B Q4_K_M batch-1 decode (AVX2, a 2-core Sapphire Rapids) read 23.0 tok/s unpacking a
+ * sub-block's per row half and step, 23.6 once a super-block, against 24.5 with the scales
+ * stored a byte each; the spread prefetch (prefetch_part) more than made up the rest. */
 static inline __attribute__((always_inline)) void x16_scales_all(const uint8_t *sb, uint8_t *sc,
                                                                  uint8_t *mn)
 {
@@ -1642,8 +1645,10 @@ x16_rows_z(const uint8_t *grp, int64_t nb, const qacts *a, int64_t m0, int64_t K
                     const int64_t c = 8 * b + j;
                     __m128i vs, vm;
                     x16_scale_min(sb, j, &vs, &vm);
-                    const __m512 s = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(vs)));
-                    const __m512 o = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(vm)));
+                    const __m512 s = _mm512_mul_ps(d, _mm512_cvtepi32_ps(
+                        _mm512_cvtepu8_epi32(vs)));
+                    const __m512 o = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(
+                        _mm512_cvtepu8_epi32(vm)));
                     for (int i = 0; i < mt; i++) {
                         const float dx = a->d[c * a->Mp + m0 + i], ds = a->dsum[c * a->Mp + m0 + i];
                         /* both terms into one accumulator: the min term cancels much of the

@@ -2188,17 +2188,18 @@ gemm_tile_i8(const uint8_t *tile, const float *sw, const float *ow, const int32_
  * for codes with one scale per 32 inputs (halves == 1), runs of 8 or 4 (q4_k, int4, q4_0,
  * q5_0, q5_1, q5_k), or per 16 (halves == 2), runs of 4 or 2 (q2_k, q3_k, q6_k): each
  * broadcast activation word serves both tiles' vectors, so a vpmaddubsw costs half a
- * broadcast, not one. Per 16 inputs (2026-12-05, a Sapphire Rapids VM built for AVX2, 2
+ * broadcast, not one. 4 activation rows a pass: 8 int16 sums, 2 weight vectors and a
+ * broadcast in registers. On a Zen 4 running the AVX2 build (2 threads, 1B shapes, one process
+ * alternating builds) int4_x16 went from 129-135 to 148-159 GMAC/s at 128 rows; with the runs
+ * in asm (bm_run2), codes with offsets too: q4_k_x16 4-13% faster than one tile at 32 and 512
+ * rows, q5_k and q5_1 8-18% (compiled from intrinsics, the offsets' extra load and fmadd had
+ * made it 5-8% slower). Per 16 inputs (2026-12-05, a Sapphire Rapids VM built for AVX2, 2
  * threads, 128 rows, one matrix, separate processes alternated): q3_k and q2_k 2048 x 8192
  * 6-13% faster, q6_k_x16 8192 x 2048 121-126 -> 129-138 GMAC/s and 2048 x 8192 the same
- * (125-136 against 133-137): its runs of 2 are widened and its halves scaled apart either way. 4 activation rows a pass: 8 int16 sums, 2 weight
- * vectors and a broadcast in registers. On a Zen 4 running the AVX2 build (2 threads, 1B
- * shapes, one process alternating builds) int4_x16 went from 129-135 to 148-159 GMAC/s at 128
- * rows; with the runs in asm (bm_run2), codes with offsets too: q4_k_x16 4-13% faster than
- * one tile at 32 and 512 rows, q5_k and q5_1 8-18% (compiled from intrinsics, the offsets'
- * extra load and fmadd had made it 5-8% slower). The integer sums and the float operations
- * per lane are gemm_tile_i8's, in the same order, so a row's result does not depend on whether
- * its tile ran paired (GEMM_PAIR=0 builds without). */
+ * (125-136 against 133-137): its runs of 2 are widened, and its halves scaled, apart either
+ * way. The integer sums and the float operations per lane are gemm_tile_i8's, in the same
+ * order, so a row's result does not depend on whether its tile ran paired (GEMM_PAIR=0 builds
+ * without). */
 #ifndef GEMM_PAIR
 #define GEMM_PAIR 1
 #endif
@@ -2236,8 +2237,10 @@ gemm_tile2_i8(const uint8_t *ta, const uint8_t *tb, const float *swa, const floa
                 const __m256 sb = _mm256_load_ps(swb + (2 * c + h) * GT);
                 for (int i = 0; i < R; i++) {
                     const __m256 di = _mm256_set1_ps(d[i0 + i]);
-                    fa[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acca[i]), _mm256_mul_ps(sa, di), fa[i]);
-                    fb[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(accb[i]), _mm256_mul_ps(sb, di), fb[i]);
+                    fa[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acca[i]), _mm256_mul_ps(sa, di),
+                                            fa[i]);
+                    fb[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(accb[i]), _mm256_mul_ps(sb, di),
+                                            fb[i]);
                 }
             }
             if (asym)

@@ -272,16 +272,16 @@ def greedy(max_tokens, **kw):
 
 @pytest.fixture(scope="module")
 def references(loaded_model):
-    """Per KV dtype, an engine with room for everything: what layer-wise runs must equal."""
+    """Per KV dtype, a fresh engine with room for everything: what layer-wise runs must equal.
+    Not one kept across tests: an engine that has run these prompts before takes their blocks
+    from its prefix cache, and with a quantized KV cache a prompt read back from its int4
+    blocks is not the prompt computed afresh (swap-int4 failed after recompute-int4 on a
+    Sapphire Rapids, and passed alone)."""
     from qserve import LLM
 
-    cache = {}
-
     def get(kv_dtype):
-        if kv_dtype not in cache:
-            cache[kv_dtype] = LLM(loaded=loaded_model, kv_cache_memory="64MiB",
-                                  max_model_len=384, kv_dtype=kv_dtype)
-        return cache[kv_dtype]
+        return LLM(loaded=loaded_model, kv_cache_memory="64MiB", max_model_len=384,
+                   kv_dtype=kv_dtype)
     return get
 
 
