@@ -114,7 +114,7 @@ def repack(name: str, rows: torch.Tensor, in_features: int) -> QuantizedTensor:
 
 
 
-# ---- q4_k_x16: Q4_K with 16 rows interleaved, for the CPU's 512-bit kernels ------------------
+# ---- q4_k_x16: Q4_K with 16 rows interleaved, for the CPU kernels (512-bit and AVX2) ---------
 # Group g (rows 16g .. 16g + 15) holds its super-blocks in order, 16 x 144 bytes each:
 #   d[16] fp16 | dmin[16] fp16 | lo[8][16] | hi[4][16] | qs[4][8][16][4]
 # (sub-block j's 6-bit scale sc and min m of row r: lo[j][r] = sc & 15 | (m & 15) << 4, and
