@@ -969,7 +969,7 @@ static void half_dequant_row(const wdesc *W, int64_t n, float *out)
  *   +64   lo[8][16]         sub-block j's 6-bit scale sc and min m of row r, their low 4 bits:
  *                           sc & 15 | (m & 15) << 4
  *   +192  hi[4][16]         their top 2 bits, sub-blocks 2i and 2i + 1: bits 0-1 sc_2i >> 4,
- *                           2-3 m_2i >> 4, 4-5 sc_2i+1 >> 4, 6-7 m_2i+1 >> 4 (x16_scale_min)
+ *                           2-3 m_2i >> 4, 4-5 sc_2i+1 >> 4, 6-7 m_2i+1 >> 4 (x16_scales)
  *   +256  qs[4][8][16][4]   [p][lg][r][t] = byte 4 lg + t of row r's qs run p (qs[32 p + 4 lg + t]
  *                           of the block): low nibble input 64 p + 4 lg + t (sub-block 2p),
  *                           high nibble input 64 p + 32 + 4 lg + t (sub-block 2p + 1)
@@ -1033,33 +1033,19 @@ static inline __attribute__((always_inline)) void prefetch_part(const uint8_t *p
         _mm_prefetch((const char *)(p + o), _MM_HINT_T0);
 }
 
-/* Sub-block j's 6-bit scales and mins of a q4_k_x16 super-block's 16 rows, a byte each */
-static inline __attribute__((always_inline)) void x16_scale_min(const uint8_t *sb, int j,
-                                                                __m128i *sc, __m128i *mn)
-{
-    const __m128i m4 = _mm_set1_epi8(15), m3 = _mm_set1_epi8(3);
-    const __m128i lo = _mm_loadu_si128((const __m128i *)(sb + X16_LO + 16 * j));
-    __m128i hi = _mm_loadu_si128((const __m128i *)(sb + X16_HI + 16 * (j >> 1)));
-    if (j & 1)
-        hi = _mm_srli_epi16(hi, 4); /* bits shifted in from the next byte are masked off */
-    *sc = _mm_or_si128(_mm_and_si128(lo, m4), _mm_slli_epi16(_mm_and_si128(hi, m3), 4));
-    *mn = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(lo, 4), m4),
-                       _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(hi, 2), m3), 4));
-}
-
-/* All 8 sub-blocks' scales and mins of a super-block's 16 rows: sc[16 j + r], mn[16 j + r]. Two
- * sub-blocks a ymm (x16_scale_min's steps), for the AVX2 row kernel, which takes each row half
- * in turn: 1B Q4_K_M batch-1 decode (AVX2, a 2-core Sapphire Rapids) read 23.0 tok/s unpacking a
- * sub-block's per row half and step, 23.6 once a super-block, against 24.5 with the scales
- * stored a byte each; the spread prefetch (prefetch_part) more than made up the rest. */
-static inline __attribute__((always_inline)) void x16_scales_all(const uint8_t *sb, uint8_t *sc,
-                                                                 uint8_t *mn)
+/* A q4_k_x16 super-block's 6-bit scales and mins, a byte each: sc[16 j + r], mn[16 j + r] for
+ * sub-block j and row r. Two sub-blocks a ymm. Every kernel unpacks a super-block's once, before
+ * it needs them: 1B Q4_K_M batch-1 decode (AVX2, a 2-core Sapphire Rapids) read 23.0 tok/s
+ * unpacking a sub-block's per row half and step, 23.6 once a super-block, against 24.5 with the
+ * scales stored a byte each; the spread prefetch (prefetch_part) more than made up the rest. */
+static inline __attribute__((always_inline)) void x16_scales(const uint8_t *sb, uint8_t *sc,
+                                                             uint8_t *mn)
 {
     const __m256i m4 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);
     for (int i = 0; i < 4; i++) { /* sub-blocks 2i (low lane) and 2i + 1 (high lane) */
         const __m256i lo = _mm256_loadu_si256((const __m256i *)(sb + X16_LO + 32 * i));
         const __m128i h = _mm_loadu_si128((const __m128i *)(sb + X16_HI + 16 * i));
-        const __m256i hi = _mm256_set_m128i(_mm_srli_epi16(h, 4), h);
+        const __m256i hi = _mm256_set_m128i(_mm_srli_epi16(h, 4), h); /* 2i + 1's bits down */
         _mm256_storeu_si256((__m256i *)(sc + 32 * i),
                             _mm256_or_si256(_mm256_and_si256(lo, m4),
                                             _mm256_slli_epi16(_mm256_and_si256(hi, m3), 4)));
@@ -1068,12 +1054,6 @@ static inline __attribute__((always_inline)) void x16_scales_all(const uint8_t *
             _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo, 4), m4),
                             _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hi, 2), m3), 4)));
     }
-}
-
-/* Rows 0-7 (h = 0) or 8-15 (h = 1) of one of those */
-static inline __attribute__((always_inline)) __m128i x16_half(__m128i v, int h)
-{
-    return h ? _mm_unpackhi_epi64(v, v) : v;
 }
 
 /* Row r of a group's super-block sb -> its codes, scales and offsets, as codes_k4 gives them
@@ -1090,14 +1070,11 @@ static void codes_x16(const uint8_t *sb, int r, uint8_t *u, float *s, float *o)
         _mm256_storeu_si256((__m256i *)(u + 64 * p + 32),
                             _mm256_and_si256(_mm256_srli_epi16(q, 4), m4));
     }
+    uint8_t sc[128], mn[128];
+    x16_scales(sb, sc, mn);
     for (int j = 0; j < 8; j++) {
-        uint8_t sc[16], mn[16];
-        __m128i vs, vm;
-        x16_scale_min(sb, j, &vs, &vm);
-        _mm_storeu_si128((__m128i *)sc, vs);
-        _mm_storeu_si128((__m128i *)mn, vm);
-        s[2 * j] = s[2 * j + 1] = d * (float)sc[r];
-        o[2 * j] = o[2 * j + 1] = -(dmin * (float)mn[r]);
+        s[2 * j] = s[2 * j + 1] = d * (float)sc[16 * j + r];
+        o[2 * j] = o[2 * j + 1] = -(dmin * (float)mn[16 * j + r]);
     }
 }
 
@@ -1247,7 +1224,7 @@ x16_rows_y(const uint8_t *grp, int64_t nb, const qacts *a, int64_t m0, int64_t K
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *sb = grp + b * X16_SB;
         uint8_t scs[128], mns[128];
-        x16_scales_all(sb, scs, mns);
+        x16_scales(sb, scs, mns);
         for (int h = 0; h < 2; h++) {
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 16 * h)));
             const __m256 dmin = _mm256_cvtph_ps(
@@ -1519,13 +1496,14 @@ static void x16_pack_tile(const wdesc *W, int64_t n0, int64_t c0, int64_t cn, ui
         }
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 16 * rh)));
         const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 32 + 16 * rh)));
+        uint8_t sc[128], mn[128];
+        x16_scales(sb, sc, mn);
         for (int j = 0; j < 8; j++) {
             const int64_t h = 2 * (8 * b + j - c0); /* the chunk's two 16-input halves */
-            __m128i vs, vm;
-            x16_scale_min(sb, j, &vs, &vm);
-            const __m256 sv = _mm256_mul_ps(d, u8_to_ps(x16_half(vs, rh)));
+            const __m256 sv = _mm256_mul_ps(d, u8_to_ps(
+                _mm_loadl_epi64((const __m128i *)(sc + 16 * j + 8 * rh))));
             const __m256 ov = _mm256_xor_ps(neg, _mm256_mul_ps(dmin, u8_to_ps( /* -(dmin m) */
-                x16_half(vm, rh))));
+                _mm_loadl_epi64((const __m128i *)(mn + 16 * j + 8 * rh)))));
             _mm256_store_ps(sw + h * X16Y_GT, sv);
             _mm256_store_ps(sw + (h + 1) * X16Y_GT, sv);
             _mm256_store_ps(ow + h * X16Y_GT, ov);
@@ -1618,6 +1596,8 @@ x16_rows_z(const uint8_t *grp, int64_t nb, const qacts *a, int64_t m0, int64_t K
         const uint8_t *sb = grp + b * X16_SB;
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sb));
         const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sb + 32)));
+        uint8_t scs[128], mns[128];
+        x16_scales(sb, scs, mns);
         for (int p0 = 0; p0 < 4; p0 += np) {
             prefetch_part(sb + X16Q4_AHEAD, p0 / np, 4 / np, X16_SB);
             __m512i acc[4][2][MTI]; /* [p - p0][u][i] */
@@ -1643,12 +1623,10 @@ x16_rows_z(const uint8_t *grp, int64_t nb, const qacts *a, int64_t m0, int64_t K
                 for (int u = 0; u < 2; u++) {
                     const int j = 2 * (p0 + pp) + u;
                     const int64_t c = 8 * b + j;
-                    __m128i vs, vm;
-                    x16_scale_min(sb, j, &vs, &vm);
-                    const __m512 s = _mm512_mul_ps(d, _mm512_cvtepi32_ps(
-                        _mm512_cvtepu8_epi32(vs)));
-                    const __m512 o = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(
-                        _mm512_cvtepu8_epi32(vm)));
+                    const __m512 s = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                        _mm_loadu_si128((const __m128i *)(scs + 16 * j)))));
+                    const __m512 o = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                        _mm_loadu_si128((const __m128i *)(mns + 16 * j)))));
                     for (int i = 0; i < mt; i++) {
                         const float dx = a->d[c * a->Mp + m0 + i], ds = a->dsum[c * a->Mp + m0 + i];
                         /* both terms into one accumulator: the min term cancels much of the
@@ -1702,13 +1680,14 @@ static void x16_pack_tile(const wdesc *W, int64_t n0, int64_t c0, int64_t cn, ui
         }
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sb));
         const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sb + 32)));
+        uint8_t sc[128], mn[128];
+        x16_scales(sb, sc, mn);
         for (int j = 0; j < 8; j++) {
             const int64_t h = 2 * (8 * b + j - c0); /* the chunk's two 16-input halves */
-            __m128i vs, vm;
-            x16_scale_min(sb, j, &vs, &vm);
-            const __m512 s = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(vs)));
+            const __m512 s = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                _mm_loadu_si128((const __m128i *)(sc + 16 * j)))));
             const __m512 o = _mm512_xor_ps(neg, _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(
-                _mm512_cvtepu8_epi32(vm))));
+                _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(mn + 16 * j))))));
             _mm512_store_ps(sw + h * X16, s);
             _mm512_store_ps(sw + (h + 1) * X16, s);
             _mm512_store_ps(ow + h * X16, o);
