@@ -1,7 +1,7 @@
-/* Weight formats beyond qserve's int4/int8: GGML blocks read in place (q5_0, q5_1, q2_k .. q6_k)
- * and dense fp16/bf16. #included by cpu_ops.c after its int4/int8 kernels, whose helpers (hsum,
- * lane, qacts, quantize_activations, FOR_EACH_*) these share; wmatmul and wdequant there switch
- * on the kind and land here.
+/* Weight formats beyond qserve's int4/int8: GGML blocks read in place (q5_0, q5_1, q2_k .. q6_k,
+ * iq4_nl, iq4_xs) and dense fp16/bf16. #included by cpu_ops.c after its int4/int8 kernels,
+ * whose helpers (hsum, lane, qacts, quantize_activations, FOR_EACH_*) these share; wmatmul and
+ * wdequant there switch on the kind and land here.
  *
  * Block layouts (little-endian; d, dmin, m fp16; gguf-py's dequantization is the reference that
  * qserve/formats/ggml.py mirrors):
@@ -13,6 +13,8 @@
  *   q4_k  256,       144 B  d | dmin | sc[12] | qs[128]        w = d sc_j q - dmin m_j
  *   q5_k  256,       176 B  d | dmin | sc[12] | qh[32] | qs[128]    (as q4_k, 5-bit q)
  *   q6_k  256,       210 B  ql[128] | qh[64] | sc[16] | d      w = d sc_s (q - 32)
+ *   iq4_nl  32,       18 B  d | qs[16]                         w = d v[q]
+ *   iq4_xs  256,     136 B  d | sh (uint16) | sl[4] | qs[128]  w = d (ls_j - 32) v[q]
  *
  * s = i / 16 and j = i / 32 index sub-blocks of a super-block; q2_k's byte sm[s] holds sc_s (low
  * nibble) and m_s (high); q3_k's 12 bytes hold 16 6-bit scales biased by 32 (k3_words), q4_k's
@@ -25,6 +27,9 @@
  *              + l (p < 4, u < 2) is nibble u of qs[32 p + l]; q5_k bit 4: bit i / 32 of qh[l]
  *   q6_k       low 4: nibble (t >= 2) of ql[64 h + 32 (t % 2) + l]; high 2: bits 2t, 2t + 1 of
  *              qh[32 h + l]
+ *   iq4_*      an index into the table v of 16 int8 values (IQ4_VALUES): nibble (i % 32 >= 16)
+ *              of qs[16 j + i % 16]; iq4_xs's 6-bit ls_j: nibble j % 2 of sl[j / 2], bits 2j,
+ *              2j + 1 of sh above it
  *
  * Every type has a block decoder, used by wdequant, by the fp32-activation path (decode a block
  * into floats, then dot it with every activation row) and on machines without AVX2. It does the
@@ -211,6 +216,58 @@ static void deq_q6_k(const uint8_t *b, float *y)
 static void deq_q6_k(const uint8_t *b, float *y) { deq_q6_k_scalar(b, y); }
 #endif
 
+/* iq4_nl / iq4_xs: the table, and each 32 inputs' values from their 16 bytes */
+static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                      1, 13, 25, 38, 53, 69, 89, 113};
+
+static inline int iq4_xs_scale(const uint8_t *b, int j) /* ls_j - 32 */
+{
+    const int sh = b[2] | b[3] << 8;
+    return (((b[4 + j / 2] >> (4 * (j % 2))) & 15) | ((sh >> (2 * j)) & 3) << 4) - 32;
+}
+
+/* the 32 inputs' table values, low nibbles then high (one vpshufb) */
+#ifdef HAVE_I8_PATH
+static inline __m256i iq4_values_y(const uint8_t *qs)
+{
+    const __m128i q = _mm_loadu_si128((const __m128i *)qs), m4 = _mm_set1_epi8(15);
+    const __m256i idx = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4),
+                                         _mm_and_si128(q, m4));
+    return _mm256_shuffle_epi8(
+        _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_VALUES)), idx);
+}
+#endif
+
+static void deq_iq4_32(const uint8_t *qs, float dl, float *y)
+{
+#ifdef HAVE_I8_PATH
+    const __m256i v = iq4_values_y(qs);
+    const __m256 d = _mm256_set1_ps(dl);
+    for (int k = 0; k < 4; k++) { /* dl v: one product, as the reference's */
+        const __m128i part = k < 2 ? _mm256_castsi256_si128(v) : _mm256_extracti128_si256(v, 1);
+        const __m256i w = _mm256_cvtepi8_epi32(k % 2 ? _mm_srli_si128(part, 8) : part);
+        _mm256_storeu_ps(y + 8 * k, _mm256_mul_ps(d, _mm256_cvtepi32_ps(w)));
+    }
+#else
+    for (int l = 0; l < 16; l++) {
+        y[l] = dl * (float)IQ4_VALUES[qs[l] & 15];
+        y[l + 16] = dl * (float)IQ4_VALUES[qs[l] >> 4];
+    }
+#endif
+}
+
+static void deq_iq4_nl(const uint8_t *b, float *y)
+{
+    deq_iq4_32(b + 2, ld_half(b), y);
+}
+
+static void deq_iq4_xs(const uint8_t *b, float *y)
+{
+    const float d = ld_half(b);
+    for (int j = 0; j < QK_K / 32; j++) /* d (ls - 32): exact in fp32, as gguf-py's dl */
+        deq_iq4_32(b + 8 + 16 * j, d * (float)iq4_xs_scale(b, j), y + 32 * j);
+}
+
 /* ---- block codes: one block -> its unsigned codes and per-16 scales, for the int8 GEMM -------
  * The GEMM (wgemm_i8 in cpu_ops.c) multiplies the weights' own integer codes, not a rounding of
  * their values: per block, u[i] the code of input i as an unsigned byte in input order, and per
@@ -350,6 +407,39 @@ static void codes_q6_k(const uint8_t *b, uint8_t *u, float *s, float *o)
     for (int j = 0; j < 16; j++) {
         s[j] = d * (float)sc[j];
         o[j] = 0.f;
+    }
+}
+
+/* iq4_*: the table values v + 128 as codes (z = 128, 1 .. 241), the block's d or d (ls - 32) as
+ * the scale: s (u - z) = d v exactly. Past 2 * 127 * 127 a pair of products saturates int16, so
+ * the AVX2 GEMM leaves them to the row kernels (gemm_run); vpdpbusd does not saturate. */
+static void codes_iq4_32(const uint8_t *qs, uint8_t *u)
+{
+#ifdef HAVE_I8_PATH
+    _mm256_storeu_si256((__m256i *)u, _mm256_xor_si256(iq4_values_y(qs), /* + 128 */
+                                                       _mm256_set1_epi8((char)0x80)));
+#else
+    for (int l = 0; l < 16; l++) {
+        u[l] = (uint8_t)(IQ4_VALUES[qs[l] & 15] + 128);
+        u[l + 16] = (uint8_t)(IQ4_VALUES[qs[l] >> 4] + 128);
+    }
+#endif
+}
+
+static void codes_iq4_nl(const uint8_t *b, uint8_t *u, float *s, float *o)
+{
+    codes_iq4_32(b + 2, u);
+    s[0] = s[1] = ld_half(b);
+    o[0] = o[1] = 0.f;
+}
+
+static void codes_iq4_xs(const uint8_t *b, uint8_t *u, float *s, float *o)
+{
+    const float d = ld_half(b);
+    for (int j = 0; j < QK_K / 32; j++) {
+        codes_iq4_32(b + 8 + 16 * j, u + 32 * j);
+        s[2 * j] = s[2 * j + 1] = d * (float)iq4_xs_scale(b, j);
+        o[2 * j] = o[2 * j + 1] = 0.f;
     }
 }
 
@@ -621,6 +711,30 @@ q2k_row_i8(const uint8_t *row, int64_t nb, const qacts *a, int64_t m0, int64_t K
     }
     finish_rows(acc, _mm256_add_ps(off[0], off[1]), mt, res);
 }
+/* iq4_nl / iq4_xs: per 32 inputs the table's values (one vpshufb of the 16 indices, low
+ * nibbles then high), signed; iq4_xs's ls - 32 weighs the pairs in madd, its d and iq4_nl's
+ * scale the step */
+static inline __attribute__((always_inline)) void
+iq4_row_i8(const uint8_t *row, int64_t nb, const qacts *a, int64_t m0, int64_t K, const int xs,
+           const int mt, float *res)
+{
+    __m256 acc[MTI];
+    for (int i = 0; i < mt; i++)
+        acc[i] = _mm256_setzero_ps();
+    const int bytes = xs ? 136 : 18, subs = xs ? QK_K / 32 : 1;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + b * bytes, *qs = blk + (xs ? 8 : 2);
+        prefetch_ahead(blk, bytes);
+        const float d = ld_half(blk);
+        for (int j = 0; j < subs; j++) {
+            const __m256i sc = _mm256_set1_epi16((short)(xs ? iq4_xs_scale(blk, j) : 1));
+            const int64_t c = (int64_t)subs * b + j;
+            chunk_dot_signed(acc, iq4_values_y(qs + 16 * j), sc, chunk_step(d, a, m0, c), a, m0,
+                             K, c, mt);
+        }
+    }
+    finish_rows(acc, _mm256_setzero_ps(), mt, res);
+}
 #undef SUM32
 #undef SUM16
 
@@ -716,6 +830,8 @@ typedef void (*rows_i8_fn)(const uint8_t *row, int64_t nb, const qacts *a, int64
 #define Q5_K(k) k4_row_i8(row, nb, a, m0, K, 1, k, res)
 #endif
 #define Q6_K(k) q6k_row_i8(row, nb, a, m0, K, k, res)
+#define IQ4_NL(k) iq4_row_i8(row, nb, a, m0, K, 0, k, res)
+#define IQ4_XS(k) iq4_row_i8(row, nb, a, m0, K, 1, k, res)
 ROWS_I8(q5_0_rows_i8, Q5_0)
 ROWS_I8(q5_1_rows_i8, Q5_1)
 ROWS_I8(q2_k_rows_i8, Q2_K)
@@ -723,6 +839,8 @@ ROWS_I8(q3_k_rows_i8, Q3_K)
 ROWS_I8(q4_k_rows_i8, Q4_K)
 ROWS_I8(q5_k_rows_i8, Q5_K)
 ROWS_I8(q6_k_rows_i8, Q6_K)
+ROWS_I8(iq4_nl_rows_i8, IQ4_NL)
+ROWS_I8(iq4_xs_rows_i8, IQ4_XS)
 #undef Q5_0
 #undef Q5_1
 #undef Q2_K
@@ -730,6 +848,8 @@ ROWS_I8(q6_k_rows_i8, Q6_K)
 #undef Q4_K
 #undef Q5_K
 #undef Q6_K
+#undef IQ4_NL
+#undef IQ4_XS
 #undef ROWS_I8
 #define I8(fn) , fn
 #else
@@ -761,6 +881,8 @@ static const ggml_type GGML_TYPES[] = {
     {KIND_Q4_K, QK_K, 144, 0, deq_q4_k, codes_q4_k, 0, 1, 1, 15 I8(q4_k_rows_i8)},
     {KIND_Q5_K, QK_K, 176, 0, deq_q5_k, codes_q5_k, 0, 1, 1, 31 I8(q5_k_rows_i8)},
     {KIND_Q6_K, QK_K, 210, 0, deq_q6_k, codes_q6_k, 32, 2, 0, 63 I8(q6_k_rows_i8)},
+    {KIND_IQ4_NL, 32, 18, 0, deq_iq4_nl, codes_iq4_nl, 128, 1, 0, 241 I8(iq4_nl_rows_i8)},
+    {KIND_IQ4_XS, QK_K, 136, 0, deq_iq4_xs, codes_iq4_xs, 128, 1, 0, 241 I8(iq4_xs_rows_i8)},
 };
 #undef I8
 

@@ -1,4 +1,5 @@
-"""Fused dequant-GEMM in Triton for the GGML formats read in place (Q5_0, Q5_1, Q2_K ... Q6_K):
+"""Fused dequant-GEMM in Triton for the GGML formats read in place (Q5_0, Q5_1, Q2_K ... Q6_K,
+IQ4_NL, IQ4_XS):
 y = x @ W^T (+ bias) with W's GGUF blocks read as the file has them and dequantized in
 registers. The reference is `F.linear(x, qt.dequantize().to(x.dtype), bias)`
 (qserve/formats/ggml.py has the layouts and the pure-torch dequantization).
@@ -15,7 +16,7 @@ it gathers the bytes holding the chunk's codes and scales, forms each weight in 
 gguf-py's order ((d * sc) * q - dmin * mn, ...), rounds it to x's dtype (so a weight is the
 very value F.linear sees; bf16 under the interpreter stays fp32, see dot_dtype) and adds
 x_chunk (BM, 32) . W_chunk (32, BN) to an fp32 accumulator.
-32 inputs is one sub-block of Q4_K/Q5_K, one block of Q5_0/Q5_1 and two sub-blocks of
+32 inputs is one sub-block of Q4_K/Q5_K/IQ4_XS, one block of Q5_0/Q5_1/IQ4_NL and two of
 Q2_K/Q3_K/Q6_K (their scales are gathered per input); the chunk index is a compile-time
 constant, so its byte offsets and shifts fold. The launch turns off fp fusion, so no
 multiply-add contracts into an fma and the fp32 weights are gguf-py's bit for bit on the GPU too.
@@ -147,6 +148,38 @@ def _q6_k(blk, j, c: tl.constexpr, mask_n):
     return dl * ((ql | (qh << 4)) - 32).to(tl.float32)
 
 
+# The IQ4 table (ggml.IQ4_VALUES) as bytes in two int64 words: values 0-7, then 8-15
+_IQ4_LO: tl.constexpr = tl.constexpr(-0x091522304052677F)  # 0xF6EADDCFBFAD9881 as int64
+_IQ4_HI: tl.constexpr = tl.constexpr(0x7159453526190D01)
+
+
+@triton.jit
+def _iq4_value(q):
+    """4-bit indices (int32) -> their IQ4 table values, fp32 (exact)."""
+    word = tl.where(q < 8, _IQ4_LO, _IQ4_HI).to(tl.int64)
+    byte = (word >> (8 * (q & 7)).to(tl.int64)) & 0xFF
+    return ((byte ^ 0x80) - 0x80).to(tl.float32)  # the byte as int8
+
+
+@triton.jit
+def _iq4_nl(blk, j, mask_n):
+    # 0 d | 2 qs[16]: input j nibble j // 16 of qs[j % 16].  w = d * v[q]
+    q = (_bytes(blk, 2 + j % 16, mask_n) >> (4 * (j // 16))[:, None]) & 15
+    return _f16(blk, 0, mask_n)[None, :] * _iq4_value(q)
+
+
+@triton.jit
+def _iq4_xs(blk, j, c: tl.constexpr, mask_n):
+    # 0 d | 2 scales_h (uint16) | 4 scales_l[4] | 8 qs[128]; sub-block c: ls = nibble c % 2 of
+    # scales_l[c // 2] | bits 2c, 2c + 1 of scales_h << 4, its inputs as an IQ4_NL block's at
+    # qs[16c].  w = (d * (ls - 32)) * v[q]
+    lo = (_byte(blk, 4 + c // 2, mask_n) >> (4 * (c % 2))) & 15
+    hi = (_byte(blk, 2 + c // 4, mask_n) >> (2 * (c % 4))) & 3
+    dl = _f16(blk, 0, mask_n) * ((lo | (hi << 4)) - 32).to(tl.float32)
+    q = (_bytes(blk, 8 + 16 * c + j % 16, mask_n) >> (4 * (j // 16))[:, None]) & 15
+    return dl[None, :] * _iq4_value(q)
+
+
 @triton.jit
 def _dequant_chunk(blk, j, c: tl.constexpr, mask_n, FORMAT: tl.constexpr):
     """Inputs 32c + j of each row's block -> W chunk (32, BN) fp32, bit for bit ggml.py's."""
@@ -162,6 +195,10 @@ def _dequant_chunk(blk, j, c: tl.constexpr, mask_n, FORMAT: tl.constexpr):
         w = _q4_k(blk, j, c, mask_n)
     elif FORMAT == "q5_k":
         w = _q5_k(blk, j, c, mask_n)
+    elif FORMAT == "iq4_nl":
+        w = _iq4_nl(blk, j, mask_n)
+    elif FORMAT == "iq4_xs":
+        w = _iq4_xs(blk, j, c, mask_n)
     else:
         tl.static_assert(FORMAT == "q6_k")
         w = _q6_k(blk, j, c, mask_n)
@@ -216,8 +253,8 @@ def _ggml_matmul_kernel(
 
 def ggml_matmul(x: torch.Tensor, qt: QuantizedTensor, bias: torch.Tensor | None = None,
                 split_k: int | None = None) -> torch.Tensor:
-    """x (M, K) fp16/bf16/fp32, qt an (N, K) GGML in-place weight (q5_0 ... q6_k) with its
-    rows (N, K / block * block_bytes) uint8 -> (M, N) in x's dtype.
+    """x (M, K) fp16/bf16/fp32, qt an (N, K) GGML in-place weight (q5_0 ... q6_k, iq4_nl,
+    iq4_xs) with its rows (N, K / block * block_bytes) uint8 -> (M, N) in x's dtype.
 
     split_k: programs along K, in whole GGML blocks (None picks one from N and K: enough to
     fill the GPU).

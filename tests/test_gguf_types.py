@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parent.parent
 TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K_M",
-         "Q4_K_M", "Q5_K_M", "Q6_K"]
+         "Q4_K_M", "Q5_K_M", "Q6_K", "IQ4_NL", "IQ4_XS"]
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at"]
 NEW_TOKENS = 24
 
@@ -98,7 +98,7 @@ def test_native_greedy_equals_transformers(type_name, requantized, tokenizer, mo
         assert out.outputs[0].token_ids == hf_greedy(hf, prompt_ids, NEW_TOKENS), type_name
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_K_M", "Q6_K", "Q5_1"])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_K_M", "Q6_K", "Q5_1", "IQ4_XS"])
 def test_int8_activations_cost_little_perplexity(type_name, requantized, monkeypatch):
     """int8 activations (llama.cpp's CPU scheme) against fp32 activations on the same weights:
     perplexity within +0.5% (the issue's bound) over the same windows of text."""

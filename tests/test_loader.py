@@ -106,8 +106,9 @@ def _k_quant_blocks(rows: int, cols: int, qtype, rng) -> np.ndarray:
     return raw.reshape(rows, -1)
 
 
-def write_tiny_gguf(path, arch="llama", skip=(), rope_freqs=None, extra_kv=None):
-    """A 2-layer model using every supported tensor type; q/k stored as llama.cpp stores them."""
+def write_tiny_gguf(path, arch="llama", skip=(), rope_freqs=None, extra_kv=None, types=None):
+    """A 2-layer model using every supported tensor type; q/k stored as llama.cpp stores them.
+    types: tensor name -> a GGML type its random blocks take instead (fp16 d leading)."""
     rng = np.random.default_rng(0)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(L)
@@ -131,7 +132,14 @@ def write_tiny_gguf(path, arch="llama", skip=(), rope_freqs=None, extra_kv=None)
     def tensor(name, arr, qtype):
         if name in skip:
             return
-        if qtype == Q.F32:
+        qtype = (types or {}).get(name, qtype)
+        if qtype not in (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q4_K, Q.Q6_K):
+            block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+            raw = rng.integers(0, 256, (arr.shape[0], arr.shape[1] // block, nbytes), np.uint8)
+            raw[..., 0:2] = np.full(raw.shape[:2], 0.01, np.float16).view(np.uint8).reshape(
+                *raw.shape[:2], 2)
+            w.add_tensor(name, raw.reshape(arr.shape[0], -1), raw_dtype=qtype)
+        elif qtype == Q.F32:
             w.add_tensor(name, arr)
         elif qtype == Q.F16:
             w.add_tensor(name, arr.astype(np.float16))
@@ -401,6 +409,37 @@ def test_gguf_missing_tensor_unknown_arch_and_type(tmp_path):
     path.write_bytes(bytes(data))
     with pytest.raises(ModelLoadError, match="tensor output_norm.weight has unknown type id 99"):
         load_model(path)
+
+
+def test_gguf_types_qserve_cannot_run_are_one_line(tmp_path):
+    """A tensor of a type without kernels (IQ2_XXS) is refused in one line naming the tensor
+    and the type, by `qserve generate` too; IQ4_NL and IQ4_XS, which have them, load in their
+    own format, bit for bit gguf-py's weights."""
+    import re
+
+    from click.testing import CliRunner
+
+    from qserve import cli
+
+    path = write_tiny_gguf(tmp_path / "iq2.gguf", types={"blk.1.ffn_up.weight": Q.IQ2_XXS})
+    problem = (r": tensor blk\.1\.ffn_up\.weight has type IQ2_XXS, which qserve cannot run "
+               r"\(supported: F32, .*IQ4_NL, IQ4_XS\)$")
+    with pytest.raises(ModelLoadError, match=problem):
+        load_model(path).weights["model.layers.1.mlp.up_proj.weight"]
+    r = CliRunner().invoke(cli.main, ["generate", "-m", str(path), "--max-tokens", "1", "hi"])
+    lines = [ln for ln in r.output.strip().splitlines() if not ln.startswith("qserve: ")]
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    assert len(lines) == 1 and re.search("^error: .*" + problem, lines[0]), r.output
+    types = {"blk.1.ffn_up.weight": Q.IQ4_XS, "blk.0.ffn_down.weight": Q.IQ4_NL}
+    path = write_tiny_gguf(tmp_path / "iq4.gguf", types=types)
+    weights, reader = load_model(path).weights, gguf.GGUFReader(str(path))
+    for (gguf_name, qtype), name in zip(types.items(), ("model.layers.1.mlp.up_proj.weight",
+                                                       "model.layers.0.mlp.down_proj.weight")):
+        qt = weights[name]
+        assert qt.format == qtype.name.lower()
+        raw = next(t for t in reader.tensors if t.name == gguf_name).data
+        assert torch.equal(qt.dequantize(), torch.from_numpy(gguf.quants.dequantize(raw, qtype)))
+
 
 
 def test_hf_dir_errors(tmp_path):

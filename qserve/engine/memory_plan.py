@@ -236,8 +236,7 @@ def resident_tensors(path: Path, arch: ModelArchConfig, dtype: torch.dtype, nati
             try:
                 fmt = format_for_ggml(type_name)
             except KeyError:
-                raise gguf.error(f"tensor {info.name} has type {type_name}, which qserve "
-                                 f"cannot run") from None
+                raise gguf.type_error(info.name, type_name) from None
             if len(info.shape) == 1:
                 yield hf, "f32", 4 * numel, info.shape
             elif not native or fmt is None:

@@ -35,6 +35,7 @@ TYPES = {
     "q2_k": GGMLType(10, 256, 84, (80, 82)), "q3_k": GGMLType(11, 256, 110, (108,)),
     "q4_k": GGMLType(12, 256, 144, (0, 2)), "q5_k": GGMLType(13, 256, 176, (0, 2)),
     "q6_k": GGMLType(14, 256, 210, (208,)),
+    "iq4_nl": GGMLType(20, 32, 18, (0,)), "iq4_xs": GGMLType(23, 256, 136, (0,)),
 }
 # Every GGML type a GGUF file may name: id -> (name, inputs per block, bytes per block), so a
 # file's header is read (and a type qserve cannot run is named) without the gguf package.
@@ -61,7 +62,11 @@ class GGMLTypeId(int):
 
 
 REPACKED = {"q4_0": "int4", "q4_1": "int4", "q8_0": "int8"}  # GGML type -> qserve format
-IN_PLACE = ("q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
+IN_PLACE = ("q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs")
+# IQ4_NL / IQ4_XS: 4-bit indices into one fixed table of 16 int8 values (a non-uniform grid
+# denser near zero), not integer codes; w = d * IQ4_VALUES[q] (IQ4_NL, 32-input blocks) or
+# (d * (ls - 32)) * IQ4_VALUES[q] (IQ4_XS: super-blocks of 256, a 6-bit scale ls per 32).
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
 def random_rows(name: str, out: int, in_features: int, generator: torch.Generator | None = None,
@@ -463,6 +468,31 @@ def _dequantize_q6_k(b: torch.Tensor) -> torch.Tensor:
     qh = _fields(b[:, 128:192].reshape(n, 2, 32), 2).reshape(n, 256)
     q = (ql | (qh << 4)).float() - 32
     return (dl * q.view(n, 16, 16)).view(n, 256)
+
+
+def _iq4_values(q: torch.Tensor) -> torch.Tensor:
+    """4-bit indices -> their IQ4 table values, fp32 (exact)."""
+    return torch.tensor(IQ4_VALUES, dtype=torch.float32, device=q.device)[q.long()]
+
+
+def _dequantize_iq4_nl(b: torch.Tensor) -> torch.Tensor:
+    # 0 d | 2 qs[16]: input j byte j's low nibble, j + 16 its high one.  w = d * v[q]
+    return _f16(b[:, 0:2]) * _iq4_values(_nibbles32(b[:, 2:18]))
+
+
+def _dequantize_iq4_xs(b: torch.Tensor) -> torch.Tensor:
+    # 0 d | 2 scales_h (uint16) | 4 scales_l[4] | 8 qs[128]; 8 sub-blocks of 32 inputs.
+    # Sub-block s: ls = nibble s % 2 of scales_l[s // 2] | bits 2s, 2s + 1 of scales_h << 4;
+    # its inputs as an IQ4_NL block's from qs[16s : 16s + 16].  w = (d * (ls - 32)) * v[q]
+    n = b.shape[0]
+    sh = b[:, 2:4].long()
+    sh = sh[:, 0] | sh[:, 1] << 8  # (n,)
+    shifts = torch.arange(0, 16, 2, device=b.device)
+    lo = _fields(b[:, 4:8], 4).transpose(1, 2).reshape(n, 8).long()  # (n, 8) low nibbles
+    ls = lo | ((sh[:, None] >> shifts) & 3) << 4
+    dl = (_f16(b[:, 0:2]) * (ls - 32).float()).view(n, 8, 1)
+    q = _nibbles32(b[:, 8:136].reshape(n * 8, 16)).view(n, 8, 32)
+    return (dl * _iq4_values(q)).view(n, 256)
 
 
 _DEQUANTIZE = {name: globals()[f"_dequantize_{name}"] for name in TYPES}

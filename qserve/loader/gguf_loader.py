@@ -114,6 +114,12 @@ class GGUFFile:
     def error(self, problem: str) -> ModelLoadError:
         return ModelLoadError(f"{self.path}: {problem}")
 
+    def type_error(self, tensor: str, type_name: str) -> ModelLoadError:
+        """Tensor `tensor` is of a GGML type qserve has no kernels for (IQ2_XXS, TQ1_0, ...)."""
+        return self.error(f"tensor {tensor} has type {type_name}, which qserve cannot run "
+                          f"(supported: F32, F16, BF16, "
+                          f"{', '.join(t.upper() for t in ggml.TYPES)})")
+
     def _parse(self) -> None:
         if self._mm[:4] != b"GGUF":
             raise self.error("not a GGUF file (no GGUF magic); pass a .gguf file or a model directory")
@@ -244,8 +250,7 @@ class GGUFFile:
         try:
             format_for_ggml(type_name)  # KeyError: a type qserve cannot run
         except KeyError:
-            raise self.error(f"tensor {name} has type {type_name}, which qserve cannot "
-                             f"dequantize") from None
+            raise self.type_error(name, type_name) from None
         rows = raw.view(int(np.prod(info.shape[:-1], dtype=np.int64)), -1)
         return _as_qtensor(rows, type_name, info.shape[-1]).dequantize().view(info.shape)
 
@@ -424,9 +429,7 @@ def read_tensor(gguf: GGUFFile, gguf_name: str, arch: ModelArchConfig, native: b
     try:
         fmt = format_for_ggml(type_name)
     except KeyError:
-        raise gguf.error(f"tensor {gguf_name} has type {type_name}, which qserve cannot run "
-                         f"(supported: F32, F16, BF16, {', '.join(t.upper() for t in ggml.TYPES)})"
-                         ) from None
+        raise gguf.type_error(gguf_name, type_name) from None
     if fmt is None:
         w = raw.view(torch.float32).view(info.shape)
     elif len(info.shape) == 1:  # norms, biases: tiny, always fp32
