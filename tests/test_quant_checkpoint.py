@@ -4,6 +4,7 @@ bad input (one line, exit 2, nothing written)."""
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
@@ -11,7 +12,8 @@ from safetensors.torch import load_file, save_file
 
 from qserve.models.registry import num_params
 from qserve import LLM, SamplingParams, cli
-from qserve.errors import ModelLoadError
+from qserve.errors import ModelLoadError, QServeError
+from qserve.formats import QuantizedTensor
 from qserve.kernels import cpu_ops
 from qserve.loader import load_model
 from qserve.quant import calibration
@@ -236,3 +238,67 @@ def test_calib_text_errors(tmp_path, default_model_path):
                              "w4g64-awq", "--calib-text", str(tmp_path / "missing.txt")),
                       "missing.txt", "cannot be read")
     assert not out.exists()
+
+
+def test_gguf_native_keeps_every_quantized_type_as_its_blocks(tmp_path):
+    """A GGUF of K-quants, Q5_0 and IQ4 (beside Q4_0 / Q4_1 / Q8_0 and dense tensors) through
+    the default recipe, gguf-native: every quantized tensor comes back as the file's own blocks
+    (repacked, or kept byte for byte), the checkpoint loads with the same weights, a GGUF export
+    of it holds the file's tensors byte for byte, and a copy of it keeps them too."""
+    import gguf
+    from test_loader import write_tiny_gguf
+
+    types = {"blk.0.ffn_up.weight": gguf.GGMLQuantizationType.IQ4_XS,
+             "blk.1.ffn_down.weight": gguf.GGMLQuantizationType.IQ4_NL,
+             "blk.1.ffn_up.weight": gguf.GGMLQuantizationType.Q3_K,
+             "blk.0.attn_q.weight": gguf.GGMLQuantizationType.Q4_K,  # F32 and F16 there
+             "blk.0.attn_k.weight": gguf.GGMLQuantizationType.Q2_K}  # by default
+    src = write_tiny_gguf(tmp_path / "mixed.gguf", types=types)
+    loaded = load_model(src)
+    summary = quantize(str(src), tmp_path / "ck")  # no recipe: gguf-native, all lossless
+    assert summary["recipe"] == "gguf-native"
+    q = load_model(tmp_path / "ck")
+    layers = q.quant["layers"]
+    want = {"model.layers.0.mlp.up_proj": "iq4_xs", "model.layers.1.mlp.down_proj": "iq4_nl",
+            "model.layers.1.mlp.up_proj": "q3_k", "model.layers.1.mlp.gate_proj": "q5_0",
+            "model.layers.1.self_attn.q_proj": "q4_k", "model.layers.1.self_attn.k_proj": "q6_k",
+            "lm_head": "q6_k", "model.layers.0.self_attn.v_proj": "int4",
+            "model.layers.0.self_attn.k_proj": "q2_k"}
+    for name, fmt in want.items():
+        assert layers[name]["format"] == fmt, (name, layers[name])
+    assert layers["model.layers.0.mlp.gate_proj"]["format"] == "q4_k"  # beside IQ4_XS: segments
+    for name, w in loaded.weights.items():
+        got = q.weights[name]
+        if isinstance(w, QuantizedTensor):
+            assert got.format == w.format, name
+            assert all(torch.equal(a, b) for a, b in zip(got.tensors().values(),
+                                                         w.tensors().values())), name
+        else:
+            assert torch.equal(got.float(), w.float()), name
+    runs = [LLM(model=str(m), kv_dtype="fp32", kv_cache_memory="8MiB", max_model_len=64)
+            .generate([[0, 2, 3, 4]], SamplingParams(temperature=0, max_tokens=8,
+                                                     ignore_eos=True))[0].outputs[0].token_ids
+            for m in (src, tmp_path / "ck")]  # the fused projections run as mixed segments
+    assert runs[0] == runs[1] and len(runs[0]) == 8
+    out = tmp_path / "back.gguf"
+    quantize(str(tmp_path / "ck"), out, fmt="gguf")  # copied as stored, written as GGUF
+    theirs = {t.name: t for t in gguf.GGUFReader(src).tensors}
+    for t in gguf.GGUFReader(out).tensors:
+        if theirs[t.name].tensor_type not in (gguf.GGMLQuantizationType.F32,
+                                              gguf.GGMLQuantizationType.F16,
+                                              gguf.GGMLQuantizationType.BF16):
+            assert t.tensor_type == theirs[t.name].tensor_type, t.name
+            assert np.array_equal(t.data, theirs[t.name].data), t.name
+    copy = tmp_path / "copy"
+    quantize(str(tmp_path / "ck"), copy)
+    assert load_model(copy).quant["layers"] == layers
+    with pytest.raises(QServeError, match="compressed-tensors"):  # refused, nothing written
+        quantize(str(tmp_path / "ck"), tmp_path / "ct", fmt="compressed-tensors")
+    assert not (tmp_path / "ct").exists()
+    from qserve.quant import export_compressed
+    from qserve.quant.quantize import _copy
+
+    plans = [p for p in _copy(q)[1] if p.name != "model.embed_tokens"]  # its own refusal
+    with pytest.raises(QServeError, match=r"is GGUF \S+ blocks, which compressed-tensors "
+                                          r"cannot hold"):
+        export_compressed.check_plans(q.arch, plans)

@@ -13,7 +13,9 @@
       "kv_dtype": "fp16",               the KV cache dtype it suggests
       "layers": {"model.layers.0.self_attn.q_proj": {"format": "int4", "bits": 4,
                  "group_size": 64, "symmetric": false}, ...}
-                                        every packed linear; the rest are dense
+                                        every packed linear; the rest are dense. A GGUF's
+                                        blocks kept as stored (gguf-native) are {"format":
+                                        "q4_k"} with `<name>.qweight` its rows of bytes
     }
 
 The loader checks every tensor's presence, shape and dtype against this before using any.
@@ -28,7 +30,7 @@ import torch
 
 from qserve.config import ModelArchConfig
 from qserve.errors import ModelLoadError
-from qserve.formats import QuantizedTensor
+from qserve.formats import QuantizedTensor, ggml
 from qserve.models.registry import hf_architecture
 
 QUANT_METHOD, FORMAT_VERSION = "qserve", 1
@@ -80,8 +82,14 @@ def hf_config(arch: ModelArchConfig) -> dict:
 
 
 def packed_specs(shape: tuple[int, int], layer: dict) -> dict[str, tuple[tuple, torch.dtype]]:
-    """Suffix -> (shape, dtype) of a packed linear of HF shape (out, in)."""
+    """Suffix -> (shape, dtype) of a packed linear of HF shape (out, in). GGML blocks (a
+    gguf-native checkpoint's q4_k, ...) are rows of bytes holding their own scales."""
     out, n_in = shape
+    if layer.get("format") in ggml.IN_PLACE:
+        t = ggml.TYPES[layer["format"]]
+        if n_in % t.block:
+            raise ValueError(f"{n_in} inputs are not whole {layer['format']} blocks")
+        return {"qweight": ((out, n_in // t.block * t.block_bytes), torch.uint8)}
     gs = layer["group_size"] or n_in
     G = math.ceil(n_in / gs)
     specs = {"qweight": ((out, G * gs // 2), torch.uint8) if layer["bits"] == 4
@@ -155,7 +163,7 @@ def read_checkpoint(path: Path, arch: ModelArchConfig, quant: dict
         try:
             specs = packed_specs(shape, layer)
             layer_format(layer)
-        except (KeyError, TypeError, ZeroDivisionError):
+        except (KeyError, TypeError, ValueError, ZeroDivisionError):
             raise ModelLoadError(f"{path}/config.json: layer {name} has a bad quantization "
                                  f"entry {layer!r}") from None
         for suffix, spec in specs.items():
@@ -186,8 +194,8 @@ def read_checkpoint(path: Path, arch: ModelArchConfig, quant: dict
         if name + ".weight" not in shapes:
             continue
         qt = QuantizedTensor(layer_format(layer), weights.pop(name + ".qweight"),
-                             weights.pop(name + ".scales"), weights.pop(name + ".offsets", None),
-                             shapes[name + ".weight"][1])
+                             weights.pop(name + ".scales", None),
+                             weights.pop(name + ".offsets", None), shapes[name + ".weight"][1])
         problem = qt.validate()
         if problem:
             raise ModelLoadError(f"{file}: {name}: {problem}")

@@ -44,6 +44,10 @@ WRITTEN = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_conf
 def check_plans(arch, plans) -> None:
     """Raise QServeError unless every planned layer maps onto compressed-tensors exactly."""
     for p in plans:
+        if p.scheme is None and p.packed:
+            raise QServeError(f"{p.name} is GGUF {p.format.upper()} blocks, which compressed-"
+                              f"tensors cannot hold; export it from a recipe that rounds "
+                              f"({LOSSLESS_RECIPES})")
         if p.scheme is None:
             continue
         why = None

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from qserve.errors import QServeError
-from qserve.formats import QuantizedTensor, unpack_int4
+from qserve.formats import QuantizedTensor, ggml, unpack_int4
 from qserve.models.registry import gguf_architecture, model_class
 
 # The llama.cpp architectures written (a family's is models/registry.py gguf_architecture),
@@ -47,7 +47,8 @@ ROPE_SCALINGS = {"llama": ("default", "linear", "llama3"), "qwen2": ("default", 
                  "gemma3": ("default", "linear")}
 LOSSLESS = {(4, False): "Q4_1", (4, True): "Q4_0", (8, True): "Q8_0"}  # (bits, sym), groups of 32
 LOSSLESS_RECIPES = ("w4g32 (int4 g32 asym -> Q4_1), int4 g32 symmetric (-> Q4_0), int8 with "
-                    "group_size 32 (-> Q8_0), gguf-native from a Q4_0/Q4_1/Q8_0 GGUF")
+                    "group_size 32 (-> Q8_0), gguf-native from a GGUF (every quantized "
+                    "type's blocks as stored)")
 
 
 def check_plans(arch, plans) -> None:
@@ -148,6 +149,8 @@ def _tensor(w, n_head: int | None) -> tuple[np.ndarray, str | None]:
             w = w.rows(permute_rows(w.shape[0], n_head))
         if w.format in ("int4", "int8"):
             return ggml_blocks(w)
+        if w.format in ggml.IN_PLACE:  # its GGML blocks, as the source file held them
+            return w.qweight.contiguous().numpy(), w.format.upper()
         w = w.dequantize()
     elif n_head is not None:
         w = w[permute_rows(w.shape[0], n_head)]
@@ -208,9 +211,13 @@ def _metadata(writer, arch, name: str, plans, source: Path) -> None:
     import gguf
 
     writer.add_name(source.stem if source.is_file() else source.name)
-    types = [LOSSLESS[(p.scheme.bits, p.scheme.sym)] for p in plans if p.scheme is not None]
-    if types:  # the type most linears have, as llama-quantize labels a file
-        writer.add_file_type(gguf.LlamaFileType[f"MOSTLY_{max(set(types), key=types.count)}"])
+    types = [p.format.upper() if p.scheme is None else LOSSLESS[(p.scheme.bits, p.scheme.sym)]
+             for p in plans if p.packed]
+    if types:  # the type most linears have, as llama-quantize labels a file (Q4_K: Q4_K_M)
+        top, known = max(set(types), key=types.count), gguf.LlamaFileType.__members__
+        file_type = known.get(f"MOSTLY_{top}") or known.get(f"MOSTLY_{top}_M")
+        if file_type is not None:
+            writer.add_file_type(file_type)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     writer.add_context_length(arch.max_position_embeddings)
     writer.add_embedding_length(arch.hidden_size)

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from qserve.errors import ConfigError, QServeError
+from qserve.formats import ggml
 from qserve.models.registry import num_params
 from qserve.models.registry import fused_groups
 from qserve.quant.recipe import Recipe, load_recipe
@@ -37,11 +38,22 @@ class LayerPlan:
     scheme: WeightScheme | None  # None: kept dense
     group_size: int | None = None  # the group size used (None: per channel)
     note: str = ""
-    format: str | None = None  # a copied source tensor's own format (int4z, ...); None: rounded
+    # a copied source tensor's own format (int4z, ...), or with no scheme a GGUF tensor's GGML
+    # blocks kept as stored (q4_k, iq4_xs, ...); None: rounded by the scheme
+    format: str | None = None
+
+    @property
+    def packed(self) -> bool:
+        """Stored packed: rounded by its scheme, copied, or a GGUF tensor's own blocks."""
+        return self.scheme is not None or self.format in ggml.IN_PLACE
 
     def entry(self, w: QuantizedTensor) -> dict:
         """Its quantization_config.layers entry for the tensor written, w: the format is w's
-        (an int4z tensor has 4 bits too, so the bits cannot name it)."""
+        (an int4z tensor has 4 bits too, so the bits cannot name it; GGML blocks carry their
+        own scales, so their format alone says how to read them)."""
+        if self.scheme is None:
+            assert w.format == self.format, (self.name, w.format)
+            return {"format": w.format}
         assert self.format in (None, w.format) and w.bits == self.scheme.bits, (self.name,
                                                                                 w.format)
         return {"format": w.format, "bits": w.bits, "group_size": self.group_size,
@@ -49,14 +61,14 @@ class LayerPlan:
 
     def describe(self) -> str:
         if self.scheme is None:
-            return "dense"
+            return f"{self.format} (GGUF blocks)" if self.packed else "dense"
         text = str(WeightScheme(self.scheme.bits, self.group_size, self.scheme.sym))
         return text if self.format is None else f"{self.format} {text.split(' ', 1)[1]}"
 
 
 def layer_entries(plans: list[LayerPlan], tensors: dict) -> dict[str, dict]:
     """quantization_config.layers: each packed linear's entry, its format read off its tensor."""
-    return {p.name: p.entry(tensors[p.name + ".weight"]) for p in plans if p.scheme is not None}
+    return {p.name: p.entry(tensors[p.name + ".weight"]) for p in plans if p.packed}
 
 
 EMBEDDING = "model.embed_tokens"
@@ -84,15 +96,15 @@ def plan_layers(arch, recipe: Recipe, gguf_types: dict[str, str] | None = None
             plans[name] = _rtn_plan(name, shape, recipe)
     for parts in fused_groups(arch):  # the model runs each as one matrix: one format for all
         group = [plans[p] for p in parts]
-        kinds = {(p.scheme, p.group_size) for p in group}
-        if len(kinds) == 1:
-            continue
+        kinds = {(p.scheme, p.group_size, p.packed) for p in group}
+        if len(kinds) == 1 or (recipe.method == "gguf" and all(p.packed for p in group)):
+            continue  # GGUF blocks of different types run as row segments of one matrix
         if recipe.method != "gguf":
             raise ConfigError(
                 f"recipe {recipe.name!r} treats {', '.join(p.name for p in group)} "
                 f"differently, but they run as one fused matrix; keep or quantize them together")
-        for p in group:  # e.g. a K-quant v_proj next to Q4_0 q/k: keep the three dense
-            p.scheme, p.group_size = None, None
+        for p in group:  # e.g. an F16 v_proj next to Q4_0 q/k: keep the three dense
+            p.scheme, p.group_size, p.format = None, None, None
             p.note = "kept dense: its fused partners have other GGUF types"
     return list(plans.values())
 
@@ -118,8 +130,13 @@ def _rtn_plan(name: str, shape: tuple[int, int], recipe: Recipe) -> LayerPlan:
 
 
 def _gguf_plan(name: str, shape: tuple[int, int], ggml_type: str) -> LayerPlan:
+    """Q4_0 / Q4_1 / Q8_0 repacked into qserve's int4 / int8 (the loader's lossless repack),
+    the types read in place kept as their blocks, the rest (F32, F16, BF16) dense."""
     schemes = {"Q4_0": WeightScheme(4, 32, True), "Q4_1": WeightScheme(4, 32, False),
                "Q8_0": WeightScheme(8, 32, True)}
+    if ggml_type.lower() in ggml.IN_PLACE:
+        return LayerPlan(name, shape, None, note=f"GGUF {ggml_type}, blocks as stored",
+                         format=ggml_type.lower())
     if ggml_type not in schemes:
         return LayerPlan(name, shape, None, note=f"GGUF {ggml_type}: kept dense, as loaded")
     return LayerPlan(name, shape, schemes[ggml_type], 32, note=f"GGUF {ggml_type}, lossless")
@@ -148,7 +165,7 @@ def quantize_weights(loaded, recipe: Recipe, plans: list[LayerPlan], calib_ids=N
     out: dict[str, torch.Tensor] = {}
     for name in weights:  # dense tensors: norms, biases, embedding, kept linears
         plan = by_name.get(name.removesuffix(".weight"))
-        if plan is not None and plan.scheme is not None:
+        if plan is not None and plan.packed:
             continue
         w = weights[name]
         if isinstance(w, QuantizedTensor):  # a GGUF tensor the plan keeps dense
@@ -159,11 +176,12 @@ def quantize_weights(loaded, recipe: Recipe, plans: list[LayerPlan], calib_ids=N
             out[name] = w if dense is None else w.to(dense)
     for block, group in itertools.groupby(plans, key=_block_of):
         for plan in group:
-            if plan.scheme is None:
+            if not plan.packed:
                 continue
             w = weights[plan.name + ".weight"]
-            if recipe.method == "gguf":  # the loader repacked it losslessly already
-                assert isinstance(w, QuantizedTensor) and w.format == f"int{plan.scheme.bits}"
+            if recipe.method == "gguf":  # the loader repacked it or kept its blocks already
+                want = plan.format or f"int{plan.scheme.bits}"
+                assert isinstance(w, QuantizedTensor) and w.format == want, (plan.name, w.format)
                 out[plan.name + ".weight"] = w
             else:  # a quantized source (a GGUF's blocks) is dequantized first
                 w = w.dequantize() if isinstance(w, QuantizedTensor) else w.float()
@@ -200,9 +218,9 @@ def summarize(loaded, plans: list[LayerPlan], tensors: dict[str, torch.Tensor]) 
     fp16_total = 2 * num_params(loaded.arch)
     embed_fp16 = 2 * loaded.arch.vocab_size * loaded.arch.hidden_size
     embed = next((row["bytes"] for row, p in zip(layers, plans)
-                  if p.name == EMBEDDING and p.scheme is not None), embed_fp16)
-    packed = sum(row["bytes"] for row, p in zip(layers, plans) if p.scheme is not None)
-    packed_fp16 = sum(row["bytes_fp16"] for row, p in zip(layers, plans) if p.scheme is not None)
+                  if p.name == EMBEDDING and p.packed), embed_fp16)
+    packed = sum(row["bytes"] for row, p in zip(layers, plans) if p.packed)
+    packed_fp16 = sum(row["bytes_fp16"] for row, p in zip(layers, plans) if p.packed)
     resident = fp16_total - packed_fp16 + packed
     return {
         "layers": layers,
@@ -251,9 +269,10 @@ def quantize(src: str | None, out: str | Path, recipe: str | Path | None = None,
     once loaded, before anything is written).
 
     recipe None: a quantized source (a qserve checkpoint, an AWQ / GPTQ directory) copied as
-    stored; gguf-native for a GGUF source whose linears are all Q4_0 / Q4_1 / Q8_0 (lossless);
-    else w4g64. A recipe for a quantized source is refused unless it is a qserve checkpoint's
-    own. Returns the summary. Nothing is left at `out` unless it succeeds.
+    stored; gguf-native for a GGUF source whose linears are all of quantized types qserve runs
+    (Q4_0 / Q4_1 / Q8_0 repacked, the others' blocks kept: lossless); else w4g64. A recipe
+    for a quantized source is refused unless it is a qserve checkpoint's own. Returns the
+    summary. Nothing is left at `out` unless it succeeds.
     """
     from qserve.loader import load_arch, load_model, resolve_model
 
@@ -269,8 +288,8 @@ def quantize(src: str | None, out: str | Path, recipe: str | Path | None = None,
     stored = _stored_quantization(src_path)
     if recipe is None and stored is None:
         recipe = "gguf-native" if gguf_types and all(
-            t in ("Q4_0", "Q4_1", "Q8_0") for n, t in gguf_types.items() if n != EMBEDDING
-        ) else "w4g64"
+            t.lower() in ggml.REPACKED or t.lower() in ggml.IN_PLACE
+            for n, t in gguf_types.items() if n != EMBEDDING) else "w4g64"
     r = None if recipe is None else load_recipe(recipe)
     if r is not None and r.method == "gguf" and gguf_types is None:
         raise QServeError(f"recipe {r.name!r} imports GGUF blocks, but {src_path} is not a "
@@ -407,6 +426,9 @@ def _copy(loaded) -> tuple[dict, list[LayerPlan]]:
         if not isinstance(w, QuantizedTensor):
             if name != EMBEDDING:
                 plans.append(LayerPlan(name, shape, None, note="dense in the source"))
+            continue
+        if w.format in ggml.IN_PLACE:  # a gguf-native checkpoint's GGML blocks
+            plans.append(LayerPlan(name, shape, None, note="copied", format=w.format))
             continue
         assert w.format in ("int4", "int4z", "int8"), (name, w.format)
         per_channel = w.bits == 8 and w.scales.shape[1] == 1
