@@ -711,6 +711,7 @@ q2k_row_i8(const uint8_t *row, int64_t nb, const qacts *a, int64_t m0, int64_t K
     }
     finish_rows(acc, _mm256_add_ps(off[0], off[1]), mt, res);
 }
+
 /* iq4_nl / iq4_xs: per 32 inputs the table's values (one vpshufb of the 16 indices, low
  * nibbles then high), signed; iq4_xs's ls - 32 weighs the pairs in madd, its d and iq4_nl's
  * scale the step */
