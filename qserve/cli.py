@@ -801,8 +801,8 @@ def chat(model, system, engine, **sampling):
                    "exist unless --force.")
 @click.option("--recipe", "-r", metavar="NAME|PATH",
               help="A recipes/*.yaml name or a YAML path  [default: a qserve checkpoint or "
-                   "AWQ/GPTQ directory copied as stored, gguf-native for a GGUF of quantized "
-                   "types (its blocks kept, lossless), else w4g64]")
+                   "AWQ/GPTQ directory copied as stored, gguf-native for a GGUF with quantized "
+                   "linears (its blocks kept, lossless), else w4g64]")
 @click.option("--calib-text", type=click.Path(dir_okay=False), metavar="FILE",
               help="Calibration text for AWQ recipes  [default: Python's pydoc_data.topics]")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")

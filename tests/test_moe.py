@@ -248,6 +248,36 @@ def test_q4_0_gguf_greedy_equals_transformers_on_its_weights(name, q4_0, monkeyp
     assert logprobs[:6] == pytest.approx(ref_logprobs[:6], abs=0.15)
 
 
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_k_quant_experts_through_a_gguf_native_checkpoint(name, q4_0, ggufs, tmp_path):
+    """A Q4_K_M file of the mixture (llama-quantize on the F32 one: K-quant, Q5_0 or Q8_0
+    blocks where rows are short; the routers F32) imported by `qserve quantize` with no recipe:
+    gguf-native, every expert stored as its blocks, and greedy tokens the GGUF's own."""
+    from qserve.formats import ggml
+    from qserve.loader import load_model
+    from qserve.quant.quantize import quantize
+
+    del q4_0  # its fixture skips where llama-quantize is not built
+    tool = _peer().llama_cpp_dir(build=False) / "build" / "bin" / "llama-quantize"
+    src = tmp_path / f"{name}-q4_k_m.gguf"
+    r = subprocess.run([str(tool), str(ggufs[f"{name}-f32"]), str(src), "Q4_K_M"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    summary = quantize(str(src), tmp_path / "ck")
+    assert summary["recipe"] == "gguf-native"
+    layers, file = load_model(tmp_path / "ck").quant["layers"], load_model(src).weights
+    experts = {n: e["format"] for n, e in layers.items() if ".experts." in n}
+    assert experts and {n: file[n + ".weight"].format for n in experts} == experts
+    assert set(experts.values()) & set(ggml.IN_PLACE), experts  # blocks kept, not repacked
+    runs = []
+    for model in (src, tmp_path / "ck"):  # one KV dtype: the checkpoint's recipe suggests fp16
+        llm = LLM(str(model), kv_cache_memory="16MiB", max_model_len=256, kv_dtype="fp32")
+        params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+        [out] = llm.generate([list(prompt())], params)
+        runs.append(out.outputs[0].token_ids)
+    assert runs[0] == runs[1] and len(runs[0]) == NEW_TOKENS
+
+
 # --- the engine around it -----------------------------------------------------------------
 
 def test_moe_takes_the_per_layer_path(checkpoints, monkeypatch):

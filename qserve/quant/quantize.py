@@ -269,8 +269,8 @@ def quantize(src: str | None, out: str | Path, recipe: str | Path | None = None,
     once loaded, before anything is written).
 
     recipe None: a quantized source (a qserve checkpoint, an AWQ / GPTQ directory) copied as
-    stored; gguf-native for a GGUF source whose linears are all of quantized types qserve runs
-    (Q4_0 / Q4_1 / Q8_0 repacked, the others' blocks kept: lossless); else w4g64. A recipe
+    stored; gguf-native for a GGUF source with quantized linears (Q4_0 / Q4_1 / Q8_0 repacked,
+    the other types' blocks kept, its float tensors dense: lossless); else w4g64. A recipe
     for a quantized source is refused unless it is a qserve checkpoint's own. Returns the
     summary. Nothing is left at `out` unless it succeeds.
     """
@@ -287,9 +287,9 @@ def quantize(src: str | None, out: str | Path, recipe: str | Path | None = None,
     gguf_types = _gguf_types(src_path, arch)
     stored = _stored_quantization(src_path)
     if recipe is None and stored is None:
-        recipe = "gguf-native" if gguf_types and all(
-            t.lower() in ggml.REPACKED or t.lower() in ggml.IN_PLACE
-            for n, t in gguf_types.items() if n != EMBEDDING) else "w4g64"
+        quantized = {t for n, t in (gguf_types or {}).items() if n != EMBEDDING} - {
+            "F32", "F16", "BF16"}  # the author's quantization is kept, never rounded again
+        recipe = "gguf-native" if quantized else "w4g64"
     r = None if recipe is None else load_recipe(recipe)
     if r is not None and r.method == "gguf" and gguf_types is None:
         raise QServeError(f"recipe {r.name!r} imports GGUF blocks, but {src_path} is not a "
