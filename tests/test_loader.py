@@ -16,7 +16,7 @@ import torch
 
 from qserve.models.registry import num_params
 from qserve.errors import ModelLoadError
-from qserve.formats import QuantizedTensor
+from qserve.formats import QuantizedTensor, ggml
 from qserve.loader import gguf_loader, load_arch, load_model, load_tokenizer, registry
 from qserve.loader.registry import ALIASES, DEFAULT_MODEL, ModelSource, model_home, pull, resolve_model
 
@@ -108,7 +108,7 @@ def _k_quant_blocks(rows: int, cols: int, qtype, rng) -> np.ndarray:
 
 def write_tiny_gguf(path, arch="llama", skip=(), rope_freqs=None, extra_kv=None, types=None):
     """A 2-layer model using every supported tensor type; q/k stored as llama.cpp stores them.
-    types: tensor name -> a GGML type its random blocks take instead (fp16 d leading)."""
+    types: tensor name -> a GGML type its random blocks take instead."""
     rng = np.random.default_rng(0)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(L)
@@ -132,13 +132,15 @@ def write_tiny_gguf(path, arch="llama", skip=(), rope_freqs=None, extra_kv=None,
     def tensor(name, arr, qtype):
         if name in skip:
             return
-        qtype = (types or {}).get(name, qtype)
-        if qtype not in (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q4_K, Q.Q6_K):
-            block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
-            raw = rng.integers(0, 256, (arr.shape[0], arr.shape[1] // block, nbytes), np.uint8)
-            raw[..., 0:2] = np.full(raw.shape[:2], 0.01, np.float16).view(np.uint8).reshape(
-                *raw.shape[:2], 2)
-            w.add_tensor(name, raw.reshape(arr.shape[0], -1), raw_dtype=qtype)
+        if name in (types or {}):  # random blocks, finite scales where qserve reads them
+            qtype, kind = types[name], types[name].name.lower()
+            if kind in ggml.TYPES:
+                rows = ggml.random_rows(kind, *arr.shape, torch.Generator().manual_seed(len(name)))
+            else:  # a type qserve refuses: never decoded
+                block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+                rows = torch.randint(0, 256, (arr.shape[0], arr.shape[1] // block * nbytes),
+                                     dtype=torch.uint8)
+            w.add_tensor(name, rows.numpy(), raw_dtype=qtype)
         elif qtype == Q.F32:
             w.add_tensor(name, arr)
         elif qtype == Q.F16:

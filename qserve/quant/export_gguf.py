@@ -215,7 +215,7 @@ def _metadata(writer, arch, name: str, plans, source: Path) -> None:
              for p in plans if p.packed]
     if types:  # the type most linears have, as llama-quantize labels a file (Q4_K: Q4_K_M)
         top, known = max(set(types), key=types.count), gguf.LlamaFileType.__members__
-        file_type = known.get(f"MOSTLY_{top}") or known.get(f"MOSTLY_{top}_M")
+        file_type = known.get(f"MOSTLY_{top}", known.get(f"MOSTLY_{top}_M"))
         if file_type is not None:
             writer.add_file_type(file_type)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
