@@ -193,7 +193,9 @@ def _build_engine(model: str | None, engine: dict, on=None):
 
 def status_line(eng) -> str:
     """`SmolLM2-135M-Instruct.Q4_1.gguf (llama, 135M params) · weights int4 94%, ... ·
-    cpu fp32 · 2 threads · KV fp32 8,192 tokens (360 MiB)`: what `eng` runs, and how."""
+    cpu fp32 · 2 threads · KV fp32 8,192 tokens (360 MiB)`: what `eng` runs, and how; then
+    `· context 37,184 of 131,072 tokens` where the run's context is shorter than the model's
+    (--max-model-len, or as much as fit the KV budget)."""
     import torch
 
     from qserve.engine.cache_engine import bytes_per_block
@@ -213,11 +215,13 @@ def status_line(eng) -> str:
     per_block = bytes_per_block(eng.arch, eng.config.cache.block_size, eng.kv_dtype)
     kv_mib = blocks * per_block / 2**20
     threads = (f" · {torch.get_num_threads()} threads" if eng.device.type == "cpu" else "")
-    spec = eng.config.speculative
+    spec, context = eng.config.speculative, eng.arch.max_position_embeddings
     return (f"{Path(str(eng.model_path)).name} ({eng.arch.architecture}, "
             f"{num_params(eng.arch) / 1e6:,.0f}M params){weights} · {eng.device.type} "
             f"{_dtype_name(eng.dtype)}{threads} · KV {_dtype_name(eng.kv_dtype)} "
             f"{tokens:,} tokens ({kv_mib:,.0f} MiB)"
+            + (f" · context {eng.max_model_len:,} of {context:,} tokens"
+               if eng.max_model_len < context else "")
             + (f" · draft {spec.draft}" if spec is not None else ""))
 
 
@@ -262,7 +266,7 @@ def info(model, as_json, engine):
     import torch
 
     from qserve.config import engine_config
-    from qserve.engine.cache_engine import KV_STORAGE, bytes_per_block, plan_num_blocks
+    from qserve.engine.cache_engine import KV_STORAGE, bytes_per_block, fit_context, plan_num_blocks
     from qserve.errors import ConfigError
     from qserve.loader import load_arch, resolve_model
 
@@ -271,13 +275,20 @@ def info(model, as_json, engine):
     arch = load_arch(path)
     files = [p for p in path.rglob("*") if p.is_file()] if path.is_dir() else [path]
     bs, device = config.cache.block_size, torch.device(config.resolved_device())
-    max_len = config.scheduler.max_model_len or arch.max_position_embeddings
+    max_num_seqs = config.scheduler.max_num_seqs
+
+    def fit(kv_dtype) -> tuple[int, object]:
+        """The engine's context length and cache config at this KV dtype (fit_context)."""
+        if config.scheduler.max_model_len is not None:
+            return config.scheduler.max_model_len, config.cache
+        return fit_context(arch, config.cache, bytes_per_block(arch, bs, kv_dtype), device,
+                           max_num_seqs)
 
     def pool(kv_dtype) -> tuple[int, int]:
         """The engine's (device, host) KV blocks; (0, 0) where it would refuse the budget."""
+        max_len, cache = fit(kv_dtype)
         try:
-            return plan_num_blocks(arch, config.cache, kv_dtype, device, max_len,
-                                   config.scheduler.max_num_seqs)
+            return plan_num_blocks(arch, cache, kv_dtype, device, max_len, max_num_seqs)
         except ConfigError:  # info reports; the engine refuses
             return 0, 0
 
@@ -315,6 +326,8 @@ def info(model, as_json, engine):
     kv_dtype = kv_torch_dtype(config.cache, dtype, (quant or {}).get("kv_dtype"))
     blocks, host_blocks = pool(kv_dtype)
     per_block = bytes_per_block(arch, bs, kv_dtype)
+    max_len = fit(kv_dtype)[0]
+    report["max_model_len"] = max_len  # the context a run with these flags gets
     report["kv_cache_memory"] = blocks * per_block
     report["dtype"], report["kv_dtype"] = _dtype_name(dtype), _dtype_name(kv_dtype)
     plan = plan_memory(path, arch, config, device=device, dtype=dtype,

@@ -236,9 +236,20 @@ def test_info_json():
                                           "int8": 11880, "int4": 6300}
     assert info["kv_tokens_per_gib"]["int4"] >= 3.5 * info["kv_tokens_per_gib"]["fp16"]
     assert info["kv_tokens"]["fp32"] == 256 * 2**20 // (46080 * 16) * 16
+    assert info["max_model_len"] == 512  # LIGHT's
     assert info["dtype"] == info["kv_dtype"] == "fp32"  # what runs, never "auto"
     assert info["weight_bytes"]["fp16"] == 2 * info["num_params"]
     assert 0 < info["file_bytes"] < info["weight_bytes"]["fp16"]  # Q4_1 on disk
+
+
+@pytest.mark.slow
+def test_info_json_shows_the_context_a_budget_fits():
+    """No --max-model-len: the model's 8,192 tokens do not fit 64 MiB of fp32 KV, so the run
+    (and info, which says so) gets the blocks that do."""
+    proc = qserve("info", "--json", "--kv-cache-memory", "64MiB")
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout)
+    assert info["max_model_len"] == info["kv_tokens"]["fp32"] == 64 * 2**20 // (46080 * 16) * 16
 
 
 @pytest.mark.slow

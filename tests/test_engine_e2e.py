@@ -329,6 +329,33 @@ def test_kv_budget_too_small(loaded_model):
         LLM(loaded=loaded_model, kv_cache_memory="1MiB", max_model_len=2048)
 
 
+def test_context_shrinks_to_the_kv_budget_without_max_model_len(llm, loaded_model, monkeypatch):
+    """No --max-model-len and a model context (8192 here, 131,072 for Llama 3) whose one
+    sequence does not fit the KV budget: the run gets the longest context that fits, as
+    llama.cpp's --fit and vLLM's automatic max_model_len shrink it, and still refuses a
+    budget under MIN_FIT_CONTEXT tokens, or a --max-model-len the user named, in one line."""
+    from qserve.engine import cache_engine
+    from qserve.engine.cache_engine import KV_STORAGE, MIN_FIT_CONTEXT, bytes_per_block
+
+    per_block = bytes_per_block(loaded_model.arch, 16, KV_STORAGE["fp32"])
+    assert loaded_model.arch.max_position_embeddings > 100 * 16 >= MIN_FIT_CONTEXT
+    small = LLM(loaded=loaded_model, kv_cache_memory=100 * per_block + per_block // 2)
+    assert small.engine.max_model_len == 100 * 16
+    assert small.engine.stats()["kv_blocks_total"] == 100
+    want = llm.generate([PROMPTS[0]], greedy(8))[0].outputs[0].token_ids
+    assert small.generate([PROMPTS[0]], greedy(8))[0].outputs[0].token_ids == want
+    with pytest.raises(ValueError, match="--max-model-len is 1600; shorten it"):
+        small.generate([[42] * 1700], greedy(1))
+    # the budget a tenth of free memory gives (no --kv-cache-memory): fixed where measured
+    monkeypatch.setattr(cache_engine, "free_memory", lambda device: 10 * 70 * per_block)
+    assert LLM(loaded=loaded_model).engine.max_model_len == 70 * 16
+    with pytest.raises(ValueError, match=f"fewer than the {MIN_FIT_CONTEXT} a run needs; "
+                                         "raise --kv-cache-memory"):
+        LLM(loaded=loaded_model, kv_cache_memory=50 * per_block)
+    with pytest.raises(ValueError, match="fewer than one sequence of --max-model-len 8192"):
+        LLM(loaded=loaded_model, kv_cache_memory=100 * per_block, max_model_len=8192)
+
+
 def test_unknown_model_alias():
     with pytest.raises(ValueError, match="unknown model"):
         LLM("no-such-model-alias")

@@ -25,6 +25,7 @@ before layer i, so moving layer 5 overlaps computing layer 4.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import mmap
 
@@ -278,19 +279,24 @@ def _ids(pairs: list[tuple[int, int]], which: int) -> torch.Tensor:
 
 
 def plan_num_blocks(arch: ModelArchConfig, cache: CacheConfig, dtype: torch.dtype,
-                    device: torch.device, max_model_len: int, max_num_seqs: int | None = None
-                    ) -> tuple[int, int]:
+                    device: torch.device, max_model_len: int, max_num_seqs: int | None = None,
+                    requested: bool = True) -> tuple[int, int]:
     """Number of device and host blocks that fit the budgets; refuses a pool too small for
     one full-length sequence. Without --kv-cache-memory the pool holds `max_num_seqs`
-    full-length sequences, capped by free memory (kv_budget_bytes)."""
+    full-length sequences, capped by free memory (kv_budget_bytes). requested: whether
+    max_model_len is the user's --max-model-len (else fit_context's, for the refusal)."""
     per_block = bytes_per_block(arch, cache.block_size, dtype)
     need = -(-max_model_len // cache.block_size)
-    want = None
-    if max_num_seqs is not None:  # room for them above the blocks admission keeps free
-        keep = max(cache.watermark, cache.kv_offload_reserve if cache.kv_offload != "off" else 0)
-        want = math.ceil(max_num_seqs * need / (1 - keep)) * per_block
-    budget = kv_budget_bytes(cache, device, want)
+    budget = kv_budget_bytes(cache, device, _want_bytes(cache, per_block, max_model_len,
+                                                        max_num_seqs))
     num_blocks = budget // per_block
+    if num_blocks < need and not requested:
+        least = min(max_model_len, MIN_FIT_CONTEXT)
+        raise ConfigError(
+            f"the KV cache budget of {budget / 2**20:.1f} MiB holds {num_blocks * cache.block_size}"
+            f" tokens, fewer than the {least} a run needs; raise --kv-cache-memory to at least "
+            f"{-(-least // cache.block_size) * per_block / 2**20:.1f} MiB or set a shorter "
+            f"--max-model-len")
     if num_blocks < need:
         raise ConfigError(
             f"the KV cache budget of {budget / 2**20:.1f} MiB holds {num_blocks * cache.block_size}"
@@ -298,6 +304,40 @@ def plan_num_blocks(arch: ModelArchConfig, cache: CacheConfig, dtype: torch.dtyp
             f"--kv-cache-memory to at least {need * per_block / 2**20:.1f} MiB or lower "
             f"--max-model-len")
     return int(num_blocks), int(cache.swap_space // per_block)
+
+
+def _want_bytes(cache: CacheConfig, per_block: int, max_model_len: int,
+                max_num_seqs: int | None) -> int | None:
+    """Bytes of `max_num_seqs` full-length sequences above the blocks admission keeps free."""
+    if max_num_seqs is None:
+        return None
+    keep = max(cache.watermark, cache.kv_offload_reserve if cache.kv_offload != "off" else 0)
+    return math.ceil(max_num_seqs * -(-max_model_len // cache.block_size) / (1 - keep)) * per_block
+
+
+# The shortest context a run without --max-model-len is shrunk to (or the model's own, if
+# shorter); a budget holding less is refused, as a chat turn or two would not fit.
+MIN_FIT_CONTEXT = 1024
+
+
+def fit_context(arch: ModelArchConfig, cache: CacheConfig, per_block: int, device: torch.device,
+                max_num_seqs: int | None = None) -> tuple[int, CacheConfig]:
+    """The context length of a run without --max-model-len, and the cache config to plan it
+    with. The model's own context where one sequence of it fits the KV budget; else (Llama
+    3's 131,072 tokens against a tenth of free memory) the longest whole number of blocks that
+    does, at least MIN_FIT_CONTEXT, with the budget fixed in the returned config so the pool
+    planned next is the one measured here. A budget below that keeps the model's context, which
+    plan_num_blocks then refuses with its one-line error.
+
+    per_block: the bytes one block costs, every cache that grows with it (a draft model's) in.
+    """
+    context = arch.max_position_embeddings
+    want = _want_bytes(cache, per_block, context, max_num_seqs)
+    budget = kv_budget_bytes(cache, device, want)
+    tokens = budget // per_block * cache.block_size
+    if tokens >= context or tokens < min(context, MIN_FIT_CONTEXT):
+        return context, cache
+    return tokens, dataclasses.replace(cache, kv_cache_memory=budget)
 
 
 def kv_budget_bytes(cache: CacheConfig, device: torch.device, want: int | None = None) -> int:

@@ -21,8 +21,8 @@ import torch
 
 from qserve.config import EngineConfig
 from qserve.engine.block_manager import BlockManager
-from qserve.engine.cache_engine import (CacheEngine, DTYPES, bytes_per_block, kv_budget_bytes,
-                                        kv_torch_dtype, plan_num_blocks)
+from qserve.engine.cache_engine import (CacheEngine, DTYPES, bytes_per_block, fit_context,
+                                        kv_budget_bytes, kv_torch_dtype, plan_num_blocks)
 from qserve.engine.detokenizer import IncrementalDetokenizer
 from qserve.engine.memory_plan import plan_memory
 from qserve.engine.model_runner import ModelRunner
@@ -69,10 +69,9 @@ class LLMEngine:
         self.device = torch.device(config.resolved_device())
         self.dtype = DTYPES[config.resolved_dtype()]
         sched = config.scheduler
-        self.max_model_len = sched.max_model_len or arch.max_position_embeddings
-        if self.max_model_len > arch.max_position_embeddings:
+        if (sched.max_model_len or 0) > arch.max_position_embeddings:
             raise ConfigError(
-                f"--max-model-len {self.max_model_len} exceeds the model's context length "
+                f"--max-model-len {sched.max_model_len} exceeds the model's context length "
                 f"{arch.max_position_embeddings}; use at most that")
         # --kv-dtype auto: a qserve checkpoint's recipe names the KV dtype to use
         quant = (loaded.quant if loaded is not None
@@ -81,6 +80,12 @@ class LLMEngine:
         spec = config.speculative
         d_arch = draft_arch(spec, arch) if spec is not None else None
         cache = config.cache
+        self.max_model_len = sched.max_model_len
+        if self.max_model_len is None:  # the model's context, or as much of it as fits
+            per_block = sum(bytes_per_block(a, cache.block_size, self.kv_dtype)
+                            for a in (arch, d_arch) if a is not None)
+            self.max_model_len, cache = fit_context(arch, cache, per_block, self.device,
+                                                    sched.max_num_seqs)
         if d_arch is not None:  # a draft model's cache holds as many tokens, from one budget
             t_block, d_block = (bytes_per_block(a, cache.block_size, self.kv_dtype)
                                 for a in (arch, d_arch))
@@ -89,7 +94,8 @@ class LLMEngine:
             budget = kv_budget_bytes(cache, self.device, want) * t_block // (t_block + d_block)
             cache = dataclasses.replace(cache, kv_cache_memory=budget)
         num_blocks, num_host_blocks = plan_num_blocks(
-            arch, cache, self.kv_dtype, self.device, self.max_model_len, sched.max_num_seqs)
+            arch, cache, self.kv_dtype, self.device, self.max_model_len, sched.max_num_seqs,
+            requested=sched.max_model_len is not None)
         loaded = self._load(loaded, arch, cache.block_size, num_blocks, num_host_blocks)
         self.arch, self.tokenizer = loaded.arch, loaded.tokenizer
         self.model_path = loaded.path
