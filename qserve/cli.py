@@ -207,9 +207,11 @@ def status_line(eng) -> str:
         total = sum(v["bytes"] for v in plan.weight_formats.values()) or 1
         shares = sorted(((v["bytes"] / total, f) for f, v in plan.weight_formats.items()),
                         reverse=True)
+        in_file = (f", embedding {plan.file_weight_bytes / 2**20:,.0f} MiB read from the file"
+                   if plan.file_weight_bytes else "")
         weights = (" · weights " + ", ".join(f"{f} {100 * r:.0f}%" for r, f in shares
                                              if r >= 0.01)
-                   + f" ({total / 2**20:,.0f} MiB)")
+                   + f" ({total / 2**20:,.0f} MiB{in_file})")
     blocks = eng.stats()["kv_blocks_total"]
     tokens = blocks * eng.config.cache.block_size
     per_block = bytes_per_block(eng.arch, eng.config.cache.block_size, eng.kv_dtype)

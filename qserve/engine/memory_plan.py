@@ -24,6 +24,7 @@ On a CPU the plan is the process's peak RSS, term by term (measured with
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -56,6 +57,9 @@ class MemoryPlan:
     baseline_bytes: int
     available_bytes: int
     weight_formats: dict[str, dict[str, int]] = field(default_factory=dict)  # fmt -> n, bytes
+    # an untied token embedding left in its file (embedding_in_file): read a few rows a step,
+    # so the page cache holds what is read often and the process none of it
+    file_weight_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -108,6 +112,9 @@ def plan_memory(path: Path, arch: ModelArchConfig, config: EngineConfig, *,
     native, sched = config.weights == "native", config.scheduler
     tensors = list(resident_tensors(path, arch, dtype, native))
     cpu = device.type == "cpu"
+    in_file = [t for t in tensors if t[0] == "model.embed_tokens.weight"
+               and embedding_in_file(path, arch, device)]
+    tensors = [t for t in tensors if t not in in_file]
     if cpu:  # the bytes of the layouts the CPU kernels run (cpu_ops.runtime_layout: q4_k
         # and q6_k interleaved take a little more); formats are still named as stored
         from qserve.kernels import cpu_ops
@@ -128,7 +135,22 @@ def plan_memory(path: Path, arch: ModelArchConfig, config: EngineConfig, *,
         baseline_bytes=(CPU_BASELINE_BYTES + CPU_TOKENIZER_BYTES_PER_TOKEN * arch.vocab_size
                         if cpu else 0),
         available_bytes=free_memory(device) if available_bytes is None else available_bytes,
-        weight_formats=formats)
+        weight_formats=formats, file_weight_bytes=sum(t[2] for t in in_file))
+
+
+def embedding_in_file(path: Path, arch: ModelArchConfig, device: torch.device) -> bool:
+    """Whether the model leaves its token embedding in the file, reading the rows a step looks
+    up (models/base.py load_weights, FileEmbedding): an untied one, on a CPU, from a GGUF or a
+    plain fp32 / fp16 / bf16 safetensors checkpoint, unless QSERVE_EMBEDDING_IN_FILE=0."""
+    if (device.type != "cpu" or arch.tie_word_embeddings
+            or os.environ.get("QSERVE_EMBEDDING_IN_FILE", "1") == "0"):
+        return False
+    if not path.is_dir():
+        return True
+    from qserve.loader.awq_gptq import resident_layout
+    from qserve.loader.checkpoint import quantization_config
+
+    return quantization_config(path) is None and resident_layout(path) is None
 
 
 def scratch_bytes(tensors: list[tuple[str, str, int, tuple[int, ...]]], arch: ModelArchConfig,

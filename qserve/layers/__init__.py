@@ -1,4 +1,4 @@
 """Runtime modules shared by the model families: above the kernels, below the models."""
-from qserve.layers.quant_linear import QuantEmbedding, QuantLinear
+from qserve.layers.quant_linear import FileEmbedding, QuantEmbedding, QuantLinear
 
-__all__ = ["QuantLinear", "QuantEmbedding"]
+__all__ = ["QuantLinear", "QuantEmbedding", "FileEmbedding"]

@@ -195,3 +195,34 @@ class QuantEmbedding(nn.Module):
         return torch.cat([F.linear(hidden, table.rows(slice(i, min(i + n, V))).dequantize()
                                    .to(hidden.dtype)).float()
                           for i in range(0, V, n)], dim=-1)
+
+
+class FileEmbedding(nn.Module):
+    """An untied token embedding left in its file (a loader's FileRows: `rows(ids)`,
+    `num_rows`, `in_features`): a lookup reads the distinct ids' rows, in the file's format,
+    and decodes them as QuantEmbedding would the table's, so the table is never resident
+    (Llama-3.1-8B's: 282 MiB as Q4_K, 1 GiB as fp16). CPU only: a GPU run keeps its table on
+    the device."""
+
+    def __init__(self, source, dtype: torch.dtype):
+        super().__init__()
+        self.source, self.dtype = source, dtype
+        self.num_embeddings, self.embedding_dim = source.num_rows, source.in_features
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """(T,) (any shape) -> (*ids.shape, hidden)."""
+        flat = input_ids.reshape(-1).tolist()
+        ids = sorted(set(flat))  # each row read once (a step's few ids: faster than torch's)
+        if ids and (ids[0] < 0 or ids[-1] >= self.num_embeddings):
+            raise IndexError(f"a token id outside the embedding table's {self.num_embeddings} "
+                             f"rows")
+        slot = {t: k for k, t in enumerate(ids)}
+        where = torch.tensor([slot[t] for t in flat], dtype=torch.int64)
+        rows = self.source.rows(ids)
+        if not isinstance(rows, QuantizedTensor):  # dense rows as stored
+            out = rows.view(len(ids), self.embedding_dim)[where]
+        elif cpu_ops.lib() is not None and cpu_ops.supports(rows):
+            out = cpu_ops.weight_rows(rows, where)
+        else:
+            out = rows.dequantize()[where]
+        return out.to(self.dtype).reshape(*input_ids.shape, self.embedding_dim)

@@ -35,7 +35,7 @@ from qserve.errors import ConfigError, ModelLoadError
 from qserve.formats import QuantizedTensor, format_for_ggml, ggml
 from qserve.heap import weight_buffer
 from qserve.loader.hf_loader import check_shapes
-from qserve.loader.weights import LazyWeights
+from qserve.loader.weights import FileRows, LazyWeights
 from qserve.loader.tokenizer import Tokenizer, byte_level_bpe, sentencepiece_bpe
 from qserve.models import registry
 from qserve.models.rope import attention_factor
@@ -479,6 +479,29 @@ def tensor_rows(gguf: GGUFFile, gguf_name: str, arch: ModelArchConfig, native: b
     return read
 
 
+def file_rows(gguf: GGUFFile, gguf_name: str, arch: ModelArchConfig, native: bool = True
+              ) -> FileRows | None:
+    """A 2-D tensor's rows read from the file on demand (FileRows), each decoded as read_tensor
+    would give it; None for tensors whose rows llama.cpp permuted or of a type qserve cannot
+    run (read_tensor names it)."""
+    info = gguf.tensors.get(gguf_name)
+    if info is None or len(info.shape) != 2 or unpermute_rows(gguf_name, arch) is not None:
+        return None
+    type_name = info.ggml_type.name
+    try:
+        fmt = format_for_ggml(type_name)
+    except KeyError:
+        return None
+    rows, cols = info.shape
+
+    def decode(raw: torch.Tensor) -> torch.Tensor | QuantizedTensor:
+        if fmt is None:
+            return raw.view(torch.float32)
+        w = _as_qtensor(raw, type_name, cols)
+        return w if native else w.dequantize()
+    return FileRows(gguf.path, gguf_name, info.offset, rows, info.nbytes // rows, cols, decode)
+
+
 def _as_qtensor(rows: torch.Tensor, type_name: str, in_features: int) -> QuantizedTensor:
     """(out, row_bytes) uint8 rows of a tensor of GGML type `type_name` (e.g. 'Q4_K') -> the
     QuantizedTensor of the format it runs in (format_for_ggml)."""
@@ -501,7 +524,8 @@ def read_weights(gguf: GGUFFile, arch: ModelArchConfig, native: bool = True) -> 
     shapes = {h: gguf.tensors[g].shape for h, g in names.items()}
     check_shapes(shapes, arch, gguf.path)
     return LazyWeights(shapes, lambda h: read_tensor(gguf, names[h], arch, native),
-                       lambda h: tensor_rows(gguf, names[h], arch, native))
+                       lambda h: tensor_rows(gguf, names[h], arch, native),
+                       lambda h: file_rows(gguf, names[h], arch, native))
 
 
 def tensor_types(gguf: GGUFFile, arch: ModelArchConfig) -> dict[str, str]:

@@ -6,18 +6,73 @@ before it would stay resident until the load ends. Row slices need no trims: eac
 its reader's one buffer and laid out in place (QuantLinear.laid_out), freeing nothing."""
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Callable
 
+import torch
+
+from qserve.errors import ModelLoadError
 from qserve.heap import trim_heap
+
+
+class FileRows:
+    """A 2-D tensor whose rows are read from its file when asked (os.pread), never held whole:
+    an untied token embedding, of which a step looks up a few rows (Llama-3.1-8B's: 282 MiB
+    as Q4_K, 1 GiB as fp16). The rows go to memory of the caller's, not a mapping of the file,
+    so a file changed under a running model cannot crash it (read_tensor's rule); one cut short
+    fails the read with a one-line error. The page cache keeps the rows read often, which
+    resident memory does not count.
+
+    decode: (n, row_bytes) uint8 rows -> what the weights mapping holds for those rows (a
+    QuantizedTensor, or a dense tensor)."""
+
+    def __init__(self, path: Path | str, name: str, offset: int, num_rows: int, row_bytes: int,
+                 in_features: int, decode: Callable[[torch.Tensor], object]):
+        self.path, self.name, self.offset = Path(path), name, offset
+        self.num_rows, self.row_bytes, self.in_features = num_rows, row_bytes, in_features
+        self._decode = decode
+        self._fd: int | None = None
+
+    def rows(self, ids: list[int]) -> object:
+        """Rows `ids` (each in range), decoded, in that order."""
+        buf = torch.empty(len(ids), self.row_bytes, dtype=torch.uint8)
+        view = memoryview(buf.numpy()).cast("B")
+        if self._fd is None:
+            try:
+                self._fd = os.open(self.path, os.O_RDONLY)
+            except OSError as e:
+                raise ModelLoadError(f"{self.path}: cannot be read again for tensor {self.name} "
+                                     f"({e.strerror})") from None
+        rb = self.row_bytes
+        for k, i in enumerate(ids):
+            if os.preadv(self._fd, [view[k * rb:(k + 1) * rb]], self.offset + i * rb) != rb:
+                raise ModelLoadError(f"{self.path}: tensor {self.name} row {i} could not be "
+                                     f"read (the file changed under the running model)")
+        return self._decode(buf)
+
+    def __del__(self):
+        if self._fd is not None:
+            os.close(self._fd)
 
 
 class LazyWeights(Mapping):
     def __init__(self, shapes: dict[str, tuple[int, ...]], read: Callable[[str], object],
-                 row_reader: Callable[[str], Callable[[int, int], object] | None] | None = None):
+                 row_reader: Callable[[str], Callable[[int, int], object] | None] | None = None,
+                 file_rows: Callable[[str], FileRows | None] | None = None):
         self.shapes = shapes  # name -> shape, known from the file's header
         self._read = read
         self._row_reader = row_reader
+        self._file_rows = file_rows
+
+    def file_rows(self, name: str) -> FileRows | None:
+        """A 2-D tensor read a few rows at a time from its file for as long as the model runs
+        (FileRows): what a lookup table needs; None where the source cannot (a tensor stored
+        other than as its rows in order, sources without it)."""
+        if self._file_rows is None or name not in self.shapes:
+            return None
+        return self._file_rows(name)
 
     def row_reader(self, name: str) -> Callable[[int, int], object] | None:
         """For a packed matrix the source can read a slice of output rows at a time: a

@@ -14,6 +14,7 @@ rope arithmetic follows Hugging Face's order of operations, so fp32 outputs matc
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Callable, ClassVar, Protocol
 
 import torch
@@ -26,7 +27,7 @@ from qserve.formats import QuantizedTensor
 from qserve.formats.qtensor import cat_quantized
 from qserve.kernels.dispatch import attention, output_logits
 from qserve.kernels.paged_attention import PagedAttentionMetadata
-from qserve.layers.quant_linear import QuantEmbedding, QuantLinear
+from qserve.layers.quant_linear import FileEmbedding, QuantEmbedding, QuantLinear
 from qserve.models.rope import RotaryEmbedding
 from qserve.models.softcap_attention import softcap_attention
 
@@ -350,6 +351,14 @@ class CausalLM(nn.Module):
             reader = getattr(weights, "row_reader", None)
             return None if reader is None else reader(name)
 
+        def in_file(name: str):
+            """name's rows read from its file at each lookup (LazyWeights.file_rows), unless
+            QSERVE_EMBEDDING_IN_FILE=0 or the source cannot; else None."""
+            source = getattr(weights, "file_rows", None)
+            if source is None or os.environ.get("QSERVE_EMBEDDING_IN_FILE", "1") == "0":
+                return None
+            return source(name)
+
         def kept_packed(w: torch.Tensor | QuantizedTensor) -> QuantizedTensor | None:
             """w as a packed part, or None when it becomes a dense parameter."""
             if isinstance(w, QuantizedTensor):
@@ -418,6 +427,15 @@ class CausalLM(nn.Module):
         def embedding(dst: str, module: nn.Embedding) -> None:
             name = self.hf_name(dst) + ".weight"
             rows = module.weight.shape[0]
+            owner, _, attr = dst.rpartition(".")
+            source = in_file(name) if self.lm_head is not None and device.type == "cpu" else None
+            if source is not None:  # untied: looked up a few rows a step, from the file
+                if (source.num_rows, source.in_features) != tuple(module.weight.shape):
+                    raise ModelLoadError(f"weight {name}: shape {(source.num_rows, source.in_features)}"
+                                         f", expected {tuple(module.weight.shape)}")
+                setattr(self.get_submodule(owner), attr, FileEmbedding(source, dtype))
+                seen.add(dst + ".weight")
+                return
             read = row_reader(name)
 
             def check(p: QuantizedTensor) -> None:
@@ -434,7 +452,6 @@ class CausalLM(nn.Module):
             if packed.shape != tuple(module.weight.shape) or packed.validate():
                 raise ModelLoadError(f"weight {self.hf_name(dst)} ({packed.format}): "
                                      f"{packed.validate() or f'shape {packed.shape}'}")
-            owner, _, attr = dst.rpartition(".")
             setattr(self.get_submodule(owner), attr, QuantEmbedding.on_device(packed, dtype, device))
             seen.add(dst + ".weight")
 
