@@ -216,7 +216,8 @@ def status_line(eng) -> str:
     tokens = blocks * eng.config.cache.block_size
     per_block = bytes_per_block(eng.arch, eng.config.cache.block_size, eng.kv_dtype)
     kv_mib = blocks * per_block / 2**20
-    threads = (f" · {torch.get_num_threads()} threads" if eng.device.type == "cpu" else "")
+    n = torch.get_num_threads()
+    threads = f" · {n} thread{'s' * (n != 1)}" if eng.device.type == "cpu" else ""
     spec, context = eng.config.speculative, eng.arch.max_position_embeddings
     return (f"{Path(str(eng.model_path)).name} ({eng.arch.architecture}, "
             f"{num_params(eng.arch) / 1e6:,.0f}M params){weights} · {eng.device.type} "

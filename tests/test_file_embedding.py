@@ -1,8 +1,8 @@
-"""An untied token embedding stays in its file on a CPU (FileEmbedding over the loader's
-FileRows): each lookup reads the rows it needs. Greedy output equals the resident table's
-(QSERVE_EMBEDDING_IN_FILE=0) for GGUF types and safetensors dtypes, the rows equal the
-weights, the memory plan leaves the table out, and a file cut short under a running model
-fails a lookup in one line."""
+"""A GGUF's untied token embedding stays in its file on a CPU (FileEmbedding over the
+loader's FileRows): each lookup reads the rows it needs. Greedy output equals the resident
+table's (QSERVE_EMBEDDING_IN_FILE=0) for several GGML types, the rows equal the weights, the
+memory plan leaves the table out, and a file cut short under a running model fails a lookup
+in one line."""
 from __future__ import annotations
 
 import json
@@ -47,24 +47,6 @@ def test_gguf_embedding_from_the_file_runs_as_the_resident_table(tmp_path, monke
     table = load_model(str(path)).weights["model.embed_tokens.weight"].dequantize()
     ids = torch.tensor([[3, V - 1, 3], [0, 7, 100]])
     assert torch.equal(embed(ids), table[ids])
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_safetensors_embedding_from_the_file(tmp_path, monkeypatch, dtype):
-    """An untied tiny Llama saved in shards, every tensor in `dtype`: the embedding's rows
-    are read at its offset in its own shard."""
-    from safetensors.torch import load_file, save_file
-
-    write_tiny_hf_dir(tmp_path, "llama", shard=True, tie_word_embeddings=False)
-    for shard in tmp_path.glob("*.safetensors"):
-        tensors = {k: v.to(dtype).contiguous() for k, v in load_file(shard).items()}
-        save_file(tensors, shard, metadata={"format": "pt"})
-    want, _ = run(tmp_path, monkeypatch, in_file=False)
-    got, embed = run(tmp_path, monkeypatch, in_file=True)
-    assert isinstance(embed, FileEmbedding) and got == want
-    table = load_model(str(tmp_path)).weights["model.embed_tokens.weight"]
-    ids = torch.tensor([V - 1, 0, 42, 42])
-    assert torch.equal(embed(ids), table[ids].float())
     with pytest.raises(IndexError, match=f"outside the embedding table's {V} rows"):
         embed(torch.tensor([V]))
 
@@ -101,3 +83,17 @@ def test_a_file_cut_short_fails_the_lookup_in_one_line(tmp_path, monkeypatch):
         llm.generate([[0, 5]], GREEDY)
     msg = str(e.value)
     assert "\n" not in msg and "token_embd.weight row 5 could not be read" in msg
+
+
+
+def test_safetensors_embedding_is_left_to_its_mapping(tmp_path, monkeypatch):
+    """An untied HF checkpoint: safetensors maps its tensors from the file already (rows not
+    looked up take no memory), so the table is not read through FileRows, and the plan counts
+    it as resident, as the engine keeps it."""
+    from qserve.engine.memory_plan import embedding_in_file
+    from qserve.loader import load_arch
+
+    write_tiny_hf_dir(tmp_path, "llama", tie_word_embeddings=False)
+    _, embed = run(tmp_path, monkeypatch, in_file=True)
+    assert not isinstance(embed, FileEmbedding)
+    assert not embedding_in_file(tmp_path, load_arch(str(tmp_path)), torch.device("cpu"))

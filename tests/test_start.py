@@ -224,7 +224,7 @@ def test_status_line(native_model):
     line = cli.status_line(llm.engine)
     # 2 sequences x 16 blocks, over the 1% watermark: 33 blocks of 16 tokens
     assert re.fullmatch(r"SmolLM2-135M-Instruct\.Q4_1\.gguf \(llama, 135M params\) · cpu fp32 · "
-                        r"\d+ threads · KV fp32 528 tokens \(23 MiB\) · context 256 of 8,192 "
+                        r"\d+ threads? · KV fp32 528 tokens \(23 MiB\) · context 256 of 8,192 "
                         r"tokens", line), line
     # no --max-model-len, and a budget short of the model's 8,192 tokens: the context it got
     llm = LLM(loaded=native_model, kv_cache_memory=f"{100 * 46080 * 16 // 1024}KiB")

@@ -140,17 +140,11 @@ def plan_memory(path: Path, arch: ModelArchConfig, config: EngineConfig, *,
 
 def embedding_in_file(path: Path, arch: ModelArchConfig, device: torch.device) -> bool:
     """Whether the model leaves its token embedding in the file, reading the rows a step looks
-    up (models/base.py load_weights, FileEmbedding): an untied one, on a CPU, from a GGUF or a
-    plain fp32 / fp16 / bf16 safetensors checkpoint, unless QSERVE_EMBEDDING_IN_FILE=0."""
-    if (device.type != "cpu" or arch.tie_word_embeddings
-            or os.environ.get("QSERVE_EMBEDDING_IN_FILE", "1") == "0"):
-        return False
-    if not path.is_dir():
-        return True
-    from qserve.loader.awq_gptq import resident_layout
-    from qserve.loader.checkpoint import quantization_config
-
-    return quantization_config(path) is None and resident_layout(path) is None
+    up (models/base.py load_weights, FileEmbedding): an untied one, on a CPU, from a GGUF,
+    unless QSERVE_EMBEDDING_IN_FILE=0. (A safetensors checkpoint's tensors are mapped from
+    their file by safetensors, so its table's untouched rows take no memory either.)"""
+    return (device.type == "cpu" and not arch.tie_word_embeddings and not path.is_dir()
+            and os.environ.get("QSERVE_EMBEDDING_IN_FILE", "1") != "0")
 
 
 def scratch_bytes(tensors: list[tuple[str, str, int, tuple[int, ...]]], arch: ModelArchConfig,

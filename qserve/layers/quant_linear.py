@@ -201,7 +201,7 @@ class FileEmbedding(nn.Module):
     """An untied token embedding left in its file (a loader's FileRows: `rows(ids)`,
     `num_rows`, `in_features`): a lookup reads the distinct ids' rows, in the file's format,
     and decodes them as QuantEmbedding would the table's, so the table is never resident
-    (Llama-3.1-8B's: 282 MiB as Q4_K, 1 GiB as fp16). CPU only: a GPU run keeps its table on
+    (Llama-3.1-8B's: 282 MiB as Q4_K, 1 GiB as F16). CPU only: a GPU run keeps its table on
     the device."""
 
     def __init__(self, source, dtype: torch.dtype):

@@ -19,7 +19,7 @@ from tokenizers import AddedToken
 
 from qserve.config import ModelArchConfig
 from qserve.errors import ConfigError, ModelLoadError
-from qserve.loader.weights import FileRows, LazyWeights
+from qserve.loader.weights import LazyWeights
 from qserve.loader.tokenizer import BYTE, CONTROL, NORMAL, UNKNOWN, UNUSED, Tokenizer, sentencepiece_bpe
 from qserve.models import registry
 
@@ -218,32 +218,7 @@ def read_weights(path: Path, arch: ModelArchConfig) -> LazyWeights:
             raise ModelLoadError(f"{where[key]}: tensor {key} cannot be read "
                                  f"({type(e).__name__}: {e})".splitlines()[0]) from None
 
-    return LazyWeights(shapes, read, file_rows=lambda key: safetensors_rows(where[key], key))
-
-
-_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-
-
-def safetensors_rows(file: Path, key: str) -> FileRows | None:
-    """A 2-D fp32 / fp16 / bf16 tensor's rows read from its safetensors file on demand
-    (FileRows), as stored; None for other tensors. The layout is the format's: an 8-byte
-    little-endian header length, the JSON header, then the data, each tensor's rows in order
-    at its data_offsets."""
-    try:
-        with open(file, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            entry = json.loads(f.read(n)).get(key)
-    except (OSError, ValueError):
-        return None  # read() reports what is wrong with the file
-    if (not isinstance(entry, dict) or entry.get("dtype") not in _SAFETENSORS_DTYPES
-            or len(entry.get("shape", ())) != 2):
-        return None
-    dtype = _SAFETENSORS_DTYPES[entry["dtype"]]
-    (rows, cols), (begin, end) = entry["shape"], entry["data_offsets"]
-    if rows <= 0 or end - begin != rows * cols * dtype.itemsize:
-        return None
-    return FileRows(file, key, 8 + n + begin, rows, cols * dtype.itemsize, cols,
-                    lambda raw: raw.view(dtype))
+    return LazyWeights(shapes, read)
 
 
 IMPORTED_QUANT_METHODS = ("awq", "gptq")  # quantization_config.quant_method read here

@@ -18,9 +18,9 @@ from qserve.heap import trim_heap
 
 
 class FileRows:
-    """A 2-D tensor whose rows are read from its file when asked (os.pread), never held whole:
+    """A 2-D tensor whose rows are read from its file when asked (os.preadv), never held whole:
     an untied token embedding, of which a step looks up a few rows (Llama-3.1-8B's: 282 MiB
-    as Q4_K, 1 GiB as fp16). The rows go to memory of the caller's, not a mapping of the file,
+    as Q4_K, 1 GiB as F16). The rows go to memory of the caller's, not a mapping of the file,
     so a file changed under a running model cannot crash it (read_tensor's rule); one cut short
     fails the read with a one-line error. The page cache keeps the rows read often, which
     resident memory does not count.
