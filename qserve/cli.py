@@ -284,8 +284,8 @@ def info(model, as_json, engine):
         """The engine's context length and cache config at this KV dtype (fit_context)."""
         if config.scheduler.max_model_len is not None:
             return config.scheduler.max_model_len, config.cache
-        return fit_context(arch, config.cache, bytes_per_block(arch, bs, kv_dtype), device,
-                           max_num_seqs)
+        return fit_context(arch.max_position_embeddings, config.cache,
+                           bytes_per_block(arch, bs, kv_dtype), device, max_num_seqs)
 
     def pool(kv_dtype) -> tuple[int, int]:
         """The engine's (device, host) KV blocks; (0, 0) where it would refuse the budget."""

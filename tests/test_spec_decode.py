@@ -5,6 +5,7 @@ accepted run; a draft with another vocabulary is refused."""
 import json
 import math
 import random
+import shutil
 
 import pytest
 import torch
@@ -336,3 +337,18 @@ def test_default_model_greedy_output_is_unchanged(loaded_model):
         outs = LLM(None, draft=draft, spec_max_batch_size=2, **opts).chat(messages, params)
         assert [o.outputs[0].token_ids for o in outs] == ref, draft
         assert outs[0].outputs[0].spec_acceptance_rate > 0.5, draft
+
+
+def test_a_shorter_draft_caps_the_context_no_flag_named(models, tmp_path):
+    """No --max-model-len: the run gets the shorter of the target's and the draft's contexts
+    (each 256 here, the draft cut to 128); a --max-model-len the draft cannot hold is refused."""
+    short = tmp_path / "short"
+    shutil.copytree(models / "close", short)
+    cfg = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps(cfg | {"max_position_embeddings": 128}))
+    opts = {k: v for k, v in OPTS.items() if k != "max_model_len"}
+    spec = LLM(str(models / "target"), draft=str(short), num_speculative_tokens=3, **opts)
+    assert spec.engine.max_model_len == 128
+    assert len(spec.generate(prompts(2), GREEDY)) == 2
+    with pytest.raises(ConfigError, match="handles 128"):
+        llm(models, draft=str(short), num_speculative_tokens=3)

@@ -320,18 +320,17 @@ def _want_bytes(cache: CacheConfig, per_block: int, max_model_len: int,
 MIN_FIT_CONTEXT = 1024
 
 
-def fit_context(arch: ModelArchConfig, cache: CacheConfig, per_block: int, device: torch.device,
+def fit_context(context: int, cache: CacheConfig, per_block: int, device: torch.device,
                 max_num_seqs: int | None = None) -> tuple[int, CacheConfig]:
     """The context length of a run without --max-model-len, and the cache config to plan it
-    with. The model's own context where one sequence of it fits the KV budget; else (Llama
-    3's 131,072 tokens against a tenth of free memory) the longest whole number of blocks that
-    does, at least MIN_FIT_CONTEXT, with the budget fixed in the returned config so the pool
-    planned next is the one measured here. A budget below that keeps the model's context, which
-    plan_num_blocks then refuses with its one-line error.
+    with. The model's own `context` (a draft model's, if shorter) where one sequence of it
+    fits the KV budget; else (Llama 3's 131,072 tokens against a tenth of free memory) the
+    longest whole number of blocks that does, at least MIN_FIT_CONTEXT, with the budget fixed
+    in the returned config so the pool planned next is the one measured here. A budget below
+    that keeps `context`, which plan_num_blocks then refuses with its one-line error.
 
     per_block: the bytes one block costs, every cache that grows with it (a draft model's) in.
     """
-    context = arch.max_position_embeddings
     want = _want_bytes(cache, per_block, context, max_num_seqs)
     budget = kv_budget_bytes(cache, device, want)
     tokens = budget // per_block * cache.block_size

@@ -82,10 +82,11 @@ class LLMEngine:
         cache = config.cache
         self.max_model_len = sched.max_model_len
         if self.max_model_len is None:  # the model's context, or as much of it as fits
-            per_block = sum(bytes_per_block(a, cache.block_size, self.kv_dtype)
-                            for a in (arch, d_arch) if a is not None)
-            self.max_model_len, cache = fit_context(arch, cache, per_block, self.device,
-                                                    sched.max_num_seqs)
+            archs = [a for a in (arch, d_arch) if a is not None]
+            per_block = sum(bytes_per_block(a, cache.block_size, self.kv_dtype) for a in archs)
+            self.max_model_len, cache = fit_context(
+                min(a.max_position_embeddings for a in archs), cache, per_block, self.device,
+                sched.max_num_seqs)
         if d_arch is not None:  # a draft model's cache holds as many tokens, from one budget
             t_block, d_block = (bytes_per_block(a, cache.block_size, self.kv_dtype)
                                 for a in (arch, d_arch))
