@@ -49,6 +49,7 @@ def test_gguf_embedding_from_the_file_runs_as_the_resident_table(tmp_path, monke
     assert torch.equal(embed(ids), table[ids])
     with pytest.raises(IndexError, match=f"outside the embedding table's {V} rows"):
         embed(torch.tensor([V]))
+    assert embed(torch.tensor([], dtype=torch.long)).shape == (0, table.shape[1])
 
 
 def test_tied_embedding_stays_resident(tmp_path, monkeypatch):

@@ -212,6 +212,8 @@ class FileEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """(T,) (any shape) -> (*ids.shape, hidden)."""
         flat = input_ids.reshape(-1).tolist()
+        if not flat:
+            return torch.empty(*input_ids.shape, self.embedding_dim, dtype=self.dtype)
         ids = sorted(set(flat))  # each row read once (a step's few ids: faster than torch's)
         if ids and (ids[0] < 0 or ids[-1] >= self.num_embeddings):
             raise IndexError(f"a token id outside the embedding table's {self.num_embeddings} "
