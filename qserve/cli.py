@@ -287,13 +287,15 @@ def info(model, as_json, engine):
         return fit_context(arch.max_position_embeddings, config.cache,
                            bytes_per_block(arch, bs, kv_dtype), device, max_num_seqs)
 
-    def pool(kv_dtype) -> tuple[int, int]:
-        """The engine's (device, host) KV blocks; (0, 0) where it would refuse the budget."""
+    def pool(kv_dtype) -> tuple[int, int, int]:
+        """The engine's (device, host) KV blocks, (0, 0) where it would refuse the budget, and
+        its context length."""
         max_len, cache = fit(kv_dtype)
         try:
-            return plan_num_blocks(arch, cache, kv_dtype, device, max_len, max_num_seqs)
+            return (*plan_num_blocks(arch, cache, kv_dtype, device, max_len, max_num_seqs),
+                    max_len)
         except ConfigError:  # info reports; the engine refuses
-            return 0, 0
+            return 0, 0, max_len
 
     kv_per_token, kv_tokens, kv_per_gib = {}, {}, {}
     for name, dtype in KV_STORAGE.items():  # int8 / int4 count their scales and offsets too
@@ -327,9 +329,8 @@ def info(model, as_json, engine):
     quant = quantization_config(path) if path.is_dir() else None
     dtype = DTYPES[config.resolved_dtype()]
     kv_dtype = kv_torch_dtype(config.cache, dtype, (quant or {}).get("kv_dtype"))
-    blocks, host_blocks = pool(kv_dtype)
+    blocks, host_blocks, max_len = pool(kv_dtype)
     per_block = bytes_per_block(arch, bs, kv_dtype)
-    max_len = fit(kv_dtype)[0]
     report["max_model_len"] = max_len  # the context a run with these flags gets
     report["kv_cache_memory"] = blocks * per_block
     report["dtype"], report["kv_dtype"] = _dtype_name(dtype), _dtype_name(kv_dtype)

@@ -290,19 +290,15 @@ def plan_num_blocks(arch: ModelArchConfig, cache: CacheConfig, dtype: torch.dtyp
     budget = kv_budget_bytes(cache, device, _want_bytes(cache, per_block, max_model_len,
                                                         max_num_seqs))
     num_blocks = budget // per_block
-    if num_blocks < need and not requested:
-        least = min(max_model_len, MIN_FIT_CONTEXT)
-        raise ConfigError(
-            f"the KV cache budget of {budget / 2**20:.1f} MiB holds {num_blocks * cache.block_size}"
-            f" tokens, fewer than the {least} a run needs; raise --kv-cache-memory to at least "
-            f"{-(-least // cache.block_size) * per_block / 2**20:.1f} MiB or set a shorter "
-            f"--max-model-len")
     if num_blocks < need:
+        least = max_model_len if requested else min(max_model_len, MIN_FIT_CONTEXT)
+        short = (f"one sequence of --max-model-len {least}" if requested
+                 else f"the {least} a run needs")
         raise ConfigError(
             f"the KV cache budget of {budget / 2**20:.1f} MiB holds {num_blocks * cache.block_size}"
-            f" tokens, fewer than one sequence of --max-model-len {max_model_len}; raise "
-            f"--kv-cache-memory to at least {need * per_block / 2**20:.1f} MiB or lower "
-            f"--max-model-len")
+            f" tokens, fewer than {short}; raise --kv-cache-memory to at least "
+            f"{-(-least // cache.block_size) * per_block / 2**20:.1f} MiB or "
+            f"{'lower' if requested else 'set a shorter'} --max-model-len")
     return int(num_blocks), int(cache.swap_space // per_block)
 
 

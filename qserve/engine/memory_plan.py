@@ -24,7 +24,6 @@ On a CPU the plan is the process's peak RSS, term by term (measured with
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -112,8 +111,8 @@ def plan_memory(path: Path, arch: ModelArchConfig, config: EngineConfig, *,
     native, sched = config.weights == "native", config.scheduler
     tensors = list(resident_tensors(path, arch, dtype, native))
     cpu = device.type == "cpu"
-    in_file = [t for t in tensors if t[0] == "model.embed_tokens.weight"
-               and embedding_in_file(path, arch, device)]
+    in_file = [t for t in tensors if t[0] == "model.embed_tokens.weight"] if embedding_in_file(
+        path, arch, device) else []
     tensors = [t for t in tensors if t not in in_file]
     if cpu:  # the bytes of the layouts the CPU kernels run (cpu_ops.runtime_layout: q4_k
         # and q6_k interleaved take a little more); formats are still named as stored
@@ -143,8 +142,10 @@ def embedding_in_file(path: Path, arch: ModelArchConfig, device: torch.device) -
     up (models/base.py load_weights, FileEmbedding): an untied one, on a CPU, from a GGUF,
     unless QSERVE_EMBEDDING_IN_FILE=0. (A safetensors checkpoint's tensors are mapped from
     their file by safetensors, so its table's untouched rows take no memory either.)"""
+    from qserve.loader.weights import rows_from_file
+
     return (device.type == "cpu" and not arch.tie_word_embeddings and not path.is_dir()
-            and os.environ.get("QSERVE_EMBEDDING_IN_FILE", "1") != "0")
+            and rows_from_file())
 
 
 def scratch_bytes(tensors: list[tuple[str, str, int, tuple[int, ...]]], arch: ModelArchConfig,

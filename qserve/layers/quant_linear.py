@@ -222,7 +222,7 @@ class FileEmbedding(nn.Module):
         where = torch.tensor([slot[t] for t in flat], dtype=torch.int64)
         rows = self.source.rows(ids)
         if not isinstance(rows, QuantizedTensor):  # dense rows as stored
-            out = rows.view(len(ids), self.embedding_dim)[where]
+            out = rows[where]
         elif cpu_ops.lib() is not None and cpu_ops.supports(rows):
             out = cpu_ops.weight_rows(rows, where)
         else:

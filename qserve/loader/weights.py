@@ -17,6 +17,12 @@ from qserve.errors import ModelLoadError
 from qserve.heap import trim_heap
 
 
+def rows_from_file() -> bool:
+    """Whether a lookup table may be left in its file (LazyWeights.file_rows): unless
+    QSERVE_EMBEDDING_IN_FILE=0."""
+    return os.environ.get("QSERVE_EMBEDDING_IN_FILE", "1") != "0"
+
+
 class FileRows:
     """A 2-D tensor whose rows are read from its file when asked (os.preadv), never held whole:
     an untied token embedding, of which a step looks up a few rows (Llama-3.1-8B's: 282 MiB
@@ -69,8 +75,8 @@ class LazyWeights(Mapping):
     def file_rows(self, name: str) -> FileRows | None:
         """A 2-D tensor read a few rows at a time from its file for as long as the model runs
         (FileRows): what a lookup table needs; None where the source cannot (a tensor stored
-        other than as its rows in order, sources without it)."""
-        if self._file_rows is None or name not in self.shapes:
+        other than as its rows in order, sources without it) or rows_from_file() says no."""
+        if self._file_rows is None or name not in self.shapes or not rows_from_file():
             return None
         return self._file_rows(name)
 

@@ -14,7 +14,6 @@ rope arithmetic follows Hugging Face's order of operations, so fp32 outputs matc
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Callable, ClassVar, Protocol
 
 import torch
@@ -352,12 +351,9 @@ class CausalLM(nn.Module):
             return None if reader is None else reader(name)
 
         def in_file(name: str):
-            """name's rows read from its file at each lookup (LazyWeights.file_rows), unless
-            QSERVE_EMBEDDING_IN_FILE=0 or the source cannot; else None."""
+            """name's rows read from its file at each lookup (LazyWeights.file_rows), or None."""
             source = getattr(weights, "file_rows", None)
-            if source is None or os.environ.get("QSERVE_EMBEDDING_IN_FILE", "1") == "0":
-                return None
-            return source(name)
+            return None if source is None else source(name)
 
         def kept_packed(w: torch.Tensor | QuantizedTensor) -> QuantizedTensor | None:
             """w as a packed part, or None when it becomes a dense parameter."""
