@@ -50,7 +50,7 @@ def test_build_reads_every_tensor_once(default_model_path, monkeypatch):
     assert reads == []
     build_model(loaded.arch, loaded.weights, 64)
     assert any(len(spans) > 1 for spans in sliced.values()), (
-        "no matrix was read in slices (the embedding and the MLP have over 1024 rows)")
+        "no matrix was read in slices (the embedding and the MLP have over 256 rows)")
     reads += list(sliced)
     assert sorted(reads) == sorted(set(reads)) and len(reads) == len(loaded.weights)
     hf = gguf_loader.hf_names(loaded.arch)
@@ -88,7 +88,7 @@ def test_row_slices_reuse_one_buffer_and_never_trim(default_model_path, monkeypa
 
 
 def test_sliced_load_gives_the_same_model(default_model_path):
-    """A model built from matrices read and laid out 1024 rows at a time (the default) holds
+    """A model built from matrices read and laid out 256 rows at a time (the default) holds
     exactly the buffers of one built from whole-read matrices."""
     loaded = load_model(default_model_path)
     whole = LazyWeights(loaded.weights.shapes, loaded.weights._read)  # no row reader

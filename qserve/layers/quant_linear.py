@@ -20,7 +20,7 @@ from qserve.kernels import cpu_ops
 from qserve.kernels.dispatch import packed_linear
 
 _PARTS = ("qweight", "scales", "offsets")
-LAYOUT_ROWS = 1024  # rows a load lays out at a time (QuantLinear.laid_out); a multiple of 16
+LAYOUT_ROWS = 256  # rows a load lays out at a time (QuantLinear.laid_out); a multiple of 16
 
 
 class QuantLinear(nn.Module):
