@@ -462,15 +462,41 @@ def runtime_bytes(fmt: str, nbytes: int, shape: tuple[int, ...]) -> tuple[str, i
 _local = threading.local()
 
 
+SCRATCH_BYTES = 32 << 20  # a prefill matmul's dequantized weights, at most (_row_blocks)
+
+
 def _scratch(N: int, K: int, dtype: torch.dtype) -> torch.Tensor:
-    """An (N, K) buffer for a dequantized weight, reused by this thread's prefill matmuls: the
-    largest weight's size is kept, not a fresh allocation per call, whose new pages the kernel
-    would zero and fault in (about as long as the dequantization itself)."""
+    """An (N, K) buffer for a dequantized block of weight rows, reused by this thread's
+    prefill matmuls: the largest block's size is kept, not a fresh allocation per call, whose
+    new pages the kernel would zero and fault in (about as long as the dequantization)."""
     size = N * K * torch.finfo(dtype).bits // 8
     buf = getattr(_local, "buf", None)
     if buf is None or buf.numel() < size:
         buf = _local.buf = torch.empty(size, dtype=torch.uint8)
     return buf[:size].view(dtype).view(N, K)
+
+
+def _row_blocks(qt: QuantizedTensor, dtype: torch.dtype) -> list[tuple[int, int]]:
+    """Output-row ranges a prefill matmul dequantizes and multiplies one at a time, each
+    about SCRATCH_BYTES in `dtype` and a multiple of 64 rows (whole groups of an _x16
+    layout's 16 rows); the whole matrix where its parts are not stored row by row."""
+    N, K = qt.shape
+    if any(t.shape[0] != N for t in qt.tensors().values()):
+        return [(0, N)]
+    step = block_rows(K, dtype.itemsize)
+    return [(n0, min(N, n0 + step)) for n0 in range(0, N, step)]
+
+
+def block_rows(K: int, itemsize: int) -> int:
+    """Rows of a prefill matmul's dequantized block (_row_blocks) for K inputs."""
+    return max(64, SCRATCH_BYTES // (K * itemsize) // 64 * 64)
+
+
+def _row_range(qt: QuantizedTensor, n0: int, n1: int) -> QuantizedTensor:
+    """Output rows n0 .. n1 of qt in its own layout: views of each part's rows."""
+    pick = lambda t: None if t is None else t[n0:n1]  # noqa: E731
+    return QuantizedTensor(qt.format, qt.qweight[n0:n1], pick(qt.scales), pick(qt.offsets),
+                           qt.in_features)
 
 
 def weight_matmul(x: torch.Tensor, qt: QuantizedTensor, bias: torch.Tensor | None = None,
@@ -507,23 +533,28 @@ def weight_matmul(x: torch.Tensor, qt: QuantizedTensor, bias: torch.Tensor | Non
     if M == 0:
         return out
     desc = _desc(qt, bias)
-    if M > FUSED_MAX_ROWS:  # prefill: dequantize once, one dense GEMM
-        if int8_activations and fast_bf16():  # in bf16, as approximate as int8 per 32 inputs
-            w = _scratch(N, K, torch.bfloat16)
-            assert L.wdequant_bf16(ctypes.byref(desc), _p(w), _threads()) == 0
-            y = torch.nn.functional.linear(x.to(torch.bfloat16), w).float()  # fp32 accumulation
-            out.copy_(y if bias is None else y + bias)
-            return out
-        if int8_activations and int8_gemm() and L.wgemm_i8(
+    if M > FUSED_MAX_ROWS:  # prefill: dequantize, then dense GEMMs
+        bf16 = int8_activations and fast_bf16()  # as approximate as int8 per 32 inputs
+        if not bf16 and int8_activations and int8_gemm() and L.wgemm_i8(
                 ctypes.byref(desc), _p(x), M, x.stride(0), _p(out), out.stride(0),
                 _threads()) == 0:  # -1: a dense format, which keeps the float GEMM
             return out
-        w = qt.qweight
-        if qt.format != "f32":
-            w = _scratch(N, K, torch.float32)
-            assert L.wdequant(ctypes.byref(desc), _p(w), _threads()) == 0
-        out.copy_(torch.nn.functional.linear(x, w, bias))
-        return out
+        if qt.format == "f32" and not bf16:
+            out.copy_(torch.nn.functional.linear(x, qt.qweight, bias))
+            return out
+        dtype = torch.bfloat16 if bf16 else torch.float32
+        dequant = L.wdequant_bf16 if bf16 else L.wdequant
+        xs = x.to(dtype)
+        for n0, n1 in _row_blocks(qt, dtype):
+            part = qt if (n0, n1) == (0, N) else _row_range(qt, n0, n1)
+            w = _scratch(n1 - n0, K, dtype)
+            assert dequant(ctypes.byref(_desc(part)), _p(w), _threads()) == 0
+            if bf16:  # fp32 accumulation, rounded to bf16, widened as copied
+                out[:, n0:n1].copy_(torch.nn.functional.linear(xs, w))
+            else:
+                out[:, n0:n1].copy_(torch.nn.functional.linear(
+                    xs, w, None if bias is None else bias[n0:n1]))
+        return out.add_(bias) if bf16 and bias is not None else out
     assert L.wmatmul(ctypes.byref(desc), _p(x), M, x.stride(0), _p(out), out.stride(0),
                      int(int8_activations), _threads()) == 0
     return out

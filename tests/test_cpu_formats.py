@@ -470,6 +470,53 @@ def _mixed_formats_weight(fmt: str, N: int, K: int) -> QuantizedTensor:
     return random_weight(fmt, N, K)
 
 
+@pytest.mark.parametrize("fmt", GGML + DENSE + ["int4", "int4z", "int8", "f32"]
+                         + [f for f in ggml.INTERLEAVED if _x16_runs(f)])
+@pytest.mark.parametrize("bf16", [False, True])
+def test_prefill_dequantizes_a_block_of_rows_at_a_time(fmt, bf16, monkeypatch):
+    """A prefill matmul (more than FUSED_MAX_ROWS rows, the fp32 or the bf16 GEMM) dequantizes
+    its weights block_rows rows at a time into a scratch buffer of one block (Llama-3.1-8B's
+    gate/up in bf16: 32 MiB instead of 224), each block's columns of the output exactly the
+    whole matrix's in one GEMM, bias included; 64-row blocks keep an _x16 layout's groups.
+    (At 8B widths oneDNN orders its bf16 GEMM's fp32 sums by the width it is given, and about
+    1 output in 7,000 differs by the rounding of the sum to bf16; the fp32 GEMM's do not.)"""
+    K, M, N = 512, cpu_ops.FUSED_MAX_ROWS + 8, 208
+    qt = _mixed_formats_weight(fmt, N, K)
+    g = torch.Generator().manual_seed(5)
+    x, bias = torch.randn(M, K, generator=g), torch.randn(N, generator=g)
+    monkeypatch.setenv("QSERVE_CPU_BF16", "1" if bf16 else "0")
+    cpu_ops.fast_bf16.cache_clear()
+    try:
+        dtype = torch.bfloat16 if bf16 else torch.float32
+        assert cpu_ops._row_blocks(qt, dtype) == [(0, N)]  # 208 rows: under one block
+        whole = cpu_ops.weight_matmul(x, qt, bias, int8_activations=bf16)
+        monkeypatch.setattr(cpu_ops, "SCRATCH_BYTES", 64 * K * dtype.itemsize)
+        monkeypatch.setattr(cpu_ops._local, "buf", None, raising=False)
+        assert cpu_ops._row_blocks(qt, dtype) == [(0, 64), (64, 128), (128, 192), (192, 208)]
+        blocked = cpu_ops.weight_matmul(x, qt, bias, int8_activations=bf16)
+        assert torch.equal(blocked, whole)
+        if fmt != "f32" or bf16:  # an fp32 matrix is multiplied as it is
+            assert cpu_ops._local.buf.numel() == 64 * K * dtype.itemsize
+    finally:
+        monkeypatch.undo()
+        cpu_ops.fast_bf16.cache_clear()
+
+
+@pytest.mark.skipif(not GEMM, reason=NO_GEMM)
+@pytest.mark.parametrize("fmt", GGML + ["int4", "int4z", "int8"])
+def test_the_planners_int8_gemm_formats_are_the_kernels(fmt):
+    """The memory plan counts no prefill scratch for the stored formats in INT8_GEMM_FORMATS:
+    exactly those this build's int8 GEMM takes in their runtime layout, but for the 8-bit
+    codes (int8, the iq4 tables) that only the AVX-512 VNNI GEMM takes (they dequantize into
+    the scratch on an AVX2 build, and the plan counts them on every build)."""
+    from qserve.engine.memory_plan import INT8_GEMM_FORMATS
+
+    qt = cpu_ops.runtime_layout(_mixed_formats_weight(fmt, 64, 512))
+    eight_bit = fmt in ("int8", "iq4_nl", "iq4_xs")
+    assert _gemm_takes(qt) == (fmt in INT8_GEMM_FORMATS or (VNNI and eight_bit))
+    assert (fmt in INT8_GEMM_FORMATS) == (not eight_bit)
+
+
 def test_segments_write_their_own_columns_of_one_output():
     """A fused linear of row segments in different formats fills one (M, N) output through
     column views (out=y[:, n0:n1], row stride N), each segment with its slice of the bias; the
@@ -617,7 +664,7 @@ def test_runtime_layout_picks_x16_only_where_it_runs(monkeypatch):
 
 
 # ---- laying out in C (x16_interleave): the reference's bytes, straight into a stack ----------
-LAYOUT_ROWS = [16, 48, 1040]  # one group, a few, and more than a load's slice of 1024 rows
+LAYOUT_ROWS = [16, 48, 1040]  # one group, a few, and more than a load's slice (256 rows)
 
 
 def _random_x16_base(base: str, N: int, K: int, group_size: int = 0, sym: bool = True,

@@ -109,20 +109,46 @@ def test_host_pool_counts_only_where_blocks_can_move_there(default_model_path):
 
 
 def test_logits_over_32_sequences_count_the_output_matrix(default_model_path, monkeypatch):
-    """The tied embedding is the output matrix: dequantized whole when a step takes more than
-    FUSED_MAX_ROWS rows of logits (sequences, or their drafts verified), so the scratch grows
-    to it (on CPUs whose prefill dequantizes: the int8 GEMM's machines keep no buffer)."""
+    """The tied embedding is the output matrix: dequantized a block of rows at a time when a
+    step takes more than FUSED_MAX_ROWS rows of logits (sequences, or their drafts verified),
+    so the scratch grows from gate/up's 3,072 rows to a block of the 49,152-row output matrix
+    (on CPUs whose prefill dequantizes: the int8 GEMM's machines keep no buffer for int4)."""
     from qserve.kernels import cpu_ops
 
     monkeypatch.setattr(cpu_ops, "int8_gemm", lambda: False)
     arch = load_arch(default_model_path)
+    h = arch.hidden_size
     few = _plan(default_model_path, 64 * GiB)  # 8 sequences
     many = _plan(default_model_path, 64 * GiB, max_num_seqs=64)
-    assert many.scratch_bytes == few.scratch_bytes * arch.vocab_size // (
-        2 * arch.intermediate_size)
+    itemsize = few.scratch_bytes // (2 * arch.intermediate_size * h)
+    assert itemsize in (2, 4) and few.scratch_bytes == 2 * arch.intermediate_size * h * itemsize
+    rows = cpu_ops.block_rows(h, itemsize)
+    assert 2 * arch.intermediate_size < rows < arch.vocab_size
+    assert many.scratch_bytes == rows * h * itemsize
     # 8 sequences verifying 4 drafts each: 40 logit rows a step
     spec = _plan(default_model_path, 64 * GiB, draft="ngram", num_speculative_tokens=4)
     assert spec.scratch_bytes == many.scratch_bytes
+
+
+def test_a_step_of_many_short_sequences_fills_the_token_budget(default_model_path):
+    """A step's activations are planned for the tokens it can hold: several sequences' prompt
+    chunks share --max-num-batched-tokens, so a context shorter than the budget bounds it only
+    with one sequence (32 prompts of 128 tokens fill a 512-token step: the plan had counted
+    128, and a 32 x 128 prefill of the 8B shape peaked 6% above it)."""
+    from qserve.engine.memory_plan import activation_bytes
+
+    arch = load_arch(default_model_path)
+
+    def plan(seqs: int):
+        config = engine_config(str(default_model_path), max_num_batched_tokens=512,
+                               max_num_seqs=seqs)
+        return plan_memory(default_model_path, arch, config, device=torch.device("cpu"),
+                           dtype=torch.float32, kv_bytes=64 << 20, host_kv_bytes=0,
+                           max_model_len=128, available_bytes=64 * GiB)
+    assert plan(1).activation_bytes == activation_bytes(arch, 128, 128, 1, cpu=True)
+    assert plan(3).activation_bytes == activation_bytes(arch, 384, 128, 3, cpu=True)
+    assert plan(32).activation_bytes == activation_bytes(arch, 512, 128, 32, cpu=True)
+    assert plan(1).activation_bytes < plan(3).activation_bytes < plan(32).activation_bytes
 
 
 def test_plan_is_the_measured_peak(default_model_path, tmp_path):

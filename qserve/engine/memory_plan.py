@@ -15,8 +15,9 @@ On a CPU the plan is the process's peak RSS, term by term (measured with
     weights     as resident
     KV pool     device blocks (zeroed, so resident); the host pool only where blocks can move
                 there (swap preemption, layer-wise offload): untouched, its pages take nothing
-    scratch     the buffer a prefill matmul dequantizes the largest matrix into, kept for reuse
-                (kernels/cpu_ops.py _scratch): bf16 where the CPU multiplies bf16 fast
+    scratch     the buffer a prefill matmul dequantizes a block of weight rows into (at most
+                about 32 MiB), kept for reuse (kernels/cpu_ops.py _scratch): bf16 where the
+                CPU multiplies bf16 fast
     activations one step's transient peak: the larger of the attention (torch's CPU flash
                 kernel; soft-capped scores are materialized, heads x 256 rows x context) and the
                 MLP's fused gate/up product, beside the residual stream
@@ -121,7 +122,9 @@ def plan_memory(path: Path, arch: ModelArchConfig, config: EngineConfig, *,
         tensors = [(name, fmt, cpu_ops.runtime_bytes(fmt, nbytes, shape)[1], shape)
                    for name, fmt, nbytes, shape in tensors]
     formats = _by_format(tensors)
-    tokens = min(sched.max_num_batched_tokens, max_model_len)
+    # a step's tokens: several sequences' prompt chunks share one budget, so a context
+    # shorter than the budget does not bound it (32 prompts of 128 tokens fill 512)
+    tokens = min(sched.max_num_batched_tokens, sched.max_num_seqs * max_model_len)
     swaps = sched.preemption_mode == "swap" or config.cache.kv_offload != "off"
     spec = config.speculative  # verifying K drafts takes logits at K + 1 positions a sequence
     logit_rows = sched.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0))
@@ -148,30 +151,41 @@ def embedding_in_file(path: Path, arch: ModelArchConfig, device: torch.device) -
             and rows_from_file())
 
 
+# Stored formats the int8 GEMM takes on every build that has it (AVX2 and AVX-512 VNNI); the
+# others dequantize into the scratch buffer (8-bit codes do on the AVX2 build: a pair of their
+# products would saturate vpmaddubsw's int16; the plan counts them on VNNI too).
+INT8_GEMM_FORMATS = frozenset({"int4", "int4z", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k",
+                               "q6_k"})
+
+
 def scratch_bytes(tensors: list[tuple[str, str, int, tuple[int, ...]]], arch: ModelArchConfig,
                   dtype: torch.dtype, tokens: int, logit_rows: int) -> int:
     """The CPU prefill's reused buffer (kernels/cpu_ops.py _scratch): a matmul of more than
     FUSED_MAX_ROWS rows dequantizes its packed matrix, one stacked segment at a time (the
-    parts of a fused projection in one format stack into one), into a buffer kept at the
-    largest size seen; the output matrix counts when more than that many logit rows are
-    taken in one step. The int8 GEMM (cpu_ops.int8_gemm: AVX-512 VNNI, no AMX) keeps no such
-    buffer: it rounds 16 weight rows at a time into a per-thread tile of at most 16 x K bytes."""
+    parts of a fused projection in one format stack into one) and within it a block of about
+    cpu_ops.SCRATCH_BYTES at a time (cpu_ops.block_rows), into a buffer kept at the largest
+    block's size; the output matrix counts when more than that many logit rows are taken in
+    one step. The int8 GEMM (cpu_ops.int8_gemm: AVX2 and AVX-512 VNNI builds without AMX)
+    keeps no such buffer for the formats it takes: it rounds 16 weight rows at a time into a
+    per-thread tile of at most 16 x K bytes."""
     from qserve.kernels import cpu_ops
     from qserve.models import registry
 
-    if cpu_ops.int8_activations() and cpu_ops.int8_gemm():
-        return 0
+    gemm = cpu_ops.int8_activations() and cpu_ops.int8_gemm()
     itemsize = 2 if cpu_ops.int8_activations() and cpu_ops.fast_bf16() else 4
     dense = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}[dtype]
+
+    def dequantized(fmt: str) -> bool:
+        return fmt != dense and not (gemm and fmt in INT8_GEMM_FORMATS)
     packed = {name: (fmt, shape) for name, fmt, _, shape in tensors
-              if len(shape) == 2 and fmt != dense and not name.endswith("embed_tokens.weight")}
+              if len(shape) == 2 and dequantized(fmt) and not name.endswith("embed_tokens.weight")}
     head = [n for n in packed if n.startswith("lm_head.")]
     if min(logit_rows, tokens) <= cpu_ops.FUSED_MAX_ROWS:
         for name in head:
             del packed[name]
     elif arch.tie_word_embeddings:  # the embedding is the output matrix
         packed.update({n: (f, s) for n, f, _, s in tensors if n.endswith("embed_tokens.weight")
-                       and f != dense})
+                       and dequantized(f)})
     if tokens <= cpu_ops.FUSED_MAX_ROWS or not packed:
         return 0
     rows = {name: shape[0] for name, (_, shape) in packed.items()}
@@ -188,7 +202,8 @@ def scratch_bytes(tensors: list[tuple[str, str, int, tuple[int, ...]]], arch: Mo
                     rows[run] += rows.pop(nxt)
                 else:
                     run = nxt
-    return max(n * packed[name][1][1] for name, n in rows.items()) * itemsize
+    return max(min(n, cpu_ops.block_rows(K, itemsize)) * K
+               for n, K in ((n, packed[name][1][1]) for name, n in rows.items())) * itemsize
 
 
 def activation_bytes(arch: ModelArchConfig, tokens: int, context: int, logit_rows: int,
