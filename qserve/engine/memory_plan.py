@@ -202,8 +202,10 @@ def scratch_bytes(tensors: list[tuple[str, str, int, tuple[int, ...]]], arch: Mo
                     rows[run] += rows.pop(nxt)
                 else:
                     run = nxt
-    return max(min(n, cpu_ops.block_rows(K, itemsize)) * K
-               for n, K in ((n, packed[name][1][1]) for name, n in rows.items())) * itemsize
+    def block(name: str, n: int) -> int:  # a segment of n rows: its largest block's values
+        K = packed[name][1][1]
+        return min(n, cpu_ops.block_rows(K, itemsize)) * K
+    return max(block(name, n) for name, n in rows.items()) * itemsize
 
 
 def activation_bytes(arch: ModelArchConfig, tokens: int, context: int, logit_rows: int,
