@@ -80,16 +80,14 @@ class LLMEngine:
         spec = config.speculative
         d_arch = draft_arch(spec, arch) if spec is not None else None
         cache = config.cache
+        t_block = bytes_per_block(arch, cache.block_size, self.kv_dtype)
+        d_block = 0 if d_arch is None else bytes_per_block(d_arch, cache.block_size, self.kv_dtype)
         self.max_model_len = sched.max_model_len
         if self.max_model_len is None:  # the model's context, or as much of it as fits
-            archs = [a for a in (arch, d_arch) if a is not None]
-            per_block = sum(bytes_per_block(a, cache.block_size, self.kv_dtype) for a in archs)
-            self.max_model_len, cache = fit_context(
-                min(a.max_position_embeddings for a in archs), cache, per_block, self.device,
-                sched.max_num_seqs)
+            context = min(a.max_position_embeddings for a in (arch, d_arch) if a is not None)
+            self.max_model_len, cache = fit_context(context, cache, t_block + d_block,
+                                                    self.device, sched.max_num_seqs)
         if d_arch is not None:  # a draft model's cache holds as many tokens, from one budget
-            t_block, d_block = (bytes_per_block(a, cache.block_size, self.kv_dtype)
-                                for a in (arch, d_arch))
             seq_blocks = -(-self.max_model_len // cache.block_size)
             want = sched.max_num_seqs * seq_blocks * (t_block + d_block)
             budget = kv_budget_bytes(cache, self.device, want) * t_block // (t_block + d_block)

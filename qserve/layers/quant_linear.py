@@ -215,7 +215,7 @@ class FileEmbedding(nn.Module):
         if not flat:
             return torch.empty(*input_ids.shape, self.embedding_dim, dtype=self.dtype)
         ids = sorted(set(flat))  # each row read once (a step's few ids: faster than torch's)
-        if ids and (ids[0] < 0 or ids[-1] >= self.num_embeddings):
+        if ids[0] < 0 or ids[-1] >= self.num_embeddings:
             raise IndexError(f"a token id outside the embedding table's {self.num_embeddings} "
                              f"rows")
         slot = {t: k for k, t in enumerate(ids)}
