@@ -81,6 +81,7 @@ _ENGINE_FLAGS = [
                  type=click.Choice(["auto", "fp32", "fp16", "bf16", "int8", "int4"]),
                  default="auto", show_default=True,
                  help="KV cache dtype (auto: a qserve checkpoint's recipe KV dtype, else "
+                      "fp16 on a CPU for weights below fp32 with int8 activations, else "
                       "--dtype; int8/int4: quantized in the blocks; int4: 4 bits a value, "
                       "keys by a per-model calibrated codebook)."),
     click.option("--dtype", type=click.Choice(["auto", "fp32", "fp16", "bf16"]),
@@ -322,13 +323,13 @@ def info(model, as_json, engine):
         "kv_tokens": kv_tokens,  # tokens of KV cache the engine's pool holds, per KV dtype
         "kv_tokens_per_gib": kv_per_gib,
     }
-    from qserve.engine.cache_engine import DTYPES, kv_torch_dtype
-    from qserve.engine.memory_plan import plan_memory
+    from qserve.engine.cache_engine import DTYPES
+    from qserve.engine.memory_plan import plan_memory, resolve_kv_dtype
     from qserve.loader.checkpoint import quantization_config
 
     quant = quantization_config(path) if path.is_dir() else None
     dtype = DTYPES[config.resolved_dtype()]
-    kv_dtype = kv_torch_dtype(config.cache, dtype, (quant or {}).get("kv_dtype"))
+    kv_dtype = resolve_kv_dtype(path, arch, config, quant)
     blocks, host_blocks, max_len = pool(kv_dtype)
     per_block = bytes_per_block(arch, bs, kv_dtype)
     report["max_model_len"] = max_len  # the context a run with these flags gets
@@ -602,6 +603,7 @@ _EVAL_FLAGS = ("--kv-cache-memory", "--block-size", "--max-num-batched-tokens", 
 def eval_(model, ref, text_file, context, score_tokens, old_max_tokens, as_json, engine):
     """Perplexity of MODEL over a text through the engine (quantized KV included); with
     --ref, KL divergence and top-1 agreement against a reference model."""
+    from qserve.config import engine_config
     from qserve.eval import default_text, eval_engine, evaluate, tokenize_for_eval
     from qserve.loader.registry import resolve_model
     from qserve.progress import spinner
@@ -626,7 +628,10 @@ def eval_(model, ref, text_file, context, score_tokens, old_max_tokens, as_json,
     if ref:
         resolve_model(ref)
         with spinner(f"loading the reference {ref}"):
-            ref_eng = eval_engine(ref, context, **{**engine, "kv_dtype": "auto"})
+            # the reference keeps K/V at its own compute dtype (fp32 on a CPU), whatever
+            # --kv-dtype the model under test uses and whatever its recipe would choose
+            full = engine_config(ref, **engine).resolved_dtype()
+            ref_eng = eval_engine(ref, context, **{**engine, "kv_dtype": full})
         click.echo(f"qserve: reference {status_line(ref_eng)}", err=True)
     result = evaluate(eng, tokenize_for_eval(eng, text, score_tokens, ref_eng), context,
                       ref_eng, progress=not as_json)

@@ -151,18 +151,22 @@ def eval_engine(model: str | None, context: int, loaded=None, **engine) -> LLMEn
     """An engine sized for scoring windows of `context` tokens: max_model_len = context,
     prefix caching off, no watermark, and (unless given) a KV budget of one window's blocks."""
     from qserve.config import engine_config
-    from qserve.engine.cache_engine import DTYPES, bytes_per_block, kv_torch_dtype
-    from qserve.loader import load_arch
+    from qserve.engine.cache_engine import bytes_per_block
+    from qserve.engine.memory_plan import resolve_kv_dtype
+    from qserve.loader import load_arch, resolve_model
+    from qserve.loader.checkpoint import quantization_config
 
     engine = {**engine, "max_model_len": context, "enable_prefix_caching": False,
               "watermark": 0.0}
     config = engine_config(model, **engine)
     if config.cache.kv_cache_memory is None:
-        arch = loaded.arch if loaded is not None else load_arch(model)
+        path = loaded.path if loaded is not None else resolve_model(model)
+        arch = loaded.arch if loaded is not None else load_arch(path)
+        quant = loaded.quant if loaded is not None else quantization_config(path)
+        weights = None if loaded is None else loaded.weights
+        kv_dtype = resolve_kv_dtype(path, arch, config, quant, weights)
         bs = config.cache.block_size
-        dtype = DTYPES[config.resolved_dtype()]
-        per_block = bytes_per_block(arch, bs, kv_torch_dtype(config.cache, dtype))
-        config.cache.kv_cache_memory = -(-context // bs) * per_block
+        config.cache.kv_cache_memory = -(-context // bs) * bytes_per_block(arch, bs, kv_dtype)
     from qserve.llm import make_engine
 
     return make_engine(config, loaded=loaded)

@@ -110,15 +110,17 @@ def pool_blocks(args, shared: int, prompt_tokens: int) -> int:
 def pool_bytes(args, blocks: int) -> int:
     """What `blocks` KV blocks take in a replica's engine (its KV dtype on its device)."""
     from qserve.config import engine_config
-    from qserve.engine.cache_engine import DTYPES, bytes_per_block, kv_torch_dtype
+    from qserve.engine.cache_engine import bytes_per_block
+    from qserve.engine.memory_plan import resolve_kv_dtype
     from qserve.loader import load_arch, resolve_model
     from qserve.loader.checkpoint import quantization_config
 
     cfg = engine_config(args.model, block_size=args.block_size,
                         device="cuda" if args.replica_gpus > 0 else "cpu")
-    quant = quantization_config(resolve_model(args.model)) or {}
-    dtype = kv_torch_dtype(cfg.cache, DTYPES[cfg.resolved_dtype()], quant.get("kv_dtype"))
-    return blocks * bytes_per_block(load_arch(args.model), args.block_size, dtype)
+    path = resolve_model(args.model)
+    arch = load_arch(path)
+    dtype = resolve_kv_dtype(path, arch, cfg, quantization_config(path))
+    return blocks * bytes_per_block(arch, args.block_size, dtype)
 
 
 def chat(client, system: str, user: str, max_tokens: int) -> tuple[float, str]:

@@ -204,16 +204,18 @@ def bench_qserve(args, model: Path) -> dict[str, list[float]]:
     """qserve through qserve.bench.run_bench, with a KV pool just big enough for the run."""
     from qserve.bench import run_bench
     from qserve.config import engine_config
+    from qserve.engine.cache_engine import bytes_per_block
     from qserve.engine.llm_engine import LLMEngine
+    from qserve.engine.memory_plan import resolve_kv_dtype
     from qserve.loader import load_arch
 
     arch = load_arch(model)
-    block = 16  # CacheConfig's default block size; one spare block per sequence
-    tokens = N_CONCURRENT * (-(-(args.input_len + args.output_len) // block) + 1) * block
-    kv_bytes = tokens * 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * 4  # K+V, fp32
-    engine = LLMEngine(engine_config(
-        str(model), kv_cache_memory=kv_bytes,
-        max_model_len=max(1024, args.input_len + args.output_len)))  # the default step budget
+    config = engine_config(str(model), max_model_len=max(1024, args.input_len + args.output_len))
+    block = config.cache.block_size  # one spare block per sequence, at the K/V dtype it runs
+    blocks = N_CONCURRENT * (-(-(args.input_len + args.output_len) // block) + 1)
+    kv_dtype = resolve_kv_dtype(model, arch, config)
+    config.cache.kv_cache_memory = blocks * bytes_per_block(arch, block, kv_dtype)
+    engine = LLMEngine(config)  # the default step budget
     runs = [run_bench(engine, [1, N_CONCURRENT], args.input_len, args.output_len, seed=r,
                       warmup=r == 0) for r in range(args.repeats)]
     return {"decode_b1": [b1["decode_tokens_per_s"] for b1, _ in runs],

@@ -237,19 +237,21 @@ def test_info_json():
     assert info["kv_tokens_per_gib"]["int4"] >= 3.5 * info["kv_tokens_per_gib"]["fp16"]
     assert info["kv_tokens"]["fp32"] == 256 * 2**20 // (46080 * 16) * 16
     assert info["max_model_len"] == 512  # LIGHT's
-    assert info["dtype"] == info["kv_dtype"] == "fp32"  # what runs, never "auto"
+    # what runs, never "auto": fp32 activations, K/V in fp16 for a quantized file on a CPU
+    assert (info["dtype"], info["kv_dtype"]) == ("fp32", "fp16")
     assert info["weight_bytes"]["fp16"] == 2 * info["num_params"]
     assert 0 < info["file_bytes"] < info["weight_bytes"]["fp16"]  # Q4_1 on disk
 
 
 @pytest.mark.slow
 def test_info_json_shows_the_context_a_budget_fits():
-    """No --max-model-len: the model's 8,192 tokens do not fit 64 MiB of fp32 KV, so the run
+    """No --max-model-len: the model's 8,192 tokens do not fit 32 MiB of fp16 KV, so the run
     (and info, which says so) gets the blocks that do."""
-    proc = qserve("info", "--json", "--kv-cache-memory", "64MiB")
+    proc = qserve("info", "--json", "--kv-cache-memory", "32MiB")
     assert proc.returncode == 0, proc.stderr
     info = json.loads(proc.stdout)
-    assert info["max_model_len"] == info["kv_tokens"]["fp32"] == 64 * 2**20 // (46080 * 16) * 16
+    assert info["kv_dtype"] == "fp16"
+    assert info["max_model_len"] == info["kv_tokens"]["fp16"] == 32 * 2**20 // (23040 * 16) * 16
 
 
 @pytest.mark.slow
@@ -263,4 +265,4 @@ def test_bench_json():
         assert r["prefill_tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0
         assert 0 < r["ttft_p50_s"] and 0 < r["tpot_mean_s"]
         assert r["peak_rss_mib"] > 0 and r["preemptions"] == 0
-        assert r["dtype"] == r["kv_dtype"] == "fp32"
+        assert (r["dtype"], r["kv_dtype"]) == ("fp32", "fp16")

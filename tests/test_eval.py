@@ -93,6 +93,21 @@ def test_cli_eval_json_is_deterministic(tmp_path):
     assert result["kl"] is None and result["ppl"] > 1
 
 
+def test_cli_eval_reference_keeps_full_precision_kv(tmp_path):
+    """--ref scores against the reference at its own compute dtype: K/V in fp32 on a CPU,
+    where the model under test gets the fp16 K/V of --kv-dtype auto."""
+    text = tmp_path / "t.txt"
+    text.write_text(default_text()[:2000], encoding="utf-8")
+    proc = qserve("eval", "--text", str(text), "--score-tokens", "48", "--context", "48",
+                  "--ref", "smollm2-135m-instruct", "--json")
+    assert proc.returncode == 0, proc.stderr
+    model, ref = [line for line in proc.stderr.splitlines() if line.startswith("qserve: ")]
+    assert " · KV fp16 " in model and ref.startswith("qserve: reference ")
+    assert " · KV fp32 " in ref
+    result = json.loads(proc.stdout)
+    assert result["kv_dtype"] == "fp16" and 0 <= result["kl"] < 0.01
+
+
 def test_cli_eval_max_tokens_is_not_the_scored_tokens():
     """--max-tokens means output tokens in every other command; eval names its limit
     --score-tokens and says so, before any model loads."""

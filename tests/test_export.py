@@ -121,7 +121,9 @@ def same_weights(a: dict, b: dict, exact_dense=True) -> None:
 
 def qserve_greedy(model: Path, ids: list[int], n: int) -> list[int]:
     """n greedy tokens, EOS masked (min_tokens) as llama-server's ignore_eos masks it."""
-    llm = LLM(str(model), kv_cache_memory="8MiB", max_model_len=128, block_size=4)
+    # K/V in fp32: a random model's near ties flip with fp16 K/V as early as the first token
+    llm = LLM(str(model), kv_cache_memory="8MiB", max_model_len=128, block_size=4,
+              kv_dtype="fp32")
     [out] = llm.generate([ids], SamplingParams(temperature=0, max_tokens=n, min_tokens=n))
     return out.outputs[0].token_ids
 

@@ -151,7 +151,9 @@ def transformers_greedy(path: Path, ids: tuple[int, ...], n: int
 
 
 def qserve_greedy(model: Path, ids: tuple[int, ...], n: int) -> tuple[list[int], list[float]]:
-    llm = LLM(str(model), kv_cache_memory="16MiB", max_model_len=256, block_size=4)
+    # K/V in fp32 as transformers keeps them (an F16 file would get fp16 K/V by default)
+    llm = LLM(str(model), kv_cache_memory="16MiB", max_model_len=256, block_size=4,
+              kv_dtype="fp32")
     [out] = llm.generate([list(ids)], SamplingParams(temperature=0, max_tokens=n,
                                                      ignore_eos=True, logprobs=1))
     tokens = out.outputs[0].token_ids

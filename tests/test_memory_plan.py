@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from qserve import cli
 from qserve.config import engine_config
-from qserve.engine.memory_plan import plan_memory
+from qserve.engine.memory_plan import plan_memory, resolve_kv_dtype
 from qserve.errors import ConfigError
 from qserve.loader import load_arch, load_model
 from qserve.models.registry import num_params
@@ -99,6 +99,43 @@ def test_cpu_scratch_is_the_kernels_buffer(default_model_path, monkeypatch):
     assert plan.scratch_bytes == 2 * arch.intermediate_size * arch.hidden_size * itemsize
     llm.generate([list(range(100, 180))], SamplingParams(max_tokens=1))
     assert cpu_ops._local.buf.numel() == plan.scratch_bytes
+
+
+def test_auto_kv_dtype_follows_the_weights_precision(default_model_path, hf_dir, native_model,
+                                                     loaded_model, tmp_path, monkeypatch):
+    """--kv-dtype auto on a CPU: fp16 K/V where the weights are kept below fp32 and the
+    activations approximated; fp32 where the weights are fp32 (a dense load, an fp32
+    checkpoint) or QSERVE_CPU_ACTIVATIONS=fp32 keeps the activations exact; a --kv-dtype or a
+    recipe's kv_dtype as named."""
+    from safetensors.torch import save_file
+
+    monkeypatch.delenv("QSERVE_CPU_ACTIVATIONS", raising=False)
+    half, full = torch.float16, torch.float32
+
+    def kv(path, quant=None, in_memory=None, **flags):
+        config = engine_config(str(path), device="cpu", **flags)
+        return resolve_kv_dtype(path, load_arch(path), config, quant, in_memory)
+
+    gguf = default_model_path  # Q4_1 / Q8_0
+    assert kv(gguf) == half
+    assert kv(gguf, weights="dense") == full
+    assert kv(gguf, kv_dtype="fp32") == full and kv(gguf, kv_dtype="int8") == torch.int8
+    assert kv(gguf, quant={"kv_dtype": "int4"}) == torch.uint8
+    # weights already in memory decide by what they are
+    assert kv(gguf, None, native_model.weights) == half
+    assert kv(gguf, None, loaded_model.weights) == full
+    # a safetensors checkpoint by its headers: fp32 stays fp32, fp16 matrices give fp16
+    assert kv(hf_dir) == full
+    f16_dir = tmp_path / "f16"
+    f16_dir.mkdir()
+    (f16_dir / "config.json").write_bytes((hf_dir / "config.json").read_bytes())
+    arch = load_arch(hf_dir)
+    save_file({"model.layers.0.mlp.down_proj.weight":
+               torch.zeros(arch.hidden_size, arch.intermediate_size, dtype=torch.float16)},
+              str(f16_dir / "model.safetensors"))
+    assert kv(f16_dir) == half
+    monkeypatch.setenv("QSERVE_CPU_ACTIVATIONS", "fp32")
+    assert kv(gguf) == full and kv(f16_dir) == full
 
 
 def test_host_pool_counts_only_where_blocks_can_move_there(default_model_path):

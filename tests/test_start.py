@@ -222,14 +222,15 @@ def test_status_line(native_model):
 
     llm = LLM(loaded=native_model, max_model_len=256, max_num_seqs=2)
     line = cli.status_line(llm.engine)
-    # 2 sequences x 16 blocks, over the 1% watermark: 33 blocks of 16 tokens
+    # 2 sequences x 16 blocks, over the 1% watermark: 33 blocks of 16 tokens, K/V in fp16
+    # (a quantized model on a CPU)
     assert re.fullmatch(r"SmolLM2-135M-Instruct\.Q4_1\.gguf \(llama, 135M params\) · cpu fp32 · "
-                        r"\d+ threads? · KV fp32 528 tokens \(23 MiB\) · context 256 of 8,192 "
+                        r"\d+ threads? · KV fp16 528 tokens \(12 MiB\) · context 256 of 8,192 "
                         r"tokens", line), line
     # no --max-model-len, and a budget short of the model's 8,192 tokens: the context it got
-    llm = LLM(loaded=native_model, kv_cache_memory=f"{100 * 46080 * 16 // 1024}KiB")
+    llm = LLM(loaded=native_model, kv_cache_memory=f"{100 * 23040 * 16 // 1024}KiB")
     assert cli.status_line(llm.engine).endswith(
-        " · KV fp32 1,600 tokens (70 MiB) · context 1,600 of 8,192 tokens")
+        " · KV fp16 1,600 tokens (35 MiB) · context 1,600 of 8,192 tokens")
 
 
 # ---- the suite leaves the user alone -------------------------------------------------------
@@ -254,6 +255,6 @@ def test_commands_leave_the_users_home_untouched(tmp_path, default_model_path):
                            input=stdin, capture_output=True, text=True, env=env, cwd=REPO,
                            timeout=300)
         assert r.returncode == 0, r.stderr
-        assert re.search(r"^qserve: SmolLM2-135M-Instruct\.Q4_1\.gguf .* KV fp32 \d+ tokens",
+        assert re.search(r"^qserve: SmolLM2-135M-Instruct\.Q4_1\.gguf .* KV fp16 \d+ tokens",
                          r.stderr, re.M), r.stderr
     assert [p.relative_to(home) for p in home.rglob("*")] == []

@@ -170,8 +170,9 @@ def test_constraint_survives_preemption(native_model):
     from qserve.sampling_params import SamplingParams
     from qserve.server.structured import Grammars, Structure
 
-    # room for about 700 tokens: four answers of ~300 tokens cannot all stay resident
-    engine = make_served_engine(native_model, max_model_len=512, kv_cache_memory="30MiB",
+    # room for about 700 tokens (fp16 K/V): four answers of ~300 tokens cannot all stay
+    # resident
+    engine = make_served_engine(native_model, max_model_len=512, kv_cache_memory="15MiB",
                                 swap_space=0, enable_prefix_caching=False)
     grammars = Grammars(engine.tokenizer)
     schema = {"type": "object", "properties": {

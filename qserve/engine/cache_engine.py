@@ -50,12 +50,15 @@ def dtype_name(dtype: torch.dtype) -> str:
     return {v: k for k, v in KV_STORAGE.items()}[dtype]
 
 
-def kv_torch_dtype(cache: CacheConfig, model_dtype: torch.dtype, suggested: str | None = None
-                   ) -> torch.dtype:
+def kv_torch_dtype(cache: CacheConfig, model_dtype: torch.dtype, suggested: str | None = None,
+                   *, half: bool = False) -> torch.dtype:
     """Storage dtype of the K/V values: --kv-dtype; for "auto", the checkpoint's `suggested`
-    kv_dtype (a qserve recipe's) when it has one, else the model's dtype."""
+    kv_dtype (a qserve recipe's) when it has one, else fp16 where `half`
+    (memory_plan.resolve_kv_dtype says when), else the model's dtype."""
     name = suggested if cache.kv_dtype == "auto" and suggested else cache.kv_dtype
-    return model_dtype if name == "auto" else KV_STORAGE[name]
+    if name == "auto":
+        return torch.float16 if half else model_dtype
+    return KV_STORAGE[name]
 
 
 def cache_tensor_specs(arch: ModelArchConfig, block_size: int, dtype: torch.dtype

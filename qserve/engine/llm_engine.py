@@ -22,9 +22,9 @@ import torch
 from qserve.config import EngineConfig
 from qserve.engine.block_manager import BlockManager
 from qserve.engine.cache_engine import (CacheEngine, DTYPES, bytes_per_block, fit_context,
-                                        kv_budget_bytes, kv_torch_dtype, plan_num_blocks)
+                                        kv_budget_bytes, plan_num_blocks)
 from qserve.engine.detokenizer import IncrementalDetokenizer
-from qserve.engine.memory_plan import plan_memory
+from qserve.engine.memory_plan import plan_memory, resolve_kv_dtype
 from qserve.engine.model_runner import ModelRunner
 from qserve.engine.proposer import build_proposer, draft_arch
 from qserve.engine.sampler import Sampler
@@ -74,9 +74,10 @@ class LLMEngine:
                 f"--max-model-len {sched.max_model_len} exceeds the model's context length "
                 f"{arch.max_position_embeddings}; use at most that")
         # --kv-dtype auto: a qserve checkpoint's recipe names the KV dtype to use
-        quant = (loaded.quant if loaded is not None
-                 else quantization_config(resolve_model(config.model)))
-        self.kv_dtype = kv_torch_dtype(config.cache, self.dtype, (quant or {}).get("kv_dtype"))
+        path = loaded.path if loaded is not None else resolve_model(config.model)
+        quant = loaded.quant if loaded is not None else quantization_config(path)
+        self.kv_dtype = resolve_kv_dtype(path, arch, config, quant,
+                                         loaded.weights if loaded is not None else None)
         spec = config.speculative
         d_arch = draft_arch(spec, arch) if spec is not None else None
         cache = config.cache

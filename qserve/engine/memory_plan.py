@@ -31,7 +31,9 @@ from pathlib import Path
 import torch
 
 from qserve.config import EngineConfig, ModelArchConfig
+from qserve.engine.cache_engine import DTYPES, kv_torch_dtype
 from qserve.errors import ConfigError
+from qserve.kernels import cpu_ops
 from qserve.models.softcap_attention import QUERY_BLOCK
 
 GiB = 1 << 30
@@ -232,6 +234,35 @@ def activation_bytes(arch: ModelArchConfig, tokens: int, context: int, logit_row
     mlp = tokens * (2 * i * (4 + 2 + 4) + 2 * h + i * 4)
     logits = 2 * min(logit_rows, tokens) * arch.vocab_size * 4
     return live + max(attention, mlp) + logits
+
+
+def resolve_kv_dtype(path: Path, arch: ModelArchConfig, config: EngineConfig,
+                     quant: dict | None = None, weights=None) -> torch.dtype:
+    """The K/V storage dtype a run of the model at `path` with `config` uses (kv_torch_dtype;
+    `quant`: a qserve checkpoint's quantization_config, whose kv_dtype "auto" follows;
+    `weights`: a LoadedModel's, looked at where they are in memory already; else the file's
+    headers say how the loader will keep them).
+
+    "auto" on a CPU stores K/V in fp16 (llama.cpp's default: half the pool of fp32; decode
+    measured as fast, README "K/V in fp16 on a CPU") where the run's matmuls already work
+    below fp32: weights kept in 16 bits or fewer and activations approximated
+    (cpu_ops.int8_activations). An fp32 checkpoint, `--weights dense` or
+    QSERVE_CPU_ACTIVATIONS=fp32 keeps the model's fp32 end to end."""
+    from qserve.loader.weights import LazyWeights
+
+    dtype = DTYPES[config.resolved_dtype()]
+
+    def below_fp32() -> bool:
+        if weights is not None and not isinstance(weights, LazyWeights):
+            return any(not isinstance(w, torch.Tensor) or w.dtype != torch.float32
+                       for w in weights.values())
+        native = config.weights == "native"
+        return any(fmt != "f32" for _, fmt, _, _ in resident_tensors(path, arch, dtype, native))
+
+    half = (config.cache.kv_dtype == "auto" and not (quant or {}).get("kv_dtype")
+            and dtype == torch.float32 and config.resolved_device() == "cpu"
+            and cpu_ops.int8_activations() and below_fp32())
+    return kv_torch_dtype(config.cache, dtype, (quant or {}).get("kv_dtype"), half=half)
 
 
 def resident_weights(path: Path, arch: ModelArchConfig, dtype: torch.dtype, native: bool
