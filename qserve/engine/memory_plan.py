@@ -13,8 +13,11 @@ On a CPU the plan is the process's peak RSS, term by term (measured with
 
     baseline    the interpreter, torch, qserve, the kernel library, the tokenizer
     weights     as resident
-    KV pool     device blocks (zeroed, so resident); the host pool only where blocks can move
-                there (swap preemption, layer-wise offload): untouched, its pages take nothing
+    KV pool     every device block, at the K/V dtype the run uses (resolve_kv_dtype): its
+                pages become resident as blocks are first written (cache_engine.zeroed_pool),
+                and a full pool is what is planned for; the host pool only where blocks can
+                move there (swap preemption, layer-wise offload): untouched, its pages take
+                nothing
     scratch     the buffer a prefill matmul dequantizes a block of weight rows into (at most
                 about 32 MiB), kept for reuse (kernels/cpu_ops.py _scratch): bf16 where the
                 CPU multiplies bf16 fast
