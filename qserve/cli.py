@@ -329,7 +329,7 @@ def info(model, as_json, engine):
 
     quant = quantization_config(path) if path.is_dir() else None
     dtype = DTYPES[config.resolved_dtype()]
-    kv_dtype = resolve_kv_dtype(path, arch, config, quant)
+    kv_dtype = resolve_kv_dtype(path, arch, config)
     blocks, host_blocks, max_len = pool(kv_dtype)
     per_block = bytes_per_block(arch, bs, kv_dtype)
     report["max_model_len"] = max_len  # the context a run with these flags gets

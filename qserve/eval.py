@@ -154,7 +154,6 @@ def eval_engine(model: str | None, context: int, loaded=None, **engine) -> LLMEn
     from qserve.engine.cache_engine import bytes_per_block
     from qserve.engine.memory_plan import resolve_kv_dtype
     from qserve.loader import load_arch, resolve_model
-    from qserve.loader.checkpoint import quantization_config
 
     engine = {**engine, "max_model_len": context, "enable_prefix_caching": False,
               "watermark": 0.0}
@@ -162,9 +161,7 @@ def eval_engine(model: str | None, context: int, loaded=None, **engine) -> LLMEn
     if config.cache.kv_cache_memory is None:
         path = loaded.path if loaded is not None else resolve_model(model)
         arch = loaded.arch if loaded is not None else load_arch(path)
-        quant = loaded.quant if loaded is not None else quantization_config(path)
-        weights = None if loaded is None else loaded.weights
-        kv_dtype = resolve_kv_dtype(path, arch, config, quant, weights)
+        kv_dtype = resolve_kv_dtype(path, arch, config, loaded)
         bs = config.cache.block_size
         config.cache.kv_cache_memory = -(-context // bs) * bytes_per_block(arch, bs, kv_dtype)
     from qserve.llm import make_engine

@@ -113,13 +113,12 @@ def pool_bytes(args, blocks: int) -> int:
     from qserve.engine.cache_engine import bytes_per_block
     from qserve.engine.memory_plan import resolve_kv_dtype
     from qserve.loader import load_arch, resolve_model
-    from qserve.loader.checkpoint import quantization_config
 
     cfg = engine_config(args.model, block_size=args.block_size,
                         device="cuda" if args.replica_gpus > 0 else "cpu")
     path = resolve_model(args.model)
     arch = load_arch(path)
-    dtype = resolve_kv_dtype(path, arch, cfg, quantization_config(path))
+    dtype = resolve_kv_dtype(path, arch, cfg)
     return blocks * bytes_per_block(arch, args.block_size, dtype)
 
 

@@ -107,23 +107,25 @@ def test_auto_kv_dtype_follows_the_weights_precision(default_model_path, hf_dir,
     activations approximated; fp32 where the weights are fp32 (a dense load, an fp32
     checkpoint) or QSERVE_CPU_ACTIVATIONS=fp32 keeps the activations exact; a --kv-dtype or a
     recipe's kv_dtype as named."""
+    import dataclasses
+
     from safetensors.torch import save_file
 
     monkeypatch.delenv("QSERVE_CPU_ACTIVATIONS", raising=False)
     half, full = torch.float16, torch.float32
 
-    def kv(path, quant=None, in_memory=None, **flags):
+    def kv(path, loaded=None, **flags):
         config = engine_config(str(path), device="cpu", **flags)
-        return resolve_kv_dtype(path, load_arch(path), config, quant, in_memory)
+        return resolve_kv_dtype(path, load_arch(path), config, loaded)
 
     gguf = default_model_path  # Q4_1 / Q8_0
     assert kv(gguf) == half
     assert kv(gguf, weights="dense") == full
     assert kv(gguf, kv_dtype="fp32") == full and kv(gguf, kv_dtype="int8") == torch.int8
-    assert kv(gguf, quant={"kv_dtype": "int4"}) == torch.uint8
+    assert kv(gguf, dataclasses.replace(native_model, quant={"kv_dtype": "int4"})) == torch.uint8
     # weights already in memory decide by what they are
-    assert kv(gguf, None, native_model.weights) == half
-    assert kv(gguf, None, loaded_model.weights) == full
+    assert kv(gguf, native_model) == half
+    assert kv(gguf, loaded_model) == full
     # a safetensors checkpoint by its headers: fp32 stays fp32, fp16 matrices give fp16
     assert kv(hf_dir) == full
     f16_dir = tmp_path / "f16"

@@ -61,7 +61,6 @@ class LLMEngine:
         self-draft's quantized weights (qserve.llm.make_engine makes them)."""
         self.config = config
         from qserve.loader import load_arch, resolve_model
-        from qserve.loader.checkpoint import quantization_config
 
         # Plan the KV pools from the architecture alone, so a budget too small for one
         # sequence is refused before any weights are read.
@@ -75,9 +74,7 @@ class LLMEngine:
                 f"{arch.max_position_embeddings}; use at most that")
         # --kv-dtype auto: a qserve checkpoint's recipe names the KV dtype to use
         path = loaded.path if loaded is not None else resolve_model(config.model)
-        quant = loaded.quant if loaded is not None else quantization_config(path)
-        self.kv_dtype = resolve_kv_dtype(path, arch, config, quant,
-                                         loaded.weights if loaded is not None else None)
+        self.kv_dtype = resolve_kv_dtype(path, arch, config, loaded)
         spec = config.speculative
         d_arch = draft_arch(spec, arch) if spec is not None else None
         cache = config.cache
@@ -96,7 +93,7 @@ class LLMEngine:
         num_blocks, num_host_blocks = plan_num_blocks(
             arch, cache, self.kv_dtype, self.device, self.max_model_len, sched.max_num_seqs,
             requested=sched.max_model_len is not None)
-        loaded = self._load(loaded, arch, cache.block_size, num_blocks, num_host_blocks)
+        loaded = self._load(loaded, path, arch, cache.block_size, num_blocks, num_host_blocks)
         self.arch, self.tokenizer = loaded.arch, loaded.tokenizer
         self.model_path = loaded.path
 
@@ -125,10 +122,11 @@ class LLMEngine:
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
 
-    def _load(self, loaded, arch, block_size: int, num_blocks: int, num_host_blocks: int):
-        """Check the memory plan (when the weights are still to be read), then load the
-        model unless the caller did. Returns the LoadedModel."""
-        from qserve.loader import load_model, resolve_model
+    def _load(self, loaded, path, arch, block_size: int, num_blocks: int,
+              num_host_blocks: int):
+        """Check the memory plan of the model at `path` (when the weights are still to be
+        read), then load the model unless the caller did. Returns the LoadedModel."""
+        from qserve.loader import load_model
         from qserve.loader.weights import LazyWeights
 
         config, native = self.config, self.config.weights == "native"
@@ -136,9 +134,9 @@ class LLMEngine:
         if loaded is None or isinstance(loaded.weights, LazyWeights):  # nothing read yet
             per_block = bytes_per_block(arch, block_size, self.kv_dtype)
             self.memory_plan = plan_memory(
-                loaded.path if loaded else resolve_model(config.model), arch, config,
-                device=self.device, dtype=self.dtype, kv_bytes=num_blocks * per_block,
-                host_kv_bytes=num_host_blocks * per_block, max_model_len=self.max_model_len)
+                path, arch, config, device=self.device, dtype=self.dtype,
+                kv_bytes=num_blocks * per_block, host_kv_bytes=num_host_blocks * per_block,
+                max_model_len=self.max_model_len)
             self.memory_plan.check()  # before any weight is read
         return loaded if loaded is not None else load_model(config.model, native=native)
 

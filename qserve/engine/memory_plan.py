@@ -122,8 +122,6 @@ def plan_memory(path: Path, arch: ModelArchConfig, config: EngineConfig, *,
     tensors = [t for t in tensors if t not in in_file]
     if cpu:  # the bytes of the layouts the CPU kernels run (cpu_ops.runtime_layout: q4_k
         # and q6_k interleaved take a little more); formats are still named as stored
-        from qserve.kernels import cpu_ops
-
         tensors = [(name, fmt, cpu_ops.runtime_bytes(fmt, nbytes, shape)[1], shape)
                    for name, fmt, nbytes, shape in tensors]
     formats = _by_format(tensors)
@@ -173,7 +171,6 @@ def scratch_bytes(tensors: list[tuple[str, str, int, tuple[int, ...]]], arch: Mo
     one step. The int8 GEMM (cpu_ops.int8_gemm: AVX2 and AVX-512 VNNI builds without AMX)
     keeps no such buffer for the formats it takes: it rounds 16 weight rows at a time into a
     per-thread tile of at most 16 x K bytes."""
-    from qserve.kernels import cpu_ops
     from qserve.models import registry
 
     gemm = cpu_ops.int8_activations() and cpu_ops.int8_gemm()
@@ -240,20 +237,23 @@ def activation_bytes(arch: ModelArchConfig, tokens: int, context: int, logit_row
 
 
 def resolve_kv_dtype(path: Path, arch: ModelArchConfig, config: EngineConfig,
-                     quant: dict | None = None, weights=None) -> torch.dtype:
-    """The K/V storage dtype a run of the model at `path` with `config` uses (kv_torch_dtype;
-    `quant`: a qserve checkpoint's quantization_config, whose kv_dtype "auto" follows;
-    `weights`: a LoadedModel's, looked at where they are in memory already; else the file's
-    headers say how the loader will keep them).
+                     loaded=None) -> torch.dtype:
+    """The K/V storage dtype a run of the model at `path` with `config` uses (kv_torch_dtype:
+    "auto" follows a qserve checkpoint's recipe kv_dtype). `loaded`: the LoadedModel of
+    `path` where the caller has one: its quant, and its weights where they are in memory
+    already; else the file's headers say how the loader will keep them.
 
     "auto" on a CPU stores K/V in fp16 (llama.cpp's default: half the pool of fp32; decode
     measured as fast, README "K/V in fp16 on a CPU") where the run's matmuls already work
     below fp32: weights kept in 16 bits or fewer and activations approximated
     (cpu_ops.int8_activations). An fp32 checkpoint, `--weights dense` or
     QSERVE_CPU_ACTIVATIONS=fp32 keeps the model's fp32 end to end."""
+    from qserve.loader.checkpoint import quantization_config
     from qserve.loader.weights import LazyWeights
 
     dtype = DTYPES[config.resolved_dtype()]
+    quant = loaded.quant if loaded is not None else quantization_config(path)
+    weights = loaded.weights if loaded is not None else None
 
     def below_fp32() -> bool:
         if weights is not None and not isinstance(weights, LazyWeights):
