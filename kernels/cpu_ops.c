@@ -1698,8 +1698,10 @@ int wdequant_bf16(const wdesc *W, uint16_t *out, int nthreads)
  * halves), where the row kernels spend ~3 float ops per vpdpbusd. AVX2 has no vpdpbusd: a
  * vpmaddubsw adds pairs of products into int16 lanes, `run` of those are summed in int16 (exact
  * while run * 2 * umax * 127 < 2^15: 8 for 4-bit codes, 2 for 6-bit) and one vpmaddwd against
- * ones widens them into the int32 sums; int8 weights (codes up to 255) would saturate a pair,
- * so the AVX2 GEMM does not take them. Laying out the codes costs
+ * ones widens them into the int32 sums; 8-bit codes (int8's, the iq4 tables': up to 255) would
+ * saturate a pair, so the AVX2 GEMM splits them, u = 16 hi + lo, into two 4-bit planes (runs
+ * of 8 each) and widens the high plane's sums against 16s instead of ones: the same exact int32
+ * sums, for about twice a 4-bit tile's multiplies. Laying out the codes costs
  * about as much as a few activation rows' products, so from gemm_min_rows rows on it beats the
  * row kernels (which read each weight once and suit small batches). A row's result depends on
  * its own activations only, never on the rows beside it. */
@@ -1719,6 +1721,11 @@ int wdequant_bf16(const wdesc *W, uint16_t *out, int nthreads)
 #define GM 8 /* activation rows per group */
 #define GEMM_KC 64 /* chunks per block of the inputs (2048): a multiple of every block's 256 */
 #define GEMM_MB 2048 /* activation rows per block, a multiple of GM */
+/* Split 8-bit tiles (AVX2) run 8 weight rows a pass where paired 4-bit tiles run 16, so they
+ * read the records twice as often: rows in blocks of 512 keep a block's records nearer
+ * (int8 at 2048 rows, the 1B's shapes, 2 threads: 90-100 GMAC/s in blocks of 2048, 104-111 in
+ * blocks of 512, 97-108 of 256 or 128) */
+#define SPLIT_MB 512
 #define GREC (13 * GM) /* 32-bit words per (group, chunk) record */
 
 typedef struct {
@@ -1727,6 +1734,7 @@ typedef struct {
     int asym;   /* offsets */
     int umax;   /* the largest code */
     int run;    /* AVX2: vpmaddubsw results summed in int16 before widening (8, 4 or 2) */
+    int split;  /* AVX2, 8-bit codes: multiplied as two 4-bit planes, u = 16 hi + lo */
 } gemm_traits;
 
 /* The most vpmaddubsw results (each lane a pair of code x activation products, |x| <= 127) an
@@ -1751,7 +1759,14 @@ static int gemm_traits_of(const wdesc *W, gemm_traits *t)
 #ifdef HAVE_ZMM_PATH
     return 0;
 #else
-    return t->run ? 0 : -1; /* int8: a pair of products would saturate int16 */
+    /* 8-bit codes (int8's u = q + 128, the iq4 tables'): a pair of products would saturate
+     * int16, so each tile is split into its high and low nibbles, two 4-bit planes with runs
+     * of 8 (gemm_tile_split_i8); per-32 scales and no offsets, as those formats have */
+    if (!t->run && t->umax <= 255 && t->halves == 1 && !t->asym) {
+        t->split = 1;
+        t->run = gemm_run(15);
+    }
+    return t->run ? 0 : -1;
 #endif
 }
 
@@ -1763,28 +1778,28 @@ static int gemm_traits_kind(const wdesc *W, gemm_traits *t)
         if (W->group_size % 16)
             return -1;
         const int asym = W->kind == KIND_INT4Z || W->offsets != NULL;
-        *t = (gemm_traits){asym ? 0 : 8, 1, asym, 15, 0};
+        *t = (gemm_traits){asym ? 0 : 8, 1, asym, 15, 0, 0};
         return 0;
     }
     case KIND_INT8:
         if (W->group_size % 16 && W->group_size < W->Kp)
             return -1;
-        *t = (gemm_traits){128, 1, 0, 255, 0};
+        *t = (gemm_traits){128, 1, 0, 255, 0, 0};
         return 0;
     case KIND_Q4_K_X16: /* q4_k's codes */
-        *t = (gemm_traits){0, 1, 1, 15, 0};
+        *t = (gemm_traits){0, 1, 1, 15, 0, 0};
         return 0;
     case KIND_INT4_X16: /* int4's */
-        *t = W->offsets ? (gemm_traits){0, 1, 1, 15, 0} : (gemm_traits){8, 1, 0, 15, 0};
+        *t = W->offsets ? (gemm_traits){0, 1, 1, 15, 0, 0} : (gemm_traits){8, 1, 0, 15, 0, 0};
         return 0;
     case KIND_Q6_K_X16: /* q6_k's */
-        *t = (gemm_traits){32, 2, 0, 63, 0};
+        *t = (gemm_traits){32, 2, 0, 63, 0, 0};
         return 0;
     default: {
         const ggml_type *g = ggml_type_of(W->kind);
         if (!g)
             return -1;
-        *t = (gemm_traits){g->z, g->halves, g->asym, g->umax, 0};
+        *t = (gemm_traits){g->z, g->halves, g->asym, g->umax, 0, 0};
         return 0;
     }
     }
@@ -2262,6 +2277,56 @@ gemm_tile2_i8(const uint8_t *ta, const uint8_t *tb, const float *swa, const floa
     }
 }
 
+/* 8 weight rows of 8-bit codes u = 16 h + l (th, tl: the tile's high and low nibbles, each in
+ * the tile layout, gemm_split_tile; scales sw with one per 32 inputs, no offsets) against
+ * activation group xg: out[i] holds row i's 8 results. Both planes are 4-bit codes, so each
+ * plane's vpmaddubsw pairs sum in int16 for runs of 8 (8 x 2 x 15 x 127 < 2^15), h's widened
+ * against 16s and l's against ones into one int32 sum per chunk, exactly sum u q_x: from there
+ * on gemm_tile_i8's float operations in its order. 4 activation rows a pass, as gemm_tile2_i8:
+ * each broadcast serves both planes' vectors. */
+static inline __attribute__((always_inline)) void
+gemm_tile_split_i8(const uint8_t *th, const uint8_t *tl, const float *sw, const int32_t *xg,
+                   int64_t nchunk, __m256 *out)
+{
+    const __m256i ones = _mm256_set1_epi16(1), sixteen = _mm256_set1_epi16(16);
+    const int R = 4;
+    for (int i0 = 0; i0 < GM; i0 += R) {
+        __m256 f[4];
+        for (int i = 0; i < R; i++)
+            f[i] = _mm256_setzero_ps();
+        for (int64_t c = 0; c < nchunk; c++) {
+            const int32_t *rec = xg + c * GREC, *iz = rec + 9 * GM;
+            const float *d = (const float *)(rec + 8 * GM);
+            __m256i ph[4], pl[4];
+            bm_run2(th + c * 8 * 32, tl + c * 8 * 32, rec + i0, ph, pl, 8);
+            const __m256 s = _mm256_load_ps(sw + 2 * c * GT);
+            for (int i = 0; i < R; i++) {
+                const __m256i acc = _mm256_add_epi32(
+                    _mm256_add_epi32(_mm256_set1_epi32(iz[i0 + i]),
+                                     _mm256_madd_epi16(ph[i], sixteen)),
+                    _mm256_madd_epi16(pl[i], ones));
+                f[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc),
+                                       _mm256_mul_ps(s, _mm256_set1_ps(d[i0 + i])), f[i]);
+            }
+        }
+        for (int i = 0; i < R; i++)
+            out[i0 + i] = f[i];
+    }
+}
+
+/* A tile of 8-bit codes (cn chunks, the tile layout) into its high nibbles, in place, and its
+ * low nibbles, into tl: gemm_tile_split_i8's planes. */
+static void gemm_split_tile(uint8_t *tile, uint8_t *tl, int64_t cn)
+{
+    const __m256i m4 = _mm256_set1_epi8(15);
+    for (int64_t q = 0; q < cn * 8; q++) {
+        const __m256i v = _mm256_load_si256((const __m256i *)(tile + q * 32));
+        _mm256_store_si256((__m256i *)(tl + q * 32), _mm256_and_si256(v, m4));
+        _mm256_store_si256((__m256i *)(tile + q * 32),
+                           _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
+    }
+}
+
 /* As gemm_tile_rows for the 16 weight rows of two tiles (gemm_tile2_i8: t->run >= 4, or >= 2
  * where t->halves == 2); rows past N masked. */
 static void gemm_tile_rows2(const wdesc *W, const gemm_traits *t, const uint8_t *ta,
@@ -2350,11 +2415,12 @@ static void tile_layout(const uint8_t *u, const float *so, int64_t Kb, int64_t n
     }
 }
 
-/* As the 512-bit gemm_tile_rows, 8 weight rows (masked stores past N) */
+/* As the 512-bit gemm_tile_rows, 8 weight rows (masked stores past N); with t->split, tile and
+ * tl are the codes' two planes (gemm_split_tile) */
 static void gemm_tile_rows(const wdesc *W, const gemm_traits *t, const uint8_t *tile,
-                           const float *sw, const float *ow, const int32_t *xb,
-                           int64_t c0, int64_t cn, int64_t m0, int64_t m1, int64_t n0, float *y,
-                           int64_t ldy)
+                           const uint8_t *tl, const float *sw, const float *ow,
+                           const int32_t *xb, int64_t c0, int64_t cn, int64_t m0, int64_t m1,
+                           int64_t n0, float *y, int64_t ldy)
 {
     const int64_t nr = W->N - n0 < GT ? W->N - n0 : GT;
     const __m256i k = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)nr),
@@ -2368,7 +2434,9 @@ static void gemm_tile_rows(const wdesc *W, const gemm_traits *t, const uint8_t *
     for (int64_t g = m0 / GM; g * GM < m1; g++) {
         __m256 out[GM];
         const int32_t *xr = xb + g * cn * GREC;
-        if (t->halves == 1 && !t->asym)
+        if (t->split)
+            gemm_tile_split_i8(tile, tl, sw, xr, cn, out);
+        else if (t->halves == 1 && !t->asym)
             TILE(1, 0);
         else if (t->halves == 1)
             TILE(1, 1);
@@ -2448,18 +2516,20 @@ int wgemm_i8(const wdesc *W, const float *x, int64_t M, int64_t ldx, float *y, i
 #ifdef HAVE_ZMM_PATH
     const int64_t step = GT;
 #else /* two tiles at a time where gemm_tile2_i8 takes the codes */
-    const int64_t step = GEMM_PAIR && t.run >= (t.halves == 1 ? 4 : 2) ? 2 * GT : GT;
+    const int64_t step = GEMM_PAIR && !t.split && t.run >= (t.halves == 1 ? 4 : 2) ? 2 * GT : GT;
 #endif
 #pragma omp parallel num_threads(nthreads)
     {
         uint8_t *u = aligned_alloc(64, (size_t)(kc * CHUNK * GT));
-        const int64_t ntile = step / GT; /* tiles laid out at once, each with its sw, ow */
+        /* tiles laid out at once, each with its sw, ow (a split tile's second: its low plane) */
+        const int64_t ntile = t.split ? 2 : step / GT;
         uint8_t *tile = aligned_alloc(64, (size_t)(ntile * kc * CHUNK * GT));
         float *so = malloc(sizeof(float) * (size_t)(2 * GT * nhb));
         float *sw = aligned_alloc(64, sizeof(float) * (size_t)(ntile * 2 * GT * nhb));
         float *ow = sw + GT * nhb;
-        for (int64_t m0 = 0; m0 < M; m0 += GEMM_MB) {
-            const int64_t m1 = M - m0 < GEMM_MB ? M : m0 + GEMM_MB;
+        const int64_t mb = t.split ? SPLIT_MB : GEMM_MB;
+        for (int64_t m0 = 0; m0 < M; m0 += mb) {
+            const int64_t m1 = M - m0 < mb ? M : m0 + mb;
             for (int64_t c0 = 0; c0 < nchunk; c0 += GEMM_KC) {
                 const int64_t cn = gemm_block_chunks(nchunk, c0);
                 const int32_t *xb = gemm_recs(xg, groups, c0);
@@ -2476,8 +2546,13 @@ int wgemm_i8(const wdesc *W, const float *x, int64_t M, int64_t ldx, float *y, i
                                         cn, m0, m1, n0, y, ldy);
                         continue;
                     }
-#endif
+                    uint8_t *tl = t.split ? tile + kc * CHUNK * GT : NULL;
+                    if (tl)
+                        gemm_split_tile(tile, tl, cn);
+                    gemm_tile_rows(W, &t, tile, tl, sw, ow, xb, c0, cn, m0, m1, n0, y, ldy);
+#else
                     gemm_tile_rows(W, &t, tile, sw, ow, xb, c0, cn, m0, m1, n0, y, ldy);
+#endif
                 }
             }
         }
@@ -2533,6 +2608,12 @@ int gemm_min_rows(const wdesc *W)
         return 16;
     if (W->kind == KIND_INT4_X16)
         return 12;
+    /* 8-bit codes in two planes (Sapphire Rapids VM built for AVX2, 2 threads, the 1B's three
+     * shapes, GMAC/s of the GEMM against the row kernels at 8 / 16 / 24 / 32 rows): int8
+     * 34-38 / 54-57 / 65-74 / 73-81 against 66-70 / 66-69 / 65-70 / 67-71, iq4_xs 48-63 /
+     * 72-86 / 82-96 / 90-102 against 66-74 / 66-73 / 67-72 / 71-73 */
+    if (t.split)
+        return W->kind == KIND_INT8 ? 24 : 16;
     return is_int4(W) || t.halves == 2 ? 20 : 16;
 #else
     if (is_int4(W))

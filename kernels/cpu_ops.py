@@ -237,8 +237,9 @@ def int8_gemm() -> bool:
     where fast_bf16 does not pick bf16; a kind it does not take, gemm_min_rows 0, keeps the
     fp32 GEMM): with the AVX-512 VNNI kernels at 1B shapes 3.3-3.5x the
     dequantize-then-fp32-GEMM path on a Xeon without AMX (128-512 rows, 2 threads); with the
-    AVX2 ones (vpmaddubsw; int8 weights not taken) 1.4-3.4x it at 2048 x 8192 and 8192 x 2048,
-    128-512 rows, 2 threads (QSERVE_CPU_ISA=avx2 on a Zen 5)."""
+    AVX2 ones (vpmaddubsw) 1.4-3.4x it at 2048 x 8192 and 8192 x 2048, 128-512 rows, 2
+    threads (QSERVE_CPU_ISA=avx2 on a Zen 5); 8-bit codes (int8, iq4), multiplied there as two
+    4-bit planes, 1.05-1.25x it (torch's GEMM held to AVX2, MKL_ENABLE_INSTRUCTIONS=AVX2)."""
     return kernel_isa() in ("avx512-vnni", "avx2") and not fast_bf16()
 
 

@@ -165,7 +165,7 @@ def _skip_unless_x16_runs(fmt: str) -> None:
 
 
 def _gemm_takes(qt) -> bool:
-    """Whether the int8 GEMM takes qt's kind (the AVX2 one leaves int8 weights out)."""
+    """Whether the int8 GEMM takes qt's kind at decode sizes (every packed kind)."""
     return cpu_ops.gemm_min_rows(qt) > 0
 
 
@@ -268,10 +268,7 @@ def test_int8_gemm_qserve_formats(fmt, N, K, M, gemm_prefill):
     its terms before they cancel (q s and z s, at most ~3x |w| here) take a few roundings a
     chunk, far inside _check_int8_gemm's (K + 2) u."""
     qt = _mixed_formats_weight(fmt, N, K)
-    if not VNNI and fmt.startswith("int8"):
-        assert cpu_ops.gemm_min_rows(qt) == 0  # its codes would saturate vpmaddubsw's pairs
-        pytest.skip("the AVX2 int8 GEMM does not take int8 weights")
-    assert 0 < cpu_ops.gemm_min_rows(qt) <= M
+    assert 0 < cpu_ops.gemm_min_rows(qt) <= M  # AVX2: int8's codes in two 4-bit planes
     w = qt.dequantize().double()
     g = torch.Generator().manual_seed(N + K)
     x, bias = torch.randn(M, K, generator=g), torch.randn(N, generator=g)
@@ -281,13 +278,15 @@ def test_int8_gemm_qserve_formats(fmt, N, K, M, gemm_prefill):
 
 @pytest.mark.skipif(not GEMM, reason=NO_GEMM)
 @pytest.mark.parametrize("fmt,N,K", [("int4-sym", 28, 2080), ("int4-sym-x16", 48, 512),
-                                     ("q5_0", 20, 512), ("q4_k", 24, 512), ("int4", 28, 96)])
+                                     ("q5_0", 20, 512), ("q4_k", 24, 512), ("int4", 28, 96),
+                                     ("int8", 20, 2080), ("iq4_nl", 20, 512)])
 def test_int8_gemm_rows_do_not_depend_on_their_neighbours(fmt, N, K, gemm_prefill):
     """Each output of the int8 GEMM is the same bits whether its weight row runs in an 8-row
     slice of W alone or beside the others: the AVX2 build runs two 8-row tiles at once for codes
     without offsets (gemm_tile2_i8; int4-sym and q5_0 here: whole pairs and a partial one), and
     that must be gemm_tile_i8's arithmetic exactly, so a row's result never depends on how N
-    falls into tiles; q4_k and int4 (offsets) run one tile at a time. int4_x16 (Q4_0's repack)
+    falls into tiles; q4_k and int4 (offsets) run one tile at a time, as do int8 and iq4_nl
+    (8-bit codes, which AVX2 splits into two 4-bit planes). int4_x16 (Q4_0's repack)
     packs its tiles from the interleaved layout, its slices from plain int4: the same codes."""
     M = 24
     base = fmt.removesuffix("-x16")
@@ -320,10 +319,12 @@ def test_int8_gemm_rows_do_not_depend_on_their_neighbours(fmt, N, K, gemm_prefil
                                        ("q5_0", 17, 2080, 24), ("int4", 33, 2080, 24),
                                        ("int4z-g128", 16, 4224, 45), ("int8", 24, 2081, 45),
                                        ("int8-channel", 9, 2081, 33), ("q4_k", 24, 256, 2061),
-                                       ("int4", 17, 96, 2061)])
+                                       ("int4", 17, 96, 2061), ("int8", 17, 544, 1100),
+                                       ("iq4_xs", 24, 512, 600)])
 def test_int8_gemm_blocks(fmt, N, K, M, gemm_prefill):
-    """The int8 GEMM in blocks of 2048 inputs and 2048 rows (GEMM_KC, GEMM_MB in cpu_ops.c):
-    more than one block of inputs (whole and partial, a padded last group), and of rows; each
+    """The int8 GEMM in blocks of 2048 inputs and 2048 rows (GEMM_KC, GEMM_MB in cpu_ops.c; the
+    AVX2 build's split 8-bit tiles 512 rows, SPLIT_MB): more than one block of inputs (whole
+    and partial, a padded last group), and of rows; each
     block after the first adds its sums to y, and the bias is added once. Same bound as a
     single block (_check_int8_gemm): the blocks only regroup the fp32 adds of the chunks."""
     if fmt in GGML:
@@ -333,9 +334,6 @@ def test_int8_gemm_blocks(fmt, N, K, M, gemm_prefill):
         w = qt.dequantize().double()
         g = torch.Generator().manual_seed(N + K + M)
         x, bias = torch.randn(M, K, generator=g), torch.randn(N, generator=g)
-    if not VNNI and fmt.startswith("int8"):
-        assert cpu_ops.gemm_min_rows(qt) == 0
-        pytest.skip("the AVX2 int8 GEMM does not take int8 weights")
     assert 0 < cpu_ops.gemm_min_rows(qt) <= M
     out = cpu_ops.weight_matmul(x, qt, bias, int8_activations=True).double()
     _check_int8_gemm(out - bias.double(), x, w)
@@ -424,9 +422,7 @@ def test_matmul_rows_do_not_depend_on_the_batch(fmt, i8):
     if fmt in ROWS_ONLY_X16 and i8:  # its row kernel takes every decode size (gemm_min_rows)
         assert start > M
         start = 0
-    # codes past 127 (int8's, the iq4 table's + 128) would saturate the AVX2 GEMM's pairs
-    no_gemm = DENSE + ["f32"] + ROWS_ONLY_X16 + ([] if VNNI else ["int8", "q8_0", "iq4_nl",
-                                                                  "iq4_xs"])
+    no_gemm = DENSE + ["f32"] + ROWS_ONLY_X16
     assert 0 <= start <= M and (start > 0) == (i8 and GEMM and fmt not in no_gemm)
     if start:  # the GEMM's range, then the row kernels' below it
         assert torch.equal(rows(M - start, M), full[M - start:])
@@ -503,18 +499,17 @@ def test_prefill_dequantizes_a_block_of_rows_at_a_time(fmt, bf16, monkeypatch):
 
 
 @pytest.mark.skipif(not GEMM, reason=NO_GEMM)
-@pytest.mark.parametrize("fmt", GGML + ["int4", "int4z", "int8"])
+@pytest.mark.parametrize("fmt", GGML + DENSE + ["int4", "int4z", "int8"])
 def test_the_planners_int8_gemm_formats_are_the_kernels(fmt):
     """The memory plan counts no prefill scratch for the stored formats in INT8_GEMM_FORMATS:
-    exactly those this build's int8 GEMM takes in their runtime layout, but for the 8-bit
-    codes (int8, the iq4 tables) that only the AVX-512 VNNI GEMM takes (they dequantize into
-    the scratch on an AVX2 build, and the plan counts them on every build)."""
+    exactly those this build's int8 GEMM takes in their runtime layout, on AVX-512 VNNI and
+    AVX2 alike (AVX2 multiplies the 8-bit codes, int8's and the iq4 tables', as two 4-bit
+    planes); the dense ones are not in it."""
     from qserve.engine.memory_plan import INT8_GEMM_FORMATS
 
     qt = cpu_ops.runtime_layout(_mixed_formats_weight(fmt, 64, 512))
-    eight_bit = fmt in ("int8", "iq4_nl", "iq4_xs")
-    assert _gemm_takes(qt) == (fmt in INT8_GEMM_FORMATS or (VNNI and eight_bit))
-    assert (fmt in INT8_GEMM_FORMATS) == (not eight_bit)
+    assert _gemm_takes(qt) == (fmt in INT8_GEMM_FORMATS)
+    assert _gemm_takes(qt) == (fmt not in DENSE)
 
 
 def test_segments_write_their_own_columns_of_one_output():

@@ -154,11 +154,11 @@ def embedding_in_file(path: Path, arch: ModelArchConfig, device: torch.device) -
             and rows_from_file())
 
 
-# Stored formats the int8 GEMM takes on every build that has it (AVX2 and AVX-512 VNNI); the
-# others dequantize into the scratch buffer (8-bit codes do on the AVX2 build: a pair of their
-# products would saturate vpmaddubsw's int16; the plan counts them on VNNI too).
-INT8_GEMM_FORMATS = frozenset({"int4", "int4z", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k",
-                               "q6_k"})
+# Stored formats the int8 GEMM takes on every build that has it (AVX2 and AVX-512 VNNI): every
+# packed one (the AVX2 build multiplies 8-bit codes as two 4-bit planes); the dense ones keep
+# their float GEMM.
+INT8_GEMM_FORMATS = frozenset({"int4", "int4z", "int8", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k",
+                               "q5_k", "q6_k", "iq4_nl", "iq4_xs"})
 
 
 def scratch_bytes(tensors: list[tuple[str, str, int, tuple[int, ...]]], arch: ModelArchConfig,
