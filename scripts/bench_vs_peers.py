@@ -35,8 +35,11 @@ one moved batch-1 ratios by 0.3 here) the drift then weighs on both sides alike;
 own ratios for the targets are printed under the table.
 
 --isa avx2 measures both sides as an AVX2-only CPU (a Zen 3) would run them, on a CPU that has
-AVX-512: qserve's kernels built with QSERVE_CPU_ISA=avx2 and llama.cpp's second build,
-QSERVE_PEER_ISA=avx2 (scripts/peer.py: GGML_NATIVE off, AVX2 + FMA + F16C, no AVX-512).
+AVX-512: qserve's kernels built with QSERVE_CPU_ISA=avx2, torch's own kernels held to AVX2 too
+(AVX2_ENV: ATen's vectorized ops, MKL's GEMMs, oneDNN; without them torch ran its attention,
+elementwise ops and fp32 GEMMs in AVX-512, 1.5x faster for an fp32 GEMM here than a Zen 3
+would get), and llama.cpp's second build, QSERVE_PEER_ISA=avx2 (scripts/peer.py: GGML_NATIVE
+off, AVX2 + FMA + F16C, no AVX-512).
 
 Not quite like for like: llama-bench generates its 128 tokens from an empty context (qserve
 decodes after a 128-token prompt), and llama-batched-bench feeds random tokens instead of
@@ -58,6 +61,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+# --isa avx2: qserve's kernels, torch's (ATen's CPU dispatch, MKL, oneDNN) and llama.cpp's build
+AVX2_ENV = {"QSERVE_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2",
+            "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+            "QSERVE_PEER_ISA": "avx2"}
 sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "scripts")]
 os.environ.setdefault("QSERVE_HOME", str(REPO / ".cache" / "qserve"))
 CKPT_DIR = REPO / ".cache" / "bench-ckpt"
@@ -197,7 +204,8 @@ def worker(args) -> None:
     else:
         runs = bench_llama_cpp_python(args, args.model)
     Path(args.worker_out).write_text(json.dumps(
-        {"runs": runs, "torch": torch.__version__, "torch_threads": torch.get_num_threads()}))
+        {"runs": runs, "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+         "torch_isa": torch.backends.cpu.get_cpu_capability()}))
 
 
 def bench_qserve(args, model: Path) -> dict[str, list[float]]:
@@ -374,7 +382,7 @@ def main() -> None:
         names.remove("llama-cpp-python")
     gguf = args.model.resolve() if args.model else default_model()
     if args.isa == "avx2":  # the children (qserve's workers, llama.cpp's binaries) inherit it
-        os.environ |= {"QSERVE_CPU_ISA": "avx2", "QSERVE_PEER_ISA": "avx2"}
+        os.environ |= AVX2_ENV
 
     rounds, about = {}, []  # column -> its runs, a dict a round
     for r in range(args.rounds):
@@ -386,7 +394,8 @@ def main() -> None:
                 about.append(build)
             else:
                 got, child = measure_in_child(name, args, gguf)
-                about.append(f"torch {child['torch']} ({child['torch_threads']} threads)")
+                about.append(f"torch {child['torch']} ({child['torch_threads']} threads, "
+                             f"{child['torch_isa']})")
             rounds.setdefault(name, []).append(got)
     runs = {n: {k: [v for got in rs for v in got.get(k, [])] for k in dict.fromkeys(
         k for got in rs for k in got)} for n, rs in rounds.items()}
