@@ -239,7 +239,8 @@ def int8_gemm() -> bool:
     dequantize-then-fp32-GEMM path on a Xeon without AMX (128-512 rows, 2 threads); with the
     AVX2 ones (vpmaddubsw) 1.4-3.4x it at 2048 x 8192 and 8192 x 2048, 128-512 rows, 2
     threads (QSERVE_CPU_ISA=avx2 on a Zen 5); 8-bit codes (int8, iq4), multiplied there as two
-    4-bit planes, 1.05-1.25x it (torch's GEMM held to AVX2, MKL_ENABLE_INSTRUCTIONS=AVX2)."""
+    4-bit planes, about as fast as it (torch's GEMM held to AVX2, MKL_ENABLE_INSTRUCTIONS=AVX2,
+    a Sapphire Rapids VM: 0.97-1.07x at 2048 rows, up to 1.1x at 512)."""
     return kernel_isa() in ("avx512-vnni", "avx2") and not fast_bf16()
 
 
@@ -513,9 +514,10 @@ def weight_matmul(x: torch.Tensor, qt: QuantizedTensor, bias: torch.Tensor | Non
             int8 per 32 inputs for the packed formats' integer dot products, as llama.cpp
             does (dense formats ignore it), in the row kernels, or from gemm_min_rows(qt)
             rows on in the int8 GEMM (wgemm_i8 in cpu_ops.c: the same x against the
-            weights' own codes, AVX-512 VNNI); more rows (prefill), x and the dequantized W
-            in bf16 with fp32 accumulation where the CPU multiplies bf16 fast (fast_bf16),
-            else the int8 GEMM where the kernels are AVX-512 VNNI (int8_gemm).
+            weights' own codes, AVX-512 VNNI or AVX2); more rows (prefill), x and the
+            dequantized W in bf16 with fp32 accumulation where the CPU multiplies bf16 fast
+            (fast_bf16), else the int8 GEMM where the kernels are AVX-512 VNNI or AVX2
+            (int8_gemm).
         out: where to write, an (M, N) fp32 view with stride(1) == 1, e.g. a column slice
             y[:, n0:n1] of a wider output that several segments fill.
     Returns:
