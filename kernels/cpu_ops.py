@@ -121,15 +121,6 @@ CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fno-trapping-math", "-
 # QSERVE_CPU_ISA=avx2 builds without AVX-512 (and without AVX-VNNI, its 256-bit vpdpbusd) on a
 # CPU that has them: the kernels an AVX2-only CPU (Zen 3) runs, for tests and comparisons.
 ISA_FLAGS = {"native": [], "avx2": ["-mno-avx512f", "-mno-avxvnni"]}
-# ... and torch's own CPU kernels alike (ATen's vectorized ops, MKL's and oneDNN's GEMMs), unless
-# these are set otherwise: each reads its variable on first use, so set here they hold wherever
-# torch has not yet computed on the CPU (on a Sapphire Rapids VM an fp32 GEMM ran 1.5x faster
-# in AVX-512 than held to AVX2).
-TORCH_AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
-                  "ONEDNN_MAX_CPU_ISA": "AVX2"}
-if os.environ.get("QSERVE_CPU_ISA") == "avx2":
-    for _name, _value in TORCH_AVX2_ENV.items():
-        os.environ.setdefault(_name, _value)
 
 
 def cflags() -> list[str]:

@@ -3,8 +3,6 @@ with awkward sizes, and the fused decode step against the layer-by-layer referen
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -416,23 +414,3 @@ def test_int8_activations_keep_quality_on_the_default_model(native_model, monkey
     kl = float((f32.exp() * (f32 - i8)).sum(-1).mean())
     assert ppl_i8 / ppl_f32 - 1 < 0.005, (ppl_f32, ppl_i8)
     assert kl < 0.01, kl
-
-
-def test_avx2_isa_holds_torch_to_avx2_unless_set():
-    """QSERVE_CPU_ISA=avx2 stands for an AVX2-only CPU as a whole: loading the kernels module
-    sets torch's own ISA variables (ATen, MKL, oneDNN) where they are unset and keeps one set
-    otherwise, and ATen then dispatches AVX2 kernels; without it nothing is set."""
-    probe = ("import os, torch, qserve.kernels.cpu_ops as c; "
-             "print(*[os.environ.get(k, '-') for k in c.TORCH_AVX2_ENV], "
-             "torch.backends.cpu.get_cpu_capability())")
-    base = {k: v for k, v in os.environ.items()
-            if k not in ("QSERVE_CPU_ISA", *cpu_ops.TORCH_AVX2_ENV)}
-
-    def run(**env: str) -> list[str]:
-        out = subprocess.run([sys.executable, "-c", probe], env={**base, **env},
-                             capture_output=True, text=True, check=True)
-        return out.stdout.split()
-
-    assert run(QSERVE_CPU_ISA="avx2", MKL_ENABLE_INSTRUCTIONS="SSE4_2") == [
-        "avx2", "SSE4_2", "AVX2", "AVX2"]
-    assert run()[:3] == ["-", "-", "-"]
