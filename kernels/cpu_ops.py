@@ -123,6 +123,47 @@ CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fno-trapping-math", "-
 ISA_FLAGS = {"native": [], "avx2": ["-mno-avx512f", "-mno-avxvnni"]}
 
 
+@functools.lru_cache(maxsize=None)
+def cpu_vendor_and_flags() -> tuple[str, frozenset[str]]:
+    """The first CPU's vendor_id and flags in /proc/cpuinfo; ("", empty) where unreadable."""
+    vendor, flags = "", frozenset()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "vendor_id":
+                    vendor = value.strip()
+                elif key == "flags":
+                    flags = frozenset(value.split())
+                    break
+    except OSError:
+        pass
+    return vendor, flags
+
+
+def mkl_strict_wanted(vendor: str, flags: frozenset[str], env: dict[str, str]) -> bool:
+    """Whether MKL's fp32 GEMM (the prefill's, for dense weights and fp32 activations) needs
+    its strict reproducibility mode (MKL_CBWR=AUTO,STRICT) for a row of the output not to
+    depend on the rows beside it: on an Intel CPU where MKL runs its AVX2 code, whose sums
+    there follow how it blocks the rows and columns (a Sapphire Rapids VM held to AVX2 by
+    MKL_ENABLE_INSTRUCTIONS, standing for an Alder Lake: rows 3-40 of 45 multiplied alone
+    differed from the same rows among the 45). In strict mode each output's sum has one order:
+    equal bits, at the same speed there (113 GMAC/s at 512 x 2048 x 8192, 80-82 at 40 rows).
+    Not where MKL runs AVX-512 (its rows agree there already, and strict mode is 4-5% slower)
+    nor on AMD (Zen 3 agrees without it); never over a MKL_CBWR the user set."""
+    if env.get("MKL_CBWR") or vendor != "GenuineIntel":
+        return False
+    held = env.get("MKL_ENABLE_INSTRUCTIONS", "").strip().upper()
+    return "avx512f" not in flags or (held != "" and not held.startswith("AVX512"))
+
+
+# MKL reads MKL_CBWR at its first call: set on import, it holds where torch has not yet
+# multiplied on the CPU in this process (the CLI and the server import the kernels first).
+if mkl_strict_wanted(*cpu_vendor_and_flags(), os.environ):
+    os.environ["MKL_CBWR"] = "AUTO,STRICT"
+
+
 def cflags() -> list[str]:
     isa = os.environ.get("QSERVE_CPU_ISA", "native")
     if isa not in ISA_FLAGS:
@@ -225,11 +266,7 @@ def fast_bf16() -> bool:
         return forced == "1"
     if os.environ.get("QSERVE_CPU_ISA") == "avx2":
         return False
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return False
-    return "amx_bf16" in flags
+    return "amx_bf16" in cpu_vendor_and_flags()[1]
 
 
 def int8_gemm() -> bool:

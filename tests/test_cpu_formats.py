@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import functools
 import os
+import subprocess
+import sys
 
 from pathlib import Path
 
@@ -443,6 +445,50 @@ def test_matmul_rows_do_not_depend_on_the_batch(fmt, i8):
     big = cpu_ops.weight_matmul(xs, qt, int8_activations=i8)
     assert torch.equal(cpu_ops.weight_matmul(xs[3:40].clone(), qt, int8_activations=i8),
                        big[3:40])
+
+
+@pytest.mark.parametrize("vendor,flags,env,strict", [
+    ("GenuineIntel", {"avx2"}, {}, True),  # Alder Lake and later desktop parts
+    ("GenuineIntel", {"avx2", "avx512f"}, {"MKL_ENABLE_INSTRUCTIONS": "AVX2"}, True),
+    ("GenuineIntel", {"avx2", "avx512f"}, {"MKL_ENABLE_INSTRUCTIONS": "avx2_e1"}, True),
+    ("GenuineIntel", {"avx2", "avx512f"}, {}, False),
+    ("GenuineIntel", {"avx2", "avx512f"}, {"MKL_ENABLE_INSTRUCTIONS": "AVX512_E1"}, False),
+    ("GenuineIntel", {"avx2"}, {"MKL_CBWR": "COMPATIBLE"}, False),  # the user's own setting
+    ("AuthenticAMD", {"avx2"}, {}, False),
+    ("", frozenset(), {}, False),  # no /proc/cpuinfo
+])
+def test_mkl_strict_mode_where_mkl_runs_avx2_on_intel(vendor, flags, env, strict):
+    assert cpu_ops.mkl_strict_wanted(vendor, frozenset(flags), env) is strict
+
+
+def test_fp32_prefill_rows_do_not_depend_on_the_batch_with_mkl_in_avx2():
+    """The fp32 prefill GEMM (MKL's) keeps a row's bits whatever rows come beside it where MKL
+    runs its AVX2 code (MKL_ENABLE_INSTRUCTIONS=AVX2 stands for an AVX2-only CPU): importing
+    the kernels sets MKL's strict mode on an Intel CPU, which that code needs (on a Sapphire
+    Rapids VM, of int4 weights dequantized for it, rows 3-40 of 45 differed without it). A
+    fresh process: MKL reads the setting at its first call."""
+    probe = """
+import os, torch
+from qserve.formats import QuantizedTensor
+from qserve.kernels import cpu_ops
+from qserve.quant.schemes import WeightScheme, quantize
+g = torch.Generator().manual_seed(0)
+w, xs = torch.randn(203, 512, generator=g), torch.randn(45, 512, generator=g)
+same = []
+for qt in (QuantizedTensor("f32", w, None, None, 512), quantize(w, WeightScheme(4, 32, False))):
+    big = cpu_ops.weight_matmul(xs, qt)
+    same.append(torch.equal(cpu_ops.weight_matmul(xs[3:40].clone(), qt), big[3:40]))
+print(os.environ.get("MKL_CBWR", "-"), *same)
+"""
+    env = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"}
+    env["MKL_ENABLE_INSTRUCTIONS"] = "AVX2"
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    cbwr, *same = out.stdout.split()
+    wanted = cpu_ops.mkl_strict_wanted(*cpu_ops.cpu_vendor_and_flags(), env)
+    assert cbwr == ("AUTO,STRICT" if wanted else "-")
+    assert same == ["True", "True"]
 
 
 def _mixed_formats_weight(fmt: str, N: int, K: int) -> QuantizedTensor:

@@ -101,7 +101,11 @@ def test_native_greedy_equals_transformers(type_name, requantized, tokenizer, mo
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_K_M", "Q6_K", "Q5_1", "IQ4_XS"])
 def test_int8_activations_cost_little_perplexity(type_name, requantized, monkeypatch):
     """int8 activations (llama.cpp's CPU scheme) against fp32 activations on the same weights:
-    perplexity within +0.5% (the issue's bound) over the same windows of text."""
+    perplexity within +0.5% (the issue's bound) over the same windows of text: 4,096 tokens.
+    Over 1,024 the estimate was too noisy for the bound: torch's own kernels in AVX2
+    (ATEN_CPU_CAPABILITY=avx2, as on an AVX2-only CPU) rather than AVX-512 change the attention
+    by an ulp, which moves some int8 codes by one step, and Q5_1's ratio went from -0.24% to
+    +0.53% (4,096 tokens: -0.18% and +0.21%; every type within +0.37%)."""
     from qserve.eval import default_text, eval_engine, evaluate, tokenize_for_eval
 
     path = requantized(type_name)
@@ -111,7 +115,7 @@ def test_int8_activations_cost_little_perplexity(type_name, requantized, monkeyp
         # chunks of at most 32 tokens: the decode-sized matmuls, where int8 activations apply
         # (larger chunks dequantize once and run an fp32 GEMM)
         engine = eval_engine(str(path), 256, max_num_batched_tokens=32)
-        ids = tokenize_for_eval(engine, default_text()[:20000], 1024)
+        ids = tokenize_for_eval(engine, default_text()[:80000], 4096)
         ppl[acts] = evaluate(engine, ids, 256).ppl
     assert math.isfinite(ppl["fp32"])
     assert ppl["int8"] != ppl["fp32"]  # the int8-activation kernels did run
