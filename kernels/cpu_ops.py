@@ -101,6 +101,7 @@ _SIGNATURES = {  # name: (argtypes, restype)
     "set_gemm_rows": ([_int], None),
     "has_int8_path": ([], _int),
     "kernel_isa": ([], _int),
+    "gemm_vnni256": ([], _int),
     "kv_write": ([_int, _ptr, _ptr, _ptr, _i64, _i64, _int, _ptr, _int], None),
     "f32_matmul": ([_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _int], None),
     "decode_layers": ([_ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _int, _i64, _flt, _ptr, _ptr,
@@ -119,8 +120,11 @@ _SIGNATURES = {  # name: (argtypes, restype)
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fno-trapping-math", "-fopenmp",
           "-shared", "-fPIC", "-std=gnu11"]
 # QSERVE_CPU_ISA=avx2 builds without AVX-512 (and without AVX-VNNI, its 256-bit vpdpbusd) on a
-# CPU that has them: the kernels an AVX2-only CPU (Zen 3) runs, for tests and comparisons.
-ISA_FLAGS = {"native": [], "avx2": ["-mno-avx512f", "-mno-avxvnni"]}
+# CPU that has them: the kernels an AVX2-only CPU (Zen 3) runs, for tests and comparisons;
+# avx2-vnni keeps AVX-VNNI where the CPU has it: what an Intel core without AVX-512 (Alder Lake
+# and later) runs, the AVX2 kernels with the int8 GEMM in vpdpbusd.
+ISA_FLAGS = {"native": [], "avx2": ["-mno-avx512f", "-mno-avxvnni"], "avx2-vnni": ["-mno-avx512f"]}
+AVX2_ISAS = ("avx2", "avx2-vnni")  # QSERVE_CPU_ISA values that stand for a CPU without AVX-512
 
 
 @functools.lru_cache(maxsize=None)
@@ -259,12 +263,12 @@ def fast_bf16() -> bool:
     AMX, at 4-5x the fp32 GEMM's rate (128 x 2048 x 8192: 218 against 43 GMAC/s on one core).
     AVX512-BF16 alone is not enough: on such a Xeon without AMX the bf16 GEMM ran at 0.64x
     the fp32 one (2 threads, 82 against 128 GFLOP/s at the same size, 0.76x at 512 rows).
-    QSERVE_CPU_BF16=1 or 0 decides instead of the CPU's flags; QSERVE_CPU_ISA=avx2 (what an
-    AVX2-only CPU runs, which has no AMX) means 0 unless it is set."""
+    QSERVE_CPU_BF16=1 or 0 decides instead of the CPU's flags; QSERVE_CPU_ISA=avx2 or
+    avx2-vnni (what a CPU without AVX-512 runs, which has no AMX) means 0 unless it is set."""
     forced = os.environ.get("QSERVE_CPU_BF16")
     if forced in ("0", "1"):
         return forced == "1"
-    if os.environ.get("QSERVE_CPU_ISA") == "avx2":
+    if os.environ.get("QSERVE_CPU_ISA") in AVX2_ISAS:
         return False
     return "amx_bf16" in cpu_vendor_and_flags()[1]
 
@@ -325,6 +329,16 @@ def kernel_isa() -> str:
     ("none" where the kernels are unavailable)."""
     L = lib()
     return "none" if L is None else ("portable", "avx2", "avx512-vnni")[L.kernel_isa()]
+
+
+def gemm_isa() -> str:
+    """What the int8 GEMM multiplies with: "avx512-vnni" (vpdpbusd on zmm), "avx-vnni"
+    (vpdpbusd on ymm, the AVX2 kernels' GEMM on a CPU with AVX-VNNI and no AVX-512), "avx2"
+    (vpmaddubsw), or "none" (no GEMM in this build)."""
+    isa = kernel_isa()
+    if isa == "avx2" and lib().gemm_vnni256():
+        return "avx-vnni"
+    return isa if isa in ("avx512-vnni", "avx2") else "none"
 
 
 class ThreadBudget:

@@ -39,7 +39,9 @@ AVX-512: qserve's kernels built with QSERVE_CPU_ISA=avx2, torch's own kernels he
 (AVX2_ENV: ATen's vectorized ops, MKL's GEMMs, oneDNN; without them torch ran its attention,
 elementwise ops and fp32 GEMMs in AVX-512, 1.5x faster for an fp32 GEMM here than a Zen 3
 would get), and llama.cpp's second build, QSERVE_PEER_ISA=avx2 (scripts/peer.py: GGML_NATIVE
-off, AVX2 + FMA + F16C, no AVX-512).
+off, AVX2 + FMA + F16C, no AVX-512). --isa avx2-vnni is the same with AVX-VNNI on both sides
+(an Intel core without AVX-512, Alder Lake and later: qserve's int8 GEMM and llama.cpp's dot
+products in 256-bit vpdpbusd; QSERVE_CPU_ISA=avx2-vnni, the peer's build-avx2-vnni).
 
 Not quite like for like: llama-bench generates its 128 tokens from an empty context (qserve
 decodes after a 128-token prompt), and llama-batched-bench feeds random tokens instead of
@@ -65,6 +67,8 @@ REPO = Path(__file__).resolve().parent.parent
 AVX2_ENV = {"QSERVE_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2",
             "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2",
             "QSERVE_PEER_ISA": "avx2"}
+ISA_ENV = {"avx2": AVX2_ENV,
+           "avx2-vnni": AVX2_ENV | {"QSERVE_CPU_ISA": "avx2-vnni", "QSERVE_PEER_ISA": "avx2-vnni"}}
 sys.path[:0] = [str(REPO), str(REPO / "tests"), str(REPO / "scripts")]
 os.environ.setdefault("QSERVE_HOME", str(REPO / ".cache" / "qserve"))
 CKPT_DIR = REPO / ".cache" / "bench-ckpt"
@@ -359,8 +363,9 @@ def main() -> None:
                          f"[default: {','.join(DEFAULT_COLUMNS)}]")
     ap.add_argument("--json", nargs="?", const="-", metavar="FILE",
                     help="also write every run's numbers as JSON to FILE (stdout without one)")
-    ap.add_argument("--isa", choices=("native", "avx2"), default="native",
-                    help="native: each side built for this CPU; avx2: both without AVX-512")
+    ap.add_argument("--isa", choices=("native", *ISA_ENV), default="native",
+                    help="native: each side built for this CPU; avx2: both without AVX-512 "
+                         "(and AVX-VNNI); avx2-vnni: without AVX-512, with AVX-VNNI")
     ap.add_argument("--worker", choices=[n for n in COLUMNS if n != "llama.cpp"],
                     help=argparse.SUPPRESS)  # internal: measure one column in this process
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
@@ -381,8 +386,8 @@ def main() -> None:
         print("llama-cpp-python is not installed: no llama-cpp-python column", file=sys.stderr)
         names.remove("llama-cpp-python")
     gguf = args.model.resolve() if args.model else default_model()
-    if args.isa == "avx2":  # the children (qserve's workers, llama.cpp's binaries) inherit it
-        os.environ |= AVX2_ENV
+    if args.isa != "native":  # the children (qserve's workers, llama.cpp's binaries) inherit it
+        os.environ |= ISA_ENV[args.isa]
 
     rounds, about = {}, []  # column -> its runs, a dict a round
     for r in range(args.rounds):

@@ -47,23 +47,29 @@ AVX2_FLAGS = ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FM
               "-DGGML_F16C=ON", "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF", "-DGGML_AVX_VNNI=OFF",
               "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_CURL=OFF",
               "-DCMAKE_BUILD_TYPE=Release"]
+# QSERVE_PEER_ISA=avx2-vnni: the same with AVX-VNNI, as GGML_NATIVE picks on an Intel core
+# without AVX-512 (Alder Lake and later), whose int8 dot products then use 256-bit vpdpbusd
+ISAS = {"native": ("build", CMAKE_FLAGS), "avx2": ("build-avx2", AVX2_FLAGS),
+        "avx2-vnni": ("build-avx2-vnni",
+                      [f for f in AVX2_FLAGS if f != "-DGGML_AVX_VNNI=OFF"]
+                      + ["-DGGML_AVX_VNNI=ON"])}
 
 
 def isa() -> str:
-    """The peer build in use: "native" or "avx2" ($QSERVE_PEER_ISA)."""
+    """The peer build in use: "native", "avx2" or "avx2-vnni" ($QSERVE_PEER_ISA)."""
     v = os.environ.get("QSERVE_PEER_ISA", "native") or "native"
-    if v not in ("native", "avx2"):
-        raise PeerError(f"QSERVE_PEER_ISA={v!r}: choose native or avx2")
+    if v not in ISAS:
+        raise PeerError(f"QSERVE_PEER_ISA={v!r}: choose one of {', '.join(ISAS)}")
     return v
 
 
 def _flags() -> list[str]:
-    return AVX2_FLAGS if isa() == "avx2" else CMAKE_FLAGS
+    return ISAS[isa()][1]
 
 
 def build_name() -> str:
     """The build directory's name inside the source tree."""
-    return "build-avx2" if isa() == "avx2" else "build"
+    return ISAS[isa()][0]
 
 
 class PeerError(RuntimeError):
@@ -190,7 +196,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true",
                     help="only list what is there; download and build nothing")
-    ap.add_argument("--isa", choices=("native", "avx2"),
+    ap.add_argument("--isa", choices=tuple(ISAS),
                     help="which build (sets QSERVE_PEER_ISA)  [default: $QSERVE_PEER_ISA or native]")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                     help="parallel compile jobs  [default: all CPUs]")
