@@ -29,6 +29,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -146,7 +147,7 @@ def cpu_vendor_and_flags() -> tuple[str, frozenset[str]]:
     return vendor, flags
 
 
-def mkl_strict_wanted(vendor: str, flags: frozenset[str], env: dict[str, str]) -> bool:
+def mkl_strict_wanted(vendor: str, flags: frozenset[str], env: Mapping[str, str]) -> bool:
     """Whether MKL's fp32 GEMM (the prefill's, for dense weights and fp32 activations) needs
     its strict reproducibility mode (MKL_CBWR=AUTO,STRICT) for a row of the output not to
     depend on the rows beside it: on an Intel CPU where MKL runs its AVX2 code, whose sums
