@@ -2289,6 +2289,9 @@ gemm_tile2_i8(const uint8_t *ta, const uint8_t *tb, const float *swa, const floa
 {
     const __m256i ones = _mm256_set1_epi16(1);
     const int R = 4, nj = halves == 1 ? 8 : 4; /* vectors a half */
+#ifdef GEMM_VNNI
+    (void)ones, (void)run;
+#endif
     for (int i0 = 0; i0 < GM; i0 += R) {
         __m256 fa[4], fb[4];
         for (int i = 0; i < R; i++)
@@ -2304,7 +2307,6 @@ gemm_tile2_i8(const uint8_t *ta, const uint8_t *tb, const float *swa, const floa
                     acca[i] = accb[i] = asym ? _mm256_setzero_si256()
                                              : _mm256_set1_epi32(iz[h * GM + i0 + i]);
 #ifdef GEMM_VNNI
-                (void)ones, (void)run;
                 bv_run2(tca + h * nj * 32, tcb + h * nj * 32, rec + h * nj * GM + i0, acca, accb,
                         nj);
 #else

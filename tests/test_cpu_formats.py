@@ -374,11 +374,11 @@ def _read_back(qt: QuantizedTensor, M: int, **kw) -> torch.Tensor:
 
 def test_bf16_prefill_is_chosen_by_amx_or_the_variable(monkeypatch):
     """AVX512-BF16 without AMX multiplies bf16 slower than fp32, so only AMX picks bf16, and
-    never QSERVE_CPU_ISA=avx2 (an AVX2-only CPU has no AMX); QSERVE_CPU_BF16 overrides either
-    way."""
+    never QSERVE_CPU_ISA=avx2 or avx2-vnni (a CPU without AVX-512 has no AMX); QSERVE_CPU_BF16
+    overrides either way."""
     amx = "amx_bf16" in Path("/proc/cpuinfo").read_text().split()
     try:
-        for isa in ("native", "avx2"):
+        for isa in ("native", "avx2", "avx2-vnni"):
             monkeypatch.setenv("QSERVE_CPU_ISA", isa)
             for value, want in (("1", True), ("0", False), (None, amx and isa == "native")):
                 if value is None:
