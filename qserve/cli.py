@@ -405,9 +405,12 @@ def info(model, as_json, engine):
 def generate(prompts, model, prompts_file, chat, system, schema_file, as_json, engine,
              **sampling):
     """Complete PROMPTs (or --prompts-file, or stdin lines). One prompt streams as it goes;
-    several run concurrently and print in order."""
+    several run concurrently and print in order. Without --model, a first PROMPT naming a .gguf
+    file or a model directory is the model (`qserve generate model.gguf "Hello"`)."""
     from qserve.sampling_params import SamplingParams
 
+    if model is None and prompts and _names_a_model(prompts[0]):
+        model, prompts = prompts[0], prompts[1:]
     params = SamplingParams(**sampling)
     schema = _read_schema(schema_file) if schema_file is not None else None
     texts = _read_prompts(prompts, prompts_file)
@@ -436,6 +439,18 @@ def generate(prompts, model, prompts_file, chat, system, schema_file, as_json, e
             else:
                 tag = f"{i + 1}" + (f".{c.index + 1}" if params.n > 1 else "")
                 click.echo(f"--- [{tag}] {c.text}")
+
+
+def _names_a_model(text: str) -> bool:
+    """Whether a PROMPT is a model's path, as in `ollama run MODEL PROMPT`: one word ending in
+    .gguf (a missing one then fails as a model path, not completed as text), or an existing
+    directory with a config.json."""
+    if not text or any(c.isspace() for c in text):
+        return False
+    if text.lower().endswith(".gguf"):
+        return True
+    path = Path(text).expanduser()
+    return path.is_dir() and (path / "config.json").is_file()
 
 
 def _read_schema(path: str) -> str:

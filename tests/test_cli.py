@@ -56,6 +56,43 @@ def test_generate_rejects_bad_flag(args, needle):
     assert_user_error(invoke("generate", "hello", *args), needle)
 
 
+def _engine_spy(monkeypatch) -> dict:
+    """cli._build_engine replaced by one that records its model and KV sizing, then stops the
+    command with a user error: what generate would have loaded, without loading it."""
+    seen = {}
+
+    def spy(model, engine, on=None):
+        seen.update(model=model, max_num_seqs=engine.get("max_num_seqs"))
+        raise cli.QServeError("stopped before loading")
+
+    monkeypatch.setattr(cli, "_build_engine", spy)
+    return seen
+
+
+def test_generate_takes_a_first_prompt_naming_a_model(monkeypatch, tmp_path):
+    seen = _engine_spy(monkeypatch)
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert_user_error(invoke("generate", str(gguf), "hello"), "stopped before loading")
+    assert seen == {"model": str(gguf), "max_num_seqs": 1}  # one prompt left: "hello"
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    assert_user_error(invoke("generate", str(hf), "a", "b"), "stopped before loading")
+    assert seen == {"model": str(hf), "max_num_seqs": 2}
+    # with --model, or when it is not one word naming a model, a first prompt is text
+    assert_user_error(invoke("generate", "-m", "x", str(gguf), "hi"), "stopped before loading")
+    assert seen == {"model": "x", "max_num_seqs": 2}
+    for text in (f"{gguf} is a file", str(tmp_path), "hello"):
+        assert_user_error(invoke("generate", text), "stopped before loading")
+        assert seen == {"model": None, "max_num_seqs": 1}
+
+
+def test_generate_first_prompt_naming_a_missing_gguf_is_a_model_error():
+    assert_user_error(invoke("generate", "no/such/model.gguf", "hello"),
+                      "'no/such/model.gguf' does not exist")
+
+
 def test_unknown_model_alias():
     assert_user_error(invoke("generate", "hello", "--model", "no-such-model"), "no-such-model")
     assert_user_error(invoke("info", "no-such-model"), "no-such-model")

@@ -73,6 +73,9 @@ EXAMPLES: dict[str, Run | Parse] = {
     "qserve pull": Run(),
     "qserve info --json": Run(),
     'qserve generate "Once upon a time"': Run(SMALL_GEN),
+    'qserve generate model.gguf "Once upon a time"':
+        Run(SMALL_GEN, setup="ln -s \"$(python -c 'from qserve.loader.registry import "
+                             "resolve_model as r; print(r(None))')\" model.gguf"),
     "qserve generate --prompts-file prompts.txt --json --temperature 0":
         Run(SMALL_GEN, setup="printf 'Hello\\nThe sky is\\n' > prompts.txt"),
     "qserve bench --batch-sizes 1,8,32 --input-len 128 --output-len 128":
