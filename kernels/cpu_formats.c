@@ -990,6 +990,20 @@ static void ggml_dequant_row(const ggml_type *t, const wdesc *W, int64_t n, floa
 
 /* ---- dense fp16 / bf16 -------------------------------------------------------------------- */
 
+/* t + the products of one row's inputs k0 .. K (the row kernel's tail, past its last 16; the
+ * tile GEMM's too, so both end alike) */
+static inline __attribute__((always_inline)) float
+half_tail(const uint16_t *w, int64_t k0, int64_t K, const float *x, const int bf16, float t)
+{
+    for (int64_t k = k0; k < K; k++) {
+        const uint16_t h = w[k];
+        half f;
+        memcpy(&f, &h, 2);
+        t += (bf16 ? bf16_to_f32(h) : (float)f) * x[k];
+    }
+    return t;
+}
+
 /* nr (<= NR) consecutive fp16 or bf16 weight rows against one fp32 activation row, as f32_rows
  * (bf16 widens by a 16-bit shift, fp16 by F16C). */
 static inline __attribute__((always_inline)) void
@@ -1020,15 +1034,8 @@ half_rows(const uint16_t *w, int64_t K, const float *x, const int bf16, const in
     for (int r = 0; r < nr; r++)
         t[r] = 0.f;
 #endif
-    for (int r = 0; r < nr; r++) {
-        for (int64_t k = k0; k < K; k++) {
-            const uint16_t h = w[r * K + k];
-            half f;
-            memcpy(&f, &h, 2);
-            t[r] += (bf16 ? bf16_to_f32(h) : (float)f) * x[k];
-        }
-        res[r] = t[r];
-    }
+    for (int r = 0; r < nr; r++)
+        res[r] = half_tail(w + r * K, k0, K, x, bf16, t[r]);
 }
 
 static void half_tile(const uint16_t *w, int64_t K, const float *x, int bf16, int nr, float *res)
@@ -1043,13 +1050,181 @@ static void half_tile(const uint16_t *w, int64_t K, const float *x, int bf16, in
 #undef CALL
 }
 
-/* y = x W^T (+ bias) for a dense fp16/bf16 W (N, K): f32_matmul with conversion on load. */
+/* ---- dense fp16 / bf16 at a few rows: a tile GEMM with the row kernel's arithmetic ----------
+ * The row kernel (half_rows) converts each weight as it multiplies, once per activation row:
+ * at 32 rows (a decode batch, a speculative step's verification) ~40 GMAC/s, bound by the
+ * conversions. Here a thread converts HG_NB weight rows a chunk of HG_KC inputs at a time into
+ * fp32 in L1 (half_tile_chunk) and multiplies that against every activation row (half_pass),
+ * so a weight is converted once a call. Each (row, weight row) pair keeps the row kernel's two
+ * sums, a0 over inputs 16j .. 16j + 7 and a1 over 16j + 8 .. 16j + 15, as 16 floats (one zmm
+ * in the AVX-512 build, two ymm passes in the AVX2 one), each lane the same fmadd of the same
+ * operands in the same order, then the same hsum(a0 + a1) and tail (half_tail): a row's result
+ * is the row kernel's bit for bit, whatever the batch, so the crossover (half_gemm_rows) is a
+ * matter of speed only. */
+#ifndef HG_NB
+#define HG_NB 16 /* weight rows a tile (a multiple of 4: half_pass takes 4) */
+#endif
+#ifndef HG_KC
+#define HG_KC 256 /* inputs a chunk: the tile's fp32 chunk is 16 KiB */
+#endif
+#ifdef HAVE_ZMM_PATH
+#define HG_MR 6 /* activation rows a pass: 24 zmm sums, 6 rows' inputs and a weight vector */
+#else
+#define HG_MR 3 /* 12 ymm sums, 3 rows' inputs and a weight vector */
+#endif
+/* The crossover, fp16 1B shapes (2048 x 2048, 8192 x 2048, 2048 x 8192), 2 threads, a
+ * Sapphire Rapids VM, GMAC/s of the row kernel against the tile GEMM at 1 / 2 / 3 / 4 / 8 / 32
+ * rows: AVX-512 19-24 / 34-36 / 36-39 / 42-43 / 45-48 / 42-48 against 18-21 / 33-36 / 45-50 /
+ * 53-57 / 70-74 / 82-98; AVX2 (QSERVE_CPU_ISA=avx2) 21-26 / 33-36 / 37-40 / 39-43 / 45-46 /
+ * 41-50 against 17-19 / 26-32 / 35-42 / 41-46 / 57-59 / 65-76 */
+#ifndef HALF_GEMM_ROWS
+#ifdef HAVE_ZMM_PATH
+#define HALF_GEMM_ROWS 3
+#else
+#define HALF_GEMM_ROWS 4
+#endif
+#endif
+static int half_gemm_rows = HALF_GEMM_ROWS;
+
+/* From how many rows half_matmul takes the tile GEMM: rows >= 1; 0, never; < 0, the built-in
+ * crossover (tests and benchmarks compare the two, which agree bit for bit) */
+void set_half_gemm_rows(int rows)
+{
+    half_gemm_rows = rows < 0 ? HALF_GEMM_ROWS : rows;
+}
+
+#ifdef HAVE_ATT_SIMD
+/* MR activation rows (x: inputs 0 .. kn of each, stride ldx) against 4 converted weight rows
+ * (wt, stride HG_KC), adding into their sums (s: pair (i, r) at s + i * lds + 16 r), which
+ * the first chunk (first) starts at zero as the row kernel's do */
+static inline __attribute__((always_inline)) void
+half_pass(const float *wt, const float *x, int64_t ldx, int64_t kn, float *s, int64_t lds,
+          const int first, const int MR)
+{
+#ifdef HAVE_ZMM_PATH
+    __m512 a[HG_MR][4];
+    for (int i = 0; i < MR; i++)
+        for (int r = 0; r < 4; r++)
+            a[i][r] = first ? _mm512_setzero_ps() : _mm512_load_ps(s + i * lds + 16 * r);
+    for (int64_t k = 0; k < kn; k += 16) {
+        __m512 xv[HG_MR];
+        for (int i = 0; i < MR; i++)
+            xv[i] = _mm512_loadu_ps(x + i * ldx + k);
+        for (int r = 0; r < 4; r++) {
+            const __m512 wv = _mm512_load_ps(wt + r * HG_KC + k);
+            for (int i = 0; i < MR; i++)
+                a[i][r] = _mm512_fmadd_ps(wv, xv[i], a[i][r]);
+        }
+    }
+    for (int i = 0; i < MR; i++)
+        for (int r = 0; r < 4; r++)
+            _mm512_store_ps(s + i * lds + 16 * r, a[i][r]);
+#else
+    for (int h = 0; h < 16; h += 8) { /* a0's lanes, then a1's */
+        __m256 a[HG_MR][4];
+        for (int i = 0; i < MR; i++)
+            for (int r = 0; r < 4; r++)
+                a[i][r] = first ? _mm256_setzero_ps()
+                                : _mm256_load_ps(s + i * lds + 16 * r + h);
+        for (int64_t k = h; k < kn; k += 16) {
+            __m256 xv[HG_MR];
+            for (int i = 0; i < MR; i++)
+                xv[i] = _mm256_loadu_ps(x + i * ldx + k);
+            for (int r = 0; r < 4; r++) {
+                const __m256 wv = _mm256_load_ps(wt + r * HG_KC + k);
+                for (int i = 0; i < MR; i++)
+                    a[i][r] = _mm256_fmadd_ps(wv, xv[i], a[i][r]);
+            }
+        }
+        for (int i = 0; i < MR; i++)
+            for (int r = 0; r < 4; r++)
+                _mm256_store_ps(s + i * lds + 16 * r + h, a[i][r]);
+    }
+#endif
+}
+
+/* Weight rows n0 .. n0 + nr, inputs k0 .. k0 + kn (multiples of 16), to fp32 in wt (HG_NB rows
+ * of HG_KC; rows past nr zero), exactly as the row kernel widens them */
+static void half_tile_chunk(const uint16_t *w, int64_t K, int64_t n0, int64_t nr, int64_t k0,
+                            int64_t kn, const int bf16, float *wt)
+{
+    for (int64_t r = 0; r < HG_NB; r++) {
+        float *o = wt + r * HG_KC;
+        const uint16_t *src = r < nr ? w + (n0 + r) * K + k0 : NULL;
+        for (int64_t k = 0; k < kn; k += 8) {
+            const __m128i h = src ? _mm_loadu_si128((const __m128i *)(src + k))
+                                  : _mm_setzero_si128();
+            _mm256_store_ps(o + k, bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(
+                                              _mm256_cvtepu16_epi32(h), 16))
+                                        : _mm256_cvtph_ps(h));
+        }
+    }
+}
+
+static void half_gemm(const wdesc *W, const float *x, int64_t M, int64_t ldx, float *y,
+                      int64_t ldy, int nthreads)
+{
+    const uint16_t *w = (const uint16_t *)W->w;
+    const int64_t N = W->N, K = W->K, K16 = K / 16 * 16, lds = 16 * HG_NB;
+    const int bf16 = W->kind == KIND_BF16;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *wt = aligned_alloc(64, sizeof(float) * HG_NB * HG_KC);
+        float *s = aligned_alloc(64, sizeof(float) * (size_t)(lds * M));
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t n0 = 0; n0 < N; n0 += HG_NB) {
+            const int64_t nr = N - n0 < HG_NB ? N - n0 : HG_NB;
+            for (int64_t k0 = 0; k0 < K16; k0 += HG_KC) {
+                const int64_t kn = K16 - k0 < HG_KC ? K16 - k0 : HG_KC;
+                half_tile_chunk(w, K, n0, nr, k0, kn, bf16, wt);
+                for (int64_t m0 = 0; m0 < M; m0 += HG_MR) {
+                    const float *xm = x + m0 * ldx + k0;
+                    for (int64_t r0 = 0; r0 < nr; r0 += 4) {
+                        const float *wr = wt + r0 * HG_KC;
+                        float *sr = s + m0 * lds + 16 * r0;
+                        const int f = k0 == 0;
+                        switch (M - m0 < HG_MR ? (int)(M - m0) : HG_MR) {
+                        case 1: half_pass(wr, xm, ldx, kn, sr, lds, f, 1); break;
+                        case 2: half_pass(wr, xm, ldx, kn, sr, lds, f, 2); break;
+#ifdef HAVE_ZMM_PATH
+                        case 3: half_pass(wr, xm, ldx, kn, sr, lds, f, 3); break;
+                        case 4: half_pass(wr, xm, ldx, kn, sr, lds, f, 4); break;
+                        case 5: half_pass(wr, xm, ldx, kn, sr, lds, f, 5); break;
+#endif
+                        default: half_pass(wr, xm, ldx, kn, sr, lds, f, HG_MR);
+                        }
+                    }
+                }
+            }
+            for (int64_t m = 0; m < M; m++)
+                for (int64_t r = 0; r < nr; r++) {
+                    const float *a = s + m * lds + 16 * r; /* K < 16: no chunk, sums 0 */
+                    float t = K16 ? hsum(_mm256_add_ps(_mm256_load_ps(a), _mm256_load_ps(a + 8)))
+                                  : 0.f;
+                    t = half_tail(w + (n0 + r) * K, K16, K, x + m * ldx, bf16, t);
+                    y[m * ldy + n0 + r] = t + (W->bias ? W->bias[n0 + r] : 0.f);
+                }
+        }
+        free(s);
+        free(wt);
+    }
+}
+#endif
+
+/* y = x W^T (+ bias) for a dense fp16/bf16 W (N, K): f32_matmul with conversion on load, or
+ * from half_gemm_rows rows the tile GEMM (the same bits). */
 static void half_matmul(const wdesc *W, const float *x, int64_t M, int64_t ldx, float *y,
                         int64_t ldy, int nthreads)
 {
     const uint16_t *w = (const uint16_t *)W->w;
     const int64_t N = W->N, K = W->K;
     const int bf16 = W->kind == KIND_BF16;
+#ifdef HAVE_ATT_SIMD
+    if (half_gemm_rows > 0 && M >= half_gemm_rows) {
+        half_gemm(W, x, M, ldx, y, ldy, nthreads);
+        return;
+    }
+#endif
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, ROW_ITEM)
     for (int64_t nb = 0; nb < (N + NR - 1) / NR; nb++) {
         const int64_t n = nb * NR;

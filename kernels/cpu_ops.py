@@ -100,6 +100,7 @@ _SIGNATURES = {  # name: (argtypes, restype)
     "wkind_known": ([_i64], _int),
     "gemm_min_rows": ([_WDESC], _int),
     "set_gemm_rows": ([_int], None),
+    "set_half_gemm_rows": ([_int], None),
     "has_int8_path": ([], _int),
     "kernel_isa": ([], _int),
     "gemm_vnni256": ([], _int),
@@ -309,6 +310,15 @@ def set_gemm_rows(rows: int | None) -> None:
     batch's size)."""
     if _lib is not None:
         _lib.set_gemm_rows(-1 if rows is None else int(rows))
+
+
+def set_half_gemm_rows(rows: int | None) -> None:
+    """From how many rows a dense fp16 / bf16 matmul of up to FUSED_MAX_ROWS rows converts each
+    weight tile once for all rows (the tile GEMM) instead of once a row (the row kernel): None,
+    the built-in crossover; 0, never. The two give the same bits; for tests and benchmarks."""
+    L = lib()
+    if L is not None:
+        L.set_half_gemm_rows(-1 if rows is None else int(rows))
 
 
 def gemm_min_rows(qt: QuantizedTensor) -> int:

@@ -447,6 +447,31 @@ def test_matmul_rows_do_not_depend_on_the_batch(fmt, i8):
                        big[3:40])
 
 
+@pytest.mark.parametrize("fmt", DENSE)
+def test_dense_tile_gemm_is_the_row_kernel_bit_for_bit(fmt):
+    """fp16 / bf16 weights at a few rows: the tile GEMM (each weight converted once a call)
+    gives the row kernel's bits (each converted once a row) at every row count, over widths
+    with and without a tail past the last 16 inputs, tiles cut short (N not a multiple of 16)
+    and strided rows; both within fp32 rounding of F.linear on the dequantized weights."""
+    for N, K in ((203, 523), (16, 16), (33, 15), (64, 2048), (5, 1000)):
+        qt = random_weight(fmt, N, K, seed=N)
+        bias = torch.randn(N, generator=torch.Generator().manual_seed(K))
+        wide = torch.randn(cpu_ops.FUSED_MAX_ROWS, K + 9,
+                           generator=torch.Generator().manual_seed(N + K))
+        for M in (1, 2, 3, 4, 5, 7, 13, cpu_ops.FUSED_MAX_ROWS):
+            x = wide[:M, 3:3 + K]  # rows 9 floats apart
+            out = []
+            for rows in (0, 1):  # 0: the row kernel at every size; 1: the GEMM at every size
+                cpu_ops.set_half_gemm_rows(rows)
+                try:
+                    out.append(cpu_ops.weight_matmul(x, qt, bias))
+                finally:
+                    cpu_ops.set_half_gemm_rows(None)
+            assert torch.equal(out[0], out[1]), (N, K, M)
+            want = torch.nn.functional.linear(x, qt.dequantize(), bias)
+            torch.testing.assert_close(out[1], want, rtol=1e-4, atol=1e-4 * K ** 0.5)
+
+
 @pytest.mark.parametrize("vendor,flags,env,strict", [
     ("GenuineIntel", {"avx2"}, {}, True),  # Alder Lake and later desktop parts
     ("GenuineIntel", {"avx2", "avx512f"}, {"MKL_ENABLE_INSTRUCTIONS": "AVX2"}, True),
