@@ -990,6 +990,16 @@ static void ggml_dequant_row(const ggml_type *t, const wdesc *W, int64_t n, floa
 
 /* ---- dense fp16 / bf16 -------------------------------------------------------------------- */
 
+#ifdef HAVE_ATT_SIMD
+/* 8 fp16 or bf16 values at p, widened to fp32 exactly (bf16 by a 16-bit shift, fp16 by F16C) */
+static inline __attribute__((always_inline)) __m256 half8_ps(const uint16_t *p, const int bf16)
+{
+    const __m128i h = _mm_loadu_si128((const __m128i *)p);
+    return bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+                : _mm256_cvtph_ps(h);
+}
+#endif
+
 /* t + the products of one row's inputs k0 .. K (the row kernel's tail, past its last 16; the
  * tile GEMM's too, so both end alike) */
 static inline __attribute__((always_inline)) float
@@ -1005,7 +1015,7 @@ half_tail(const uint16_t *w, int64_t k0, int64_t K, const float *x, const int bf
 }
 
 /* nr (<= NR) consecutive fp16 or bf16 weight rows against one fp32 activation row, as f32_rows
- * (bf16 widens by a 16-bit shift, fp16 by F16C). */
+ * (each weight widened by half8_ps as it is multiplied). */
 static inline __attribute__((always_inline)) void
 half_rows(const uint16_t *w, int64_t K, const float *x, const int bf16, const int nr, float *res)
 {
@@ -1015,19 +1025,15 @@ half_rows(const uint16_t *w, int64_t K, const float *x, const int bf16, const in
     __m256 a0[NR], a1[NR];
     for (int r = 0; r < nr; r++)
         a0[r] = a1[r] = _mm256_setzero_ps();
-#define LOAD8(p) (bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(                                  \
-                             _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))  \
-                       : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p))))
     for (; k0 + 16 <= K; k0 += 16) {
         const __m256 x0 = _mm256_loadu_ps(x + k0), x1 = _mm256_loadu_ps(x + k0 + 8);
         for (int r = 0; r < nr; r++) {
             if ((k0 & 31) == 0)
                 prefetch_ahead((const uint8_t *)(w + r * K + k0), 1);
-            a0[r] = _mm256_fmadd_ps(LOAD8(w + r * K + k0), x0, a0[r]);
-            a1[r] = _mm256_fmadd_ps(LOAD8(w + r * K + k0 + 8), x1, a1[r]);
+            a0[r] = _mm256_fmadd_ps(half8_ps(w + r * K + k0, bf16), x0, a0[r]);
+            a1[r] = _mm256_fmadd_ps(half8_ps(w + r * K + k0 + 8, bf16), x1, a1[r]);
         }
     }
-#undef LOAD8
     for (int r = 0; r < nr; r++)
         t[r] = hsum(_mm256_add_ps(a0[r], a1[r]));
 #else
@@ -1144,20 +1150,19 @@ half_pass(const float *wt, const float *x, int64_t ldx, int64_t kn, float *s, in
 }
 
 /* Weight rows n0 .. n0 + nr, inputs k0 .. k0 + kn (multiples of 16), to fp32 in wt (HG_NB rows
- * of HG_KC; rows past nr zero), exactly as the row kernel widens them */
+ * of HG_KC; rows past nr zero), widened as the row kernel widens them (half8_ps) */
 static void half_tile_chunk(const uint16_t *w, int64_t K, int64_t n0, int64_t nr, int64_t k0,
                             int64_t kn, const int bf16, float *wt)
 {
     for (int64_t r = 0; r < HG_NB; r++) {
         float *o = wt + r * HG_KC;
-        const uint16_t *src = r < nr ? w + (n0 + r) * K + k0 : NULL;
-        for (int64_t k = 0; k < kn; k += 8) {
-            const __m128i h = src ? _mm_loadu_si128((const __m128i *)(src + k))
-                                  : _mm_setzero_si128();
-            _mm256_store_ps(o + k, bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(
-                                              _mm256_cvtepu16_epi32(h), 16))
-                                        : _mm256_cvtph_ps(h));
+        if (r >= nr) {
+            memset(o, 0, sizeof(float) * (size_t)kn);
+            continue;
         }
+        const uint16_t *src = w + (n0 + r) * K + k0;
+        for (int64_t k = 0; k < kn; k += 8)
+            _mm256_store_ps(o + k, half8_ps(src + k, bf16));
     }
 }
 
@@ -1176,13 +1181,13 @@ static void half_gemm(const wdesc *W, const float *x, int64_t M, int64_t ldx, fl
             const int64_t nr = N - n0 < HG_NB ? N - n0 : HG_NB;
             for (int64_t k0 = 0; k0 < K16; k0 += HG_KC) {
                 const int64_t kn = K16 - k0 < HG_KC ? K16 - k0 : HG_KC;
+                const int f = k0 == 0; /* the first chunk: the sums start at zero */
                 half_tile_chunk(w, K, n0, nr, k0, kn, bf16, wt);
                 for (int64_t m0 = 0; m0 < M; m0 += HG_MR) {
                     const float *xm = x + m0 * ldx + k0;
                     for (int64_t r0 = 0; r0 < nr; r0 += 4) {
                         const float *wr = wt + r0 * HG_KC;
                         float *sr = s + m0 * lds + 16 * r0;
-                        const int f = k0 == 0;
                         switch (M - m0 < HG_MR ? (int)(M - m0) : HG_MR) {
                         case 1: half_pass(wr, xm, ldx, kn, sr, lds, f, 1); break;
                         case 2: half_pass(wr, xm, ldx, kn, sr, lds, f, 2); break;

@@ -458,7 +458,7 @@ def test_dense_tile_gemm_is_the_row_kernel_bit_for_bit(fmt):
         bias = torch.randn(N, generator=torch.Generator().manual_seed(K))
         wide = torch.randn(cpu_ops.FUSED_MAX_ROWS, K + 9,
                            generator=torch.Generator().manual_seed(N + K))
-        for M in (1, 2, 3, 4, 5, 7, 13, cpu_ops.FUSED_MAX_ROWS):
+        for M in range(1, cpu_ops.FUSED_MAX_ROWS + 1):
             x = wide[:M, 3:3 + K]  # rows 9 floats apart
             out = []
             for rows in (0, 1):  # 0: the row kernel at every size; 1: the GEMM at every size
