@@ -1294,15 +1294,10 @@ static void half_dequant_row(const wdesc *W, int64_t n, float *out)
 #define X16_LO 64
 #define X16_HI 192
 #define X16_QS 256
-/* How far ahead the _x16 row kernels prefetched their weight stream (now only 512-bit int4's,
- * the others spread out, below): one line, which leaves the stream to the hardware
- * prefetchers. On a Zen 4 (2 threads, 14 q4_k_x16 matrices of 16384 x 2048 cycled, so read
- * from DRAM) they read at 0.84x of a torch sum's bandwidth with this against 0.42-0.54x
- * prefetching 1-16 KiB ahead; 1B Q4_K_M batch-1 decode 25-31 against 17-25 tok/s in
- * interleaved runs. */
-#ifndef X16_PF
-#define X16_PF 64
-#endif
+/* How far ahead the _x16 row kernels prefetch their weight stream. Once it was one line, which
+ * left the stream to the hardware prefetchers: on a Zen 4 (2 threads, 14 q4_k_x16 matrices of
+ * 16384 x 2048 cycled, so read from DRAM) they read at 0.84x of a torch sum's bandwidth that
+ * way against 0.42-0.54x prefetching 1-16 KiB ahead in a burst at each step. */
 /* Those prefetches go out in a burst, a super-block's (or chunk's) lines at its start: ahead
  * of the data they stall the kernel (the line-fill buffers fill). Spread out instead, a share
  * of the lines some way ahead at each step of a super-block (prefetch_part), they help where
@@ -1326,6 +1321,14 @@ static void half_dequant_row(const wdesc *W, int64_t n, float *out)
 #define X16Q4_AHEAD X16_SB
 #endif
 #define X16I4_AHEAD 4096
+/* A line at a time, at each 64-byte load, is the finest spread: the 512-bit q4_k_x16 kernel
+ * does that at one to three rows (its two runs), the 512-bit int4_x16 one at any. On a Zen 4 (2026-12-06,
+ * 400 MB of 1B-shaped matrices cycled from DRAM, one process alternating builds), q4_k_x16
+ * 16384 x 2048 at 1 row read 16.3 -> 24.4 GB/s on one thread and 25.0 -> 29.8 on two, 22.6 ->
+ * 31.6 at 2 rows, the same at 4 and 8 (their one run keeps a burst a step); int4_x16, 4 KiB
+ * ahead, 15.9 -> 17.6 (one thread) and 25.7 -> 27.3 (two) at 1 row, 19.8 -> 24.7 at 3, 11.2 ->
+ * 15.1 at 8. q6_k_x16 read slower that way (22.6 -> 16.7-18.7 GB/s on one thread), and AVX2's
+ * q4_k_x16 too (19.2 -> 16.6): they keep their bursts of a few lines. */
 
 /* Prefetch share `part` of `parts` of the `bytes` bytes at p, a line at a time */
 static inline __attribute__((always_inline)) void prefetch_part(const uint8_t *p, int part,
@@ -1902,12 +1905,15 @@ x16_rows_z(const uint8_t *grp, int64_t nb, const qacts *a, int64_t m0, int64_t K
         uint8_t scs[128], mns[128];
         x16_scales(sb, scs, mns);
         for (int p0 = 0; p0 < 4; p0 += np) {
-            prefetch_part(sb + X16Q4_AHEAD, p0 / np, 4 / np, X16_SB);
+            if (np == 1) /* a quarter of the super-block a step (np 2: a line at each load) */
+                prefetch_part(sb + X16Q4_AHEAD, p0, 4, X16_SB);
             __m512i acc[4][2][MTI]; /* [p - p0][u][i] */
             for (int pp = 0; pp < np; pp++)
                 for (int i = 0; i < mt; i++)
                     acc[pp][0][i] = acc[pp][1][i] = _mm512_setzero_si512();
-            for (int lg = 0; lg < 8; lg++)
+            for (int lg = 0; lg < 8; lg++) {
+                if (np == 2)
+                    prefetch_part(sb + X16Q4_AHEAD, p0 / 2 * 8 + lg, 16, X16_SB);
                 for (int pp = 0; pp < np; pp++) {
                     const int p = p0 + pp;
                     const __m512i q = _mm512_loadu_si512(sb + X16_QS + 512 * p + 64 * lg);
@@ -1922,6 +1928,7 @@ x16_rows_z(const uint8_t *grp, int64_t nb, const qacts *a, int64_t m0, int64_t K
                         acc[pp][1][i] = _mm512_dpbusd_epi32(acc[pp][1][i], wh, _mm512_set1_epi32(x1));
                     }
                 }
+            }
             for (int pp = 0; pp < np; pp++)
                 for (int u = 0; u < 2; u++) {
                     const int j = 2 * (p0 + pp) + u;
@@ -2122,11 +2129,10 @@ x16i4_rows_z(const wdesc *W, int64_t g, const qacts *a, int64_t m0, const int mt
             if (c >= nchunk)
                 break;
             const uint8_t *wc = grp + c * 4 * 64;
-            for (int o = 0; o < 4 * 64; o += 64)
-                _mm_prefetch((const char *)(wc + X16_PF + o), _MM_HINT_T0);
             for (int i = 0; i < mt; i++)
                 lo[cc][i] = hi[cc][i] = _mm512_setzero_si512();
             for (int lg = 0; lg < 4; lg++) {
+                _mm_prefetch((const char *)(wc + X16I4_AHEAD + 64 * lg), _MM_HINT_T0);
                 const __m512i q = _mm512_loadu_si512(wc + 64 * lg);
                 const __m512i wl = _mm512_and_si512(q, m4);
                 const __m512i wh = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
