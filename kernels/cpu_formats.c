@@ -1322,13 +1322,13 @@ static void half_dequant_row(const wdesc *W, int64_t n, float *out)
 #endif
 #define X16I4_AHEAD 4096
 /* A line at a time, at each 64-byte load, is the finest spread: the 512-bit q4_k_x16 kernel
- * does that at one to three rows (its two runs), the 512-bit int4_x16 one at any. On a Zen 4 (2026-12-06,
- * 400 MB of 1B-shaped matrices cycled from DRAM, one process alternating builds), q4_k_x16
- * 16384 x 2048 at 1 row read 16.3 -> 24.4 GB/s on one thread and 25.0 -> 29.8 on two, 22.6 ->
- * 31.6 at 2 rows, the same at 4 and 8 (their one run keeps a burst a step); int4_x16, 4 KiB
- * ahead, 15.9 -> 17.6 (one thread) and 25.7 -> 27.3 (two) at 1 row, 19.8 -> 24.7 at 3, 11.2 ->
- * 15.1 at 8. q6_k_x16 read slower that way (22.6 -> 16.7-18.7 GB/s on one thread), and AVX2's
- * q4_k_x16 too (19.2 -> 16.6): they keep their bursts of a few lines. */
+ * does that at one to three rows (its two runs), the 512-bit int4_x16 one at any. On a Zen 4
+ * (2026-12-06, 400 MB of 1B-shaped matrices cycled from DRAM, one process alternating builds),
+ * q4_k_x16 16384 x 2048 at 1 row read 16.3 -> 24.4 GB/s on one thread and 25.0 -> 29.8 on
+ * two, 22.6 -> 31.6 at 2 rows, the same at 4 and 8 (their one run keeps a burst a step);
+ * int4_x16, 4 KiB ahead, 15.9 -> 17.6 (one thread) and 25.7 -> 27.3 (two) at 1 row, 19.8 ->
+ * 24.7 at 3, 11.2 -> 15.1 at 8. q6_k_x16 read slower that way (22.6 -> 16.7-18.7 GB/s on one
+ * thread), and AVX2's q4_k_x16 too (19.2 -> 16.6): they keep their bursts of a few lines. */
 
 /* Prefetch share `part` of `parts` of the `bytes` bytes at p, a line at a time */
 static inline __attribute__((always_inline)) void prefetch_part(const uint8_t *p, int part,
