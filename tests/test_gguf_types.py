@@ -122,9 +122,10 @@ def test_int8_activations_cost_little_perplexity(type_name, requantized, monkeyp
     for acts in ("fp32", "int8"):
         monkeypatch.setenv("QSERVE_CPU_ACTIVATIONS", acts)
         # int8: chunks of at most 32 tokens, the decode-sized matmuls where int8 activations
-        # apply (larger ones go to a GEMM). fp32 activations compute the same sums either way
-        # (the row kernels or dequantize + fp32 GEMM: 24.4257518 against 24.4257565 on Q4_0's
-        # first window), so its reference takes 256-token chunks, 5x faster.
+        # apply (larger ones go to a GEMM). fp32 activations give the same products either way,
+        # summed in another order (the row kernels or dequantize + fp32 GEMM: 24.4257518
+        # against 24.4257565 on Q4_0's first window), so its reference takes 256-token chunks,
+        # 5x faster.
         engine = eval_engine(str(path), 256, max_num_batched_tokens=32 if acts == "int8" else 256)
         windows = [tokenize_for_eval(engine, text[w * 80000:(w + 1) * 80000], 4096)
                    for w in range(4)]
