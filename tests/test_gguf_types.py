@@ -117,7 +117,7 @@ def test_int8_activations_cost_little_perplexity(type_name, requantized, monkeyp
     from qserve.eval import default_text, eval_engine, evaluate, tokenize_for_eval
 
     path = requantized(type_name)
-    text = default_text()
+    text, windows = default_text(), None
     log_ppl = {}
     for acts in ("fp32", "int8"):
         monkeypatch.setenv("QSERVE_CPU_ACTIVATIONS", acts)
@@ -127,9 +127,10 @@ def test_int8_activations_cost_little_perplexity(type_name, requantized, monkeyp
         # against 24.4257565 on Q4_0's first window), so its reference takes 256-token chunks,
         # 5x faster.
         engine = eval_engine(str(path), 256, max_num_batched_tokens=32 if acts == "int8" else 256)
-        windows = [tokenize_for_eval(engine, text[w * 80000:(w + 1) * 80000], 4096)
-                   for w in range(4)]
-        assert all(len(ids) == 4096 for ids in windows)
+        if windows is None:  # one tokenizer, the file's, for both
+            windows = [tokenize_for_eval(engine, text[w * 80000:(w + 1) * 80000], 4096)
+                       for w in range(4)]
+            assert all(len(ids) == 4096 for ids in windows)
         log_ppl[acts] = [math.log(evaluate(engine, ids, 256).ppl) for ids in windows]
     assert all(map(math.isfinite, log_ppl["fp32"]))
     assert log_ppl["int8"] != log_ppl["fp32"]  # the int8-activation kernels did run
