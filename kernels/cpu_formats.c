@@ -2261,9 +2261,9 @@ static void x16_matmul(const wdesc *W, const float *x, int64_t M, int64_t ldx, f
         return;
     }
     qacts a = quantize_activations(x, M, W->K, ldx, Kp, ACT_PLAIN, q6, nthreads);
-    /* runs of consecutive groups, 4 a thread, as run_item hands out rows */
-    const int64_t run = (groups + 4 * nthreads - 1) / (4 * (int64_t)nthreads);
-#pragma omp parallel for num_threads(nthreads) schedule(dynamic, run)
+    /* guided: runs of consecutive groups that shrink as the matrix is used up (the first
+     * half the matrix over the threads, the last 4 groups), so the threads finish together */
+#pragma omp parallel for num_threads(nthreads) schedule(guided, 4)
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *grp = (const uint8_t *)W->w + g * X16 * W->row_bytes;
         for (int64_t m0 = 0; m0 < M; m0 += tile) {
