@@ -1409,6 +1409,12 @@ void paged_decode(int kind, const float *q, float *out, int64_t B, int64_t H, in
         first[b + 1] = first[b] + (L > start ? (L - start + ATT_PART - 1) / ATT_PART : 1);
     }
     const int64_t ntasks = first[B];
+    /* kv heads a task: all of them where there are parts enough to keep the threads busy,
+     * fewer (a divisor) where not */
+    int64_t hg = hkv;
+    while (hg % 2 == 0 && ntasks * (hkv / hg) < 2 * (int64_t)nthreads)
+        hg /= 2;
+    const int64_t ngroups = hkv / hg;
     /* per (part, query head): m, l and the weighted sum of values */
     float *pacc = malloc(sizeof(float) * (size_t)(ntasks * H * d));
     float *pm = malloc(sizeof(float) * (size_t)(ntasks * H));
@@ -1416,12 +1422,14 @@ void paged_decode(int kind, const float *q, float *out, int64_t B, int64_t H, in
     float *qrot = rotate_q ? malloc(sizeof(float) * (size_t)(B * H * d)) : NULL; /* H q */
 #pragma omp parallel num_threads(nthreads)
     {
-        float *kf = malloc(sizeof(float) * (size_t)(ATT_PART * d)); /* (n, d), one kv head */
-        float *vf = malloc(sizeof(float) * (size_t)(ATT_PART * d));
+        /* (hg, n, d): the task's kv heads */
+        float *kf = malloc(sizeof(float) * (size_t)(hg * ATT_PART * d));
+        float *vf = malloc(sizeof(float) * (size_t)(hg * ATT_PART * d));
         float *s = malloc(sizeof(float) * ATT_PART);
         /* the rows a task reads: kf / vf's, or fp32 cache rows where they lie */
-        const float *krow[ATT_PART], *vrow[ATT_PART];
-        for (int t = 0; t < ATT_PART; t++) {
+        const float **krow = malloc(sizeof(float *) * (size_t)(hg * ATT_PART));
+        const float **vrow = malloc(sizeof(float *) * (size_t)(hg * ATT_PART));
+        for (int64_t t = 0; t < hg * ATT_PART; t++) {
             krow[t] = kf + t * d;
             vrow[t] = vf + t * d;
         }
@@ -1432,11 +1440,13 @@ void paged_decode(int kind, const float *q, float *out, int64_t B, int64_t H, in
                 hadamard(qrot + bq * d, d);
             }
         }
-        /* a task is one (part, kv head): its K/V rows are read once for the head's g query
-         * heads, and a batch-1 step still has hkv tasks per part to spread over the threads */
+        /* a task is one part and hg kv heads: their K/V rows are read once for each head's g
+         * query heads, a position's hg heads side by side (whole slots where hg = hkv, so a
+         * block's rows are read in order), and a batch-1 step still has hkv / hg tasks per
+         * part to spread over the threads */
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < ntasks * hkv; task++) {
-            const int64_t part = task / hkv, h = task % hkv;
+        for (int64_t task = 0; task < ntasks * ngroups; task++) {
+            const int64_t part = task / ngroups, h0 = task % ngroups * hg;
             int64_t lo = 0, hi = B; /* the sequence b with first[b] <= part < first[b + 1] */
             while (hi - lo > 1) {
                 const int64_t mid = (lo + hi) / 2;
@@ -1453,30 +1463,35 @@ void paged_decode(int kind, const float *q, float *out, int64_t B, int64_t H, in
             for (int64_t t = 0; t < n; t++) {
                 const int64_t pos = t0 + t;
                 const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
-                const int64_t idx = slot * hkv + h;
-                if (kind == KV_FP32) { /* read in place: a copy cost as much as the reads */
-                    krow[t] = (const float *)c->k + idx * d;
-                    vrow[t] = (const float *)c->v + idx * d;
-                    continue;
+                for (int64_t j = 0; j < hg; j++) {
+                    const int64_t h = h0 + j, idx = slot * hkv + h, row = j * ATT_PART + t;
+                    if (kind == KV_FP32) { /* read in place: a copy cost as much as the reads */
+                        krow[row] = (const float *)c->k + idx * d;
+                        vrow[row] = (const float *)c->v + idx * d;
+                        continue;
+                    }
+                    if (kind == KV_INT4)
+                        key4_load_fast(book + h * (d / 8), c->k, c->k_scale, idx, d,
+                                       kf + row * d);
+                    else
+                        kv_load_fast(kind, c->k, c->k_scale, NULL, idx, d, kf + row * d);
+                    kv_load_fast(kind, c->v, c->v_scale, c->v_offset, idx, d, vf + row * d);
                 }
-                if (kind == KV_INT4)
-                    key4_load_fast(book + h * (d / 8), c->k, c->k_scale, idx, d, kf + t * d);
-                else
-                    kv_load_fast(kind, c->k, c->k_scale, NULL, idx, d, kf + t * d);
-                kv_load_fast(kind, c->v, c->v_scale, c->v_offset, idx, d, vf + t * d);
             }
-            for (int64_t qh = h * g; qh < (h + 1) * g; qh++) {
-                const int64_t r = part * H + qh;
-                if (n <= 0) { /* an empty context attends to nothing */
-                    pm[r] = -INFINITY;
-                    pl[r] = 0.f;
-                    memset(pacc + r * d, 0, sizeof(float) * d);
-                    continue;
+            for (int64_t j = 0; j < hg; j++)
+                for (int64_t qh = (h0 + j) * g; qh < (h0 + j + 1) * g; qh++) {
+                    const int64_t r = part * H + qh;
+                    if (n <= 0) { /* an empty context attends to nothing */
+                        pm[r] = -INFINITY;
+                        pl[r] = 0.f;
+                        memset(pacc + r * d, 0, sizeof(float) * d);
+                        continue;
+                    }
+                    att_scores((rotate_q ? qrot : q) + (b * H + qh) * d, krow + j * ATT_PART, n,
+                               d, scale, s);
+                    pm[r] = att_softmax_part(s, n, pl + r);
+                    att_weighted_sum(s, vrow + j * ATT_PART, n, d, pacc + r * d);
                 }
-                att_scores((rotate_q ? qrot : q) + (b * H + qh) * d, krow, n, d, scale, s);
-                pm[r] = att_softmax_part(s, n, pl + r);
-                att_weighted_sum(s, vrow, n, d, pacc + r * d);
-            }
         }
         /* (implicit barrier) merge each sequence's parts, in order */
 #pragma omp for schedule(static)
@@ -1505,6 +1520,8 @@ void paged_decode(int kind, const float *q, float *out, int64_t B, int64_t H, in
         free(kf);
         free(vf);
         free(s);
+        free(krow);
+        free(vrow);
     }
     free(qrot);
     free(book);

@@ -265,6 +265,38 @@ def test_paged_decode_matches_reference(name, group, bs, window, d):
     torch.testing.assert_close(out, ref.float(), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", KV)
+def test_paged_decode_alone_equals_batched(name):
+    """A sequence's attention does not depend on what else is in the batch, bit for bit: its
+    kernel task takes all 8 kv heads of a part when the batch has parts enough for the threads
+    and fewer when it runs alone with a short context (1, 129, 300 positions, 1 to 3 parts: 2,
+    4 and 4 heads a task on two threads), and it matches the reference either way."""
+    hkv, group, bs, d = 8, 4, 16, 64
+    g = torch.Generator().manual_seed(7)
+    seq_lens = [1, 129, 300, 40, 17, 256]
+    nb = sum(-(-s // bs) for s in seq_lens) + 2
+    perm = torch.randperm(nb, generator=g).tolist()
+    tables, used = [], 0
+    for s in seq_lens:
+        tables.append(perm[used:used + -(-s // bs)])
+        used += len(tables[-1])
+    cache = _cache(name, nb, bs, hkv, d)
+    for s, t in zip(seq_lens, tables):
+        slots = torch.tensor([t[p // bs] * bs + p % bs for p in range(s)])
+        cpu_ops.write_kv(torch.randn(s, hkv, d, generator=g), torch.randn(s, hkv, d, generator=g),
+                         cache, slots)
+    q = torch.randn(len(seq_lens), hkv * group, d, generator=g)
+    meta = _decode_meta(seq_lens, tables, bs)
+    batched = cpu_ops.paged_decode(q, cache, meta.block_tables, meta.seq_lens, d ** -0.5, None)
+    torch.testing.assert_close(batched, _decode_attention(q, cache, meta, d ** -0.5).float(),
+                               rtol=1e-4, atol=1e-5)
+    for i, (s, t) in enumerate(zip(seq_lens[:3], tables)):
+        one = _decode_meta([s], [t], bs)
+        alone = cpu_ops.paged_decode(q[i:i + 1], cache, one.block_tables, one.seq_lens,
+                                     d ** -0.5, None)
+        assert torch.equal(alone, batched[i:i + 1]), (name, s)
+
+
 # ---- the fused decode step ---------------------------------------------------------------------
 # Projection -> its Hugging Face linear
 _PROJ = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
