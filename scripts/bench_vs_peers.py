@@ -16,7 +16,7 @@ default model):
     qserve-w8           qserve, recipe w8
     transformers        Hugging Face transformers `generate`, fp32
     llama.cpp           native llama.cpp built for this CPU (scripts/peer.py builds it once):
-                        llama-bench -p/-n for batch-1 decode and one-prompt prefill,
+                        llama-bench -n -d for batch-1 decode, -p for one-prompt prefill,
                         llama-batched-bench -npl 32 for the concurrent rows
     llama-cpp-python    llama.cpp through the llama-cpp-python wheel's low-level API, 32
                         sequences in one context (scripts/llama_cpp_batched.py)
@@ -43,9 +43,10 @@ off, AVX2 + FMA + F16C, no AVX-512). --isa avx2-vnni is the same with AVX-VNNI o
 (an Intel core without AVX-512, Alder Lake and later: qserve's int8 GEMM and llama.cpp's dot
 products in 256-bit vpdpbusd; QSERVE_CPU_ISA=avx2-vnni, the peer's build-avx2-vnni).
 
-Not quite like for like: llama-bench generates its 128 tokens from an empty context (qserve
-decodes after a 128-token prompt), and llama-batched-bench feeds random tokens instead of
-sampling; both favour llama.cpp slightly. The quantized checkpoints are made once with
+llama-bench's decode runs at depth --input-len (`-d`: its 128 tokens generated after 128 of
+context, as qserve decodes after a 128-token prompt; before 2026-12-06 it generated from an
+empty context), its prefill from an empty context. Not quite like for like:
+llama-batched-bench feeds random tokens instead of sampling, which favours llama.cpp slightly. The quantized checkpoints are made once with
 `qserve quantize` into .cache/bench-ckpt/<model>/<recipe>/ (delete one to remake it).
 transformers needs the `bench` extra; llama-cpp-python its wheel.
 """
@@ -136,11 +137,17 @@ def bench_llama_cpp(args, gguf: Path) -> tuple[dict[str, list[float]], str]:
     import peer
 
     n_in, n_out, threads = args.input_len, args.output_len, args.threads
-    out, rss = run_child([peer.binary("llama-bench"), "-m", gguf, "-p", n_in, "-n", n_out,
-                          "-t", threads, "-r", args.repeats, "-o", "json"], quiet=True)
-    tests = json.loads(out)
-    pp = next(t for t in tests if t["n_prompt"] == n_in and t["n_gen"] == 0)
-    tg = next(t for t in tests if t["n_prompt"] == 0 and t["n_gen"] == n_out)
+
+    def llama_bench(*test) -> tuple[dict, float]:
+        out, rss = run_child([peer.binary("llama-bench"), "-m", gguf, *test, "-t", threads,
+                              "-r", args.repeats, "-o", "json"], quiet=True)
+        return json.loads(out)[0], rss
+
+    # the prefill from an empty context; the decode at depth n_in (its n_out tokens generated
+    # after n_in tokens of context), as qserve's rows are measured
+    pp, rss_pp = llama_bench("-p", n_in, "-n", 0)
+    tg, rss = llama_bench("-p", 0, "-n", n_out, "-d", n_in)
+    rss = max(rss, rss_pp)
     runs = {"decode_b1": tg["samples_ts"], "prefill_b1": pp["samples_ts"],
             "throughput_b32": [], "prefill": [], "peak_rss_mib": [rss]}
     for _ in range(args.repeats):
