@@ -1384,10 +1384,12 @@ static void att_weighted_sum(const float *p, const float *const *v, int64_t n, i
 /* Decode attention: one query per sequence against its paged context.
  *   q (B, H, d) fp32; out (B, H, d) fp32; tables (B, max_blocks); seq_lens (B,); c: the
  *   layer's cache (kv_layer).
- * FlashDecoding-style: each task is ATT_PART positions of one sequence's context and one kv
- * head, so one long sequence (or one short one, with its hkv tasks) still keeps every thread
- * busy. A task reads those positions' K and V rows of its kv head, converts them to fp32 once
- * for the g = H / hkv query heads that share it, and keeps per query head the max score m,
+ * FlashDecoding-style: each task is ATT_PART positions of one sequence's context and hg of its
+ * kv heads: all hkv where the batch has parts enough to keep every thread busy (a position's
+ * whole slot, so a block's rows are read in order), fewer where not (one short sequence still
+ * gives each thread tasks). A task reads those positions' K and V rows of its kv heads,
+ * converts them to fp32 once for the g = H / hkv query heads that share each, and keeps per
+ * query head the max score m,
  * the sum l of exp(score - m) and the exp-weighted sum of values; a second pass merges a
  * sequence's parts in order. int8 K and V and int4 V hold y = H x (int4 keys are not rotated:
  * their codebook works on raw channels), and H is symmetric orthonormal, so q . x = (H q) . y and
