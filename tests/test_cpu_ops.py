@@ -266,12 +266,14 @@ def test_paged_decode_matches_reference(name, group, bs, window, d):
 
 
 @pytest.mark.parametrize("name", KV)
-def test_paged_decode_alone_equals_batched(name):
+@pytest.mark.parametrize("hkv,group", [(8, 4), (3, 3)])
+def test_paged_decode_alone_equals_batched(name, hkv, group):
     """A sequence's attention does not depend on what else is in the batch, bit for bit: its
-    kernel task takes all 8 kv heads of a part when the batch has parts enough for the threads
-    and fewer when it runs alone with a short context (1, 129, 300 positions, 1 to 3 parts: 2,
-    4 and 4 heads a task on two threads), and it matches the reference either way."""
-    hkv, group, bs, d = 8, 4, 16, 64
+    kernel task takes all kv heads of a part when the batch has parts enough for the threads
+    and a divisor of them when it runs alone with a short context (1, 129, 300 positions, 1 to
+    3 parts; on two threads 4, 8 and 8 of 8 heads a task, 1, 3 and 3 of 3), and it matches
+    the reference either way."""
+    bs, d = 16, 64
     g = torch.Generator().manual_seed(7)
     seq_lens = [1, 129, 300, 40, 17, 256]
     nb = sum(-(-s // bs) for s in seq_lens) + 2
