@@ -46,8 +46,9 @@ products in 256-bit vpdpbusd; QSERVE_CPU_ISA=avx2-vnni, the peer's build-avx2-vn
 llama-bench's decode runs at depth --input-len (`-d`: its 128 tokens generated after 128 of
 context, as qserve decodes after a 128-token prompt; before 2026-12-06 it generated from an
 empty context), its prefill from an empty context. Not quite like for like:
-llama-batched-bench feeds random tokens instead of sampling, which favours llama.cpp slightly. The quantized checkpoints are made once with
-`qserve quantize` into .cache/bench-ckpt/<model>/<recipe>/ (delete one to remake it).
+llama-batched-bench feeds random tokens instead of sampling, which favours llama.cpp
+slightly. The quantized checkpoints are made once with `qserve quantize` into
+.cache/bench-ckpt/<model>/<recipe>/ (delete one to remake it).
 transformers needs the `bench` extra; llama-cpp-python its wheel.
 """
 from __future__ import annotations
