@@ -226,6 +226,28 @@ def _decode_meta(seq_lens, tables, bs, window=None):
         max_seq_len=max(seq_lens), decode_only=True, sliding_window=window)
 
 
+def _shuffled_tables(seq_lens, bs, spare, g):
+    """(number of blocks, block tables): each sequence's blocks drawn from a shuffled pool with
+    `spare` blocks no table owns."""
+    nb = sum(-(-s // bs) for s in seq_lens) + spare
+    perm = torch.randperm(nb, generator=g).tolist()
+    tables, used = [], 0
+    for s in seq_lens:
+        n = -(-s // bs)
+        tables.append(perm[used:used + n])
+        used += n
+    return nb, tables
+
+
+def _write_contexts(caches, seq_lens, tables, bs, hkv, d, g):
+    """Random K/V in every owned slot, identically in each cache."""
+    for s, t in zip(seq_lens, tables):
+        slots = torch.tensor([t[p // bs] * bs + p % bs for p in range(s)])
+        k, v = torch.randn(s, hkv, d, generator=g), torch.randn(s, hkv, d, generator=g)
+        for cache in caches:
+            cpu_ops.write_kv(k, v, cache, slots)
+
+
 @pytest.mark.parametrize("name", KV)
 @pytest.mark.parametrize("group", [1, 3, 4, 8])
 @pytest.mark.parametrize("bs", [8, 16])
@@ -241,20 +263,10 @@ def test_paged_decode_matches_reference(name, group, bs, window, d):
     if name == "int4" and d % 8:
         d = 24
     seq_lens = [1, bs - 1, bs, bs + 1, 3 * bs + 5, 128, 129, 300]
-    nb = sum(-(-s // bs) for s in seq_lens) + 3
     g = torch.Generator().manual_seed(5)
-    perm = torch.randperm(nb, generator=g).tolist()
-    tables, used = [], 0
-    for s in seq_lens:
-        n = -(-s // bs)
-        tables.append(perm[used:used + n])
-        used += n
+    nb, tables = _shuffled_tables(seq_lens, bs, 3, g)
     clean, poisoned = _cache(name, nb, bs, hkv, d), _cache(name, nb, bs, hkv, d, float("nan"))
-    for s, t in zip(seq_lens, tables):  # fill every owned slot, identically in both caches
-        slots = torch.tensor([t[p // bs] * bs + p % bs for p in range(s)])
-        k, v = torch.randn(s, hkv, d, generator=g), torch.randn(s, hkv, d, generator=g)
-        cpu_ops.write_kv(k, v, clean, slots)
-        cpu_ops.write_kv(k, v, poisoned, slots)
+    _write_contexts([clean, poisoned], seq_lens, tables, bs, hkv, d, g)
     q = torch.randn(len(seq_lens), hkv * group, d, generator=g)
     meta = _decode_meta(seq_lens, tables, bs, window)
     ref = _decode_attention(q, clean, meta, d ** -0.5)
@@ -276,17 +288,9 @@ def test_paged_decode_alone_equals_batched(name, hkv, group):
     bs, d = 16, 64
     g = torch.Generator().manual_seed(7)
     seq_lens = [1, 129, 300, 40, 17, 256]
-    nb = sum(-(-s // bs) for s in seq_lens) + 2
-    perm = torch.randperm(nb, generator=g).tolist()
-    tables, used = [], 0
-    for s in seq_lens:
-        tables.append(perm[used:used + -(-s // bs)])
-        used += len(tables[-1])
+    nb, tables = _shuffled_tables(seq_lens, bs, 2, g)
     cache = _cache(name, nb, bs, hkv, d)
-    for s, t in zip(seq_lens, tables):
-        slots = torch.tensor([t[p // bs] * bs + p % bs for p in range(s)])
-        cpu_ops.write_kv(torch.randn(s, hkv, d, generator=g), torch.randn(s, hkv, d, generator=g),
-                         cache, slots)
+    _write_contexts([cache], seq_lens, tables, bs, hkv, d, g)
     q = torch.randn(len(seq_lens), hkv * group, d, generator=g)
     meta = _decode_meta(seq_lens, tables, bs)
     batched = cpu_ops.paged_decode(q, cache, meta.block_tables, meta.seq_lens, d ** -0.5, None)
