@@ -2789,6 +2789,56 @@ int wkind_known(int64_t kind)
            kind == KIND_F16 || kind == KIND_BF16 || ggml_type_of(kind) != NULL;
 }
 
+/* out[b] = the index of the largest of x[b * ld .. b * ld + V), the first where several are
+ * (torch.argmax's): a NaN counts as the largest, so the first NaN where there is one. Two passes
+ * over a row: its maximum (and whether it holds a NaN), then the first element equal to it. */
+void argmax_rows(const float *x, int64_t B, int64_t V, int64_t ld, int64_t *out)
+{
+    for (int64_t b = 0; b < B; b++) {
+        const float *r = x + b * ld;
+        float mx = -INFINITY;
+        int nan = 0;
+        int64_t j = 0;
+#ifdef HAVE_ATT_SIMD
+        __m256 vm = _mm256_set1_ps(-INFINITY), un = _mm256_setzero_ps();
+        for (; j + 8 <= V; j += 8) {
+            const __m256 v = _mm256_loadu_ps(r + j);
+            vm = _mm256_max_ps(vm, v);
+            un = _mm256_or_ps(un, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        }
+        nan = _mm256_movemask_ps(un) != 0;
+        float lanes[8];
+        _mm256_storeu_ps(lanes, vm);
+        for (int u = 0; u < 8; u++)
+            mx = lanes[u] > mx ? lanes[u] : mx;
+#endif
+        for (; j < V; j++) {
+            nan |= r[j] != r[j];
+            mx = r[j] > mx ? r[j] : mx;
+        }
+        int64_t best = 0;
+        if (nan) {
+            while (r[best] == r[best])
+                best++;
+        } else if (V > 0) {
+            j = 0;
+#ifdef HAVE_ATT_SIMD
+            const __m256 m8 = _mm256_set1_ps(mx);
+            for (; j + 8 <= V; j += 8) {
+                const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(r + j), m8,
+                                                                 _CMP_EQ_OQ));
+                if (hit)
+                    break;
+            }
+#endif
+            while (r[j] != mx)
+                j++;
+            best = j;
+        }
+        out[b] = best;
+    }
+}
+
 /* ---- the fused decode step -------------------------------------------------------------------
  * Every decoder layer of a Llama-family model for one decode step (T tokens, one per sequence),
  * in one call, so Python is not on the per-layer path:
@@ -2877,7 +2927,7 @@ void decode_layers(const dlayer *layers, int64_t num_layers, float *x, int64_t T
                    const int64_t *positions, const float *cos_table, const float *sin_table,
                    int kv_kind, const int64_t *slots, const int64_t *tables, int64_t max_blocks,
                    const int64_t *seq_lens, int64_t block_size, int64_t window, float scale,
-                   int i8, int nthreads)
+                   const float *norm_final, int i8, int nthreads)
 {
     const int64_t qs = H * d, kvs = hkv * d, qkv_n = qs + 2 * kvs;
     float *h = malloc(sizeof(float) * (size_t)(T * hidden));
@@ -2915,6 +2965,8 @@ void decode_layers(const dlayer *layers, int64_t num_layers, float *x, int64_t T
         for (int64_t j = 0; j < T * hidden; j++)
             x[j] += o[j];
     }
+    if (norm_final) /* the model's last norm, in place (each row read before it is written) */
+        rmsnorm(x, norm_final, T, hidden, eps, x);
     free(h); free(qkv); free(q); free(k); free(v); free(att); free(gu); free(act); free(o);
 }
 

@@ -107,7 +107,9 @@ _SIGNATURES = {  # name: (argtypes, restype)
     "kv_write": ([_int, _ptr, _ptr, _ptr, _i64, _i64, _int, _ptr, _int], None),
     "f32_matmul": ([_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _int], None),
     "decode_layers": ([_ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _int, _i64, _flt, _ptr, _ptr,
-                       _ptr, _int, _ptr, _ptr, _i64, _ptr, _i64, _i64, _flt, _int, _int], None),
+                       _ptr, _int, _ptr, _ptr, _i64, _ptr, _i64, _i64, _flt, _ptr, _int, _int],
+                      None),
+    "argmax_rows": ([_ptr, _i64, _i64, _i64, _ptr], None),
     "copy_rows": ([_ptr, _ptr, _ptr, _ptr, _i64, _i64], None),
     "x16_interleave": ([_WDESC, _WDESC, _i64, _int], _int),
     "paged_decode": ([_int, _ptr, _ptr, _i64, _i64, _i64, _int, _ptr, _ptr, _i64, _ptr, _i64,
@@ -749,17 +751,31 @@ class CpuDecoder:
     returns None where the C path does not apply (not fp32 on CPU, an unsupported linear or
     cache)."""
 
-    def __init__(self, model, caches: list[dict[str, torch.Tensor]], layers: list[DLayer]):
+    def __init__(self, model, caches: list[dict[str, torch.Tensor]], layers: list[DLayer],
+                 norm_final: torch.Tensor | None = None, head: QuantizedTensor | None = None,
+                 table: QuantizedTensor | None = None):
         self.model, self.caches = model, caches
+        # the output matrix (vocab, hidden) and the token embedding's table, their WDescs made
+        # once; held so that they outlive them
+        self.head, self.table = head, table
+        self.head_desc = None if head is None else _desc(head)
+        self.table_desc = None if table is None else _desc(table)
         self.layers = (DLayer * len(layers))(*layers)
         arch = model.arch
         self.kind = KV_KINDS[caches[0]["k"].dtype]
         self.dims = (arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim,
                      arch.intermediate_size, float(arch.rms_norm_eps))
         self.int8_activations = int8_activations()
+        self.norm_final = norm_final  # the model's last norm's weight, or None: not applied
 
     @classmethod
-    def build(cls, model, caches: list[dict[str, torch.Tensor]]) -> "CpuDecoder | None":
+    def build(cls, model, caches: list[dict[str, torch.Tensor]],
+              norm_final: torch.Tensor | None = None, head: QuantizedTensor | None = None,
+              table: QuantizedTensor | None = None) -> "CpuDecoder | None":
+        """norm_final: the weight of an RMSNorm (w * x / sqrt(mean(x^2) + eps), the layers'
+        eps) to apply to the step's output, fp32 (hidden,), or None. head: the output matrix
+        for `logits`; table: the token embedding's, for `embed` (fp32 rows); or None (each is
+        dropped where the kernels cannot run it)."""
         if lib() is None or model.dtype != torch.float32 or model.device.type != "cpu":
             return None
         d = model.arch.head_dim
@@ -775,12 +791,22 @@ class CpuDecoder:
             layers.append(DLayer(_p(layer.input_layernorm.weight),
                                  _p(layer.post_attention_layernorm.weight), *lins,
                                  (_i64 * len(KV_TENSORS))(*_kv_addresses(cache))))
-        return cls(model, caches, layers)
+        if norm_final is not None and not (norm_final.dtype == torch.float32
+                                           and norm_final.is_contiguous()
+                                           and norm_final.shape == (model.arch.hidden_size,)):
+            return None
+        head, table = [qt if qt is not None and qt.shape[1] == model.arch.hidden_size
+                       and supports(qt) else None for qt in (head, table)]
+        return cls(model, caches, layers, norm_final, head, table)
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
-        """x (T, hidden) fp32 embeddings of one decode step -> (T, hidden) before the final
-        norm; writes the step's K/V into the cache."""
-        x = x.contiguous().clone()
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta, owned: bool = False
+                 ) -> torch.Tensor:
+        """x (T, hidden) fp32 embeddings of one decode step -> (T, hidden) after the last layer,
+        and after norm_final where the decoder has one; writes the step's K/V into the
+        cache. owned: x is contiguous and the caller's to overwrite (`embed`'s), else it is
+        copied first."""
+        if not owned:
+            x = x.contiguous().clone()
         T = x.shape[0]
         hidden, H, hkv, d, inter, eps = self.dims
         rope = self.model.rope
@@ -790,6 +816,54 @@ class CpuDecoder:
                             hkv, d, inter, eps, _p(pos), _p(rope.cos), _p(rope.sin), self.kind,
                             _p(slots), _p(tables), tables.shape[1], _p(lens),
                             self.caches[0]["k"].shape[1], meta.sliding_window or 0,
-                            self.model.layers[0].self_attn.scale, int(self.int8_activations),
-                            _threads())
+                            self.model.layers[0].self_attn.scale, _p(self.norm_final),
+                            int(self.int8_activations), _threads())
         return x
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor | None:
+        """(T,) int64 token ids -> their (T, hidden) fp32 embedding rows, through the table's
+        WDesc made once (weight_rows' decoders, the same rows), or None where this does not
+        apply (no table, ids of another shape or type)."""
+        L = lib()
+        if (L is None or self.table is None or ids.dtype != torch.int64 or ids.dim() != 1
+                or not ids.is_contiguous() or ids.device.type != "cpu"):
+            return None
+        out = torch.empty(ids.shape[0], self.table.shape[1], dtype=torch.float32)
+        rc = L.wdequant_rows(ctypes.byref(self.table_desc), _p(ids), ids.shape[0], _p(out),
+                                 _threads())
+        if rc == -2:
+            raise IndexError(f"a token id outside the embedding table's {self.table.shape[0]} "
+                             "rows")
+        assert rc == 0, rc
+        return out
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """(S, hidden) fp32 final hidden states -> (S, vocab) fp32 logits through the output
+        matrix's WDesc made once (weight_matmul's row kernels, the same call and bits), or
+        None where this does not apply (no head, more than FUSED_MAX_ROWS rows, another
+        layout). Packing, checking and describing the matrix every step in Python, with its
+        code out of the caches, had cost ~0.15 ms a step."""
+        L, S = lib(), hidden.shape[0]
+        if (L is None or self.head is None or not 0 < S <= FUSED_MAX_ROWS
+                or hidden.dtype != torch.float32 or hidden.device.type != "cpu"
+                or hidden.dim() != 2 or hidden.stride(1) != 1):
+            return None
+        out = torch.empty(S, self.head.shape[0], dtype=torch.float32)
+        assert L.wmatmul(ctypes.byref(self.head_desc), _p(hidden), S, hidden.stride(0),
+                             _p(out), out.stride(0), int(self.int8_activations),
+                             _threads()) == 0
+        return out
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """(B, V) fp32 on the CPU, stride(1) == 1 -> (B,) int64: each row's torch.argmax (the first
+    largest; a NaN counts as the largest). torch's own took ~45 us for a 49k vocabulary (and
+    more with its code out of the caches after a decode step's weights streamed through)."""
+    B, V = x.shape
+    assert x.dtype == torch.float32 and x.device.type == "cpu" and (x.stride(1) == 1 or V <= 1)
+    out = torch.empty(B, dtype=torch.int64)
+    if B and V:
+        lib().argmax_rows(_p(x), B, V, x.stride(0), _p(out))
+    elif B:
+        raise RuntimeError("argmax of an empty row")
+    return out

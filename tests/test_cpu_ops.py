@@ -311,26 +311,34 @@ _PROJ = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_pro
 
 
 def _tiny_model(quant: WeightScheme | None = None, bias=False, window=None,
-                formats: dict[str, str] | None = None):
+                formats: dict[str, str] | None = None, head: str | None = None,
+                tied: bool = False):
     """3 layers. quant: every linear in this int4/int8 scheme. formats: projection ("q" ..
     "down") -> a weight format of its own ("int4" = int4 g32 sym, "int8" per channel, "int4z"
     g32, a GGML type, f16, bf16), the others fp32: the loader stacks each fused linear's parts into row
-    segments, one per run of a format. With a K-quant anywhere, every input size is a whole
-    number of 256-input super-blocks (hidden 256, 4 x 64 heads, intermediate 512); otherwise
-    hidden 96 (6 x 16 heads), intermediate 160."""
+    segments, one per run of a format. head: the token embedding's and output matrix's format
+    (a GGML type; fp32 if None); tied: one matrix for both. With a K-quant anywhere, every input
+    size is a whole number of 256-input super-blocks (hidden 256, 4 x 64 heads, intermediate
+    512); otherwise hidden 96 (6 x 16 heads), intermediate 160."""
     from qserve.quant.calibration import build_model
     from test_cpu_formats import random_weight
 
     formats = formats or {}
-    wide = any(f.endswith("_k") for f in formats.values())
+    wide = any(f.endswith("_k") for f in [*formats.values(), head or ""])
     hidden, inter, heads, d = (256, 512, 4, 64) if wide else (96, 160, 6, 16)
     arch = ModelArchConfig("qwen2" if bias else ("mistral" if window else "llama"), 97, hidden,
                            inter, 3, heads, 2, d, rope_theta=10000.0, attention_bias=bias,
-                           sliding_window=window, max_position_embeddings=128)
+                           sliding_window=window, max_position_embeddings=128,
+                           tie_word_embeddings=tied)
     g = torch.Generator().manual_seed(6)
     w = {"model.embed_tokens.weight": torch.randn(97, hidden, generator=g),
          "model.norm.weight": 1 + 0.1 * torch.randn(hidden, generator=g),
          "lm_head.weight": torch.randn(97, hidden, generator=g) / 10}
+    if head is not None:
+        w["model.embed_tokens.weight"] = random_weight(head, 97, hidden, seed=1, std=1.0)
+        w["lm_head.weight"] = random_weight(head, 97, hidden, seed=2, std=0.1)
+    if tied:
+        del w["lm_head.weight"]
     q, kv = heads * d, 2 * d
     shapes = {"q": (q, hidden), "k": (kv, hidden), "v": (kv, hidden), "o": (hidden, q),
               "gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
@@ -423,6 +431,53 @@ def test_fused_decode_step_matches_layer_by_layer(quant, kw, kv, monkeypatch):
     else:  # a K/V value that lands on a rounding edge may round the other way: rare and small
         assert (fast - ref).abs().mean() < 1e-3
         assert (fast.argmax(-1) == ref.argmax(-1)).float().mean() > 0.95
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_fused_decode_step_embeds_norms_and_projects(tied, monkeypatch):
+    """With a packed token embedding and output matrix (Q6_K, as a Q4_K_M file's), the fused
+    decode step reads the step's embedding rows, applies the final norm and makes the logits
+    through descriptors built once: the same rows and logits, bit for bit, as the modules'
+    own paths (QuantEmbedding's lookup, compute_logits through packed_linear), and the decode
+    matches the pure-torch layers as in the test above."""
+    from qserve.models.base import CausalLM
+
+    monkeypatch.setenv("QSERVE_CPU_ACTIVATIONS", "fp32")
+    model = _tiny_model(formats=Q4_K_M, head="q6_k", tied=tied)
+    assert (model.lm_head is None) == tied
+    prompts = [torch.randint(0, 97, (12,), generator=torch.Generator().manual_seed(i)).tolist()
+               for i in range(3)]
+    fast = _decode_logits(model, prompts, "auto", 12)
+    fused = model._fused[1]
+    assert fused.norm_final is not None and fused.head is not None and fused.table is not None
+    ids = torch.tensor([3, 96, 0, 3])
+    with torch.inference_mode():
+        assert torch.equal(fused.embed(ids), model.embed_tokens(ids))
+        h = torch.randn(4, model.arch.hidden_size, generator=torch.Generator().manual_seed(9))
+        assert torch.equal(fused.logits(h), CausalLM.compute_logits(model, h))
+    with pytest.raises(IndexError, match="97 rows"):
+        fused.embed(torch.tensor([97]))
+    with cpu_ops.disabled():
+        ref = _decode_logits(model, prompts, "auto", 12)
+    torch.testing.assert_close(fast, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("V", [1, 7, 8, 49152, 50001])
+def test_argmax_rows_is_torch_argmax(V):
+    """The sampler's greedy argmax in C: torch.argmax's ids over rows of every length (the
+    8-wide passes and their tails), with ties (the first wins), a NaN (it counts as the
+    largest: the first NaN), -inf everywhere, and strided rows."""
+    g = torch.Generator().manual_seed(V)
+    x = torch.randn(6, V + 3, generator=g)[:, 1:V + 1]  # rows V apart... and V + 3 wide
+    x[1] = x[1].round()  # ties
+    x[2, V // 2] = float("nan")
+    x[2, V - 1] = float("nan")
+    x[3] = float("-inf")
+    x[4] = 0.0
+    x[4, V - 1] = -0.0
+    x[5, -1] = 1e30
+    want = x.argmax(dim=-1)
+    assert torch.equal(cpu_ops.argmax_rows(x), want), (cpu_ops.argmax_rows(x), want)
 
 
 @pytest.mark.slow

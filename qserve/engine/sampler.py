@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from qserve.kernels import cpu_ops
 from qserve.sampling_params import SamplingParams
 
 
@@ -139,11 +140,20 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow], idx: list[int
 def _pick(logits: torch.Tensor, rows: list[SamplingRow], rand: list[int]) -> torch.Tensor:
     """logits (B, V), not modified -> one id per row (B,): the argmax, or for rows `rand` a
     random draw."""
-    token_ids = logits.argmax(dim=-1)
+    token_ids = _argmax(logits)
     if rand:
         idx = torch.tensor(rand, device=logits.device)
         token_ids[idx] = _sample(logits[idx], [rows[i] for i in rand])
     return token_ids
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """(B, V) -> (B,) int64, logits.argmax(dim=-1): on a CPU through the C kernels where they
+    are built (cpu_ops.argmax_rows, the same ids)."""
+    if (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
+            and logits.shape[1] and logits.stride(1) == 1 and cpu_ops.lib() is not None):
+        return cpu_ops.argmax_rows(logits)
+    return logits.argmax(dim=-1)
 
 
 def checks_after_sampling(params: SamplingParams) -> bool:

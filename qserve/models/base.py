@@ -239,10 +239,12 @@ class CausalLM(nn.Module):
         """(T,) -> (T, hidden)."""
         return self.embed_tokens(input_ids)
 
-    def fused_decode(self, x: torch.Tensor, positions: torch.Tensor,
+    def fused_decode(self, input_ids: torch.Tensor, positions: torch.Tensor,
                      caches: list[dict[str, torch.Tensor]], meta: PagedAttentionMetadata
                      ) -> torch.Tensor | None:
-        """A decode step run by one fused kernel, or None: the layers run one by one."""
+        """A decode step run by one fused kernel, from its token ids (T,) and rope table rows
+        (positions): the final hidden states (T, hidden), after the final norm, as forward
+        returns them; or None: the layers run one by one."""
         return None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -253,12 +255,12 @@ class CausalLM(nn.Module):
         `layers`, when the step moves KV blocks or stages layer-wise prefills
         (engine/layerwise.py), gives each layer its cache and metadata and waits for its copies.
         """
-        x = self.embed(input_ids)
         positions = self.rope.table_rows(positions, meta)
         if layers is None and meta.decode_only:
-            out = self.fused_decode(x, positions, caches, meta)
+            out = self.fused_decode(input_ids, positions, caches, meta)
             if out is not None:
-                return self.norm(out)
+                return out
+        x = self.embed(input_ids)
         for i, layer in enumerate(self.layers):
             cache, m = (caches[i], meta) if layers is None else layers.before(i)
             x = layer(x, positions, cache, m)
