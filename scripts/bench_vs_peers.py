@@ -21,6 +21,10 @@ default model):
     llama-cpp-python    llama.cpp through the llama-cpp-python wheel's low-level API, 32
                         sequences in one context (scripts/llama_cpp_batched.py)
 
+Under the table, the batch-1 decode as a memory stream: each side's decode rate times the
+file's size (a token reads every weight once), against a plain read of 1 GiB on the same
+threads (torch's int32 max, in a child, once a round).
+
 Every column runs in its own child process (this script again, or the llama.cpp binaries), so
 one column's memory never counts toward another's: peak RSS is the child's own ru_maxrss (from
 wait4; for llama.cpp the larger of llama-bench's and llama-batched-bench's). Linux counts the
@@ -164,6 +168,46 @@ def bench_llama_cpp(args, gguf: Path) -> tuple[dict[str, list[float]], str]:
         runs["prefill"].append(rows[0]["speed_pp"])
         runs["peak_rss_mib"][0] = max(runs["peak_rss_mib"][0], rss)
     return runs, f"llama.cpp {tg['build_commit']} ({peer.SDIST}) on {tg['model_type']}"
+
+
+# --- the machine's memory bandwidth: what a batch-1 decode, which reads every weight once a
+# token, can at most reach ---
+
+READ_CODE = """
+import sys, time, statistics, torch
+torch.set_num_threads(int(sys.argv[1]))
+x = torch.ones(1 << 28, dtype=torch.int32)  # 1 GiB, faulted in before it is timed
+x.max()
+times = []
+for _ in range(5):
+    t = time.perf_counter()
+    x.max()
+    times.append(time.perf_counter() - t)
+print(x.numel() * 4 / statistics.median(times) / 1e9)
+"""
+
+
+def read_bandwidth(threads: int) -> float:
+    """GB/s of a plain read of 1 GiB on `threads` threads (torch's int32 max, the median of 5
+    passes), in a child; on this project's 2-core VM it read as a hand-written AVX-512 loop
+    did (~30-32 GB/s, 2026-12-06)."""
+    out, _ = run_child([sys.executable, "-c", READ_CODE, threads])
+    return float(out.strip().splitlines()[-1])
+
+
+def streamed(medians: dict[str, dict[str, float]], gguf: Path, read: list[float]) -> list[str]:
+    """Lines on the batch-1 decode as a memory stream: each column's decode rate times the
+    file's size (every weight read once a token: about what either side reads, its K/V
+    aside), against the plain read."""
+    ceiling = statistics.median(read)
+    lines = [f"memory: a plain read of 1 GiB ran at {ceiling:.1f} GB/s (median of "
+             f"{', '.join(f'{r:.1f}' for r in read)}); batch-1 decode reads ~the file "
+             f"({gguf.stat().st_size / 2**20:,.0f} MiB) a token:"]
+    for n, m in medians.items():
+        if "decode_b1" in m and n in ("qserve", "llama.cpp"):
+            gbs = m["decode_b1"] * gguf.stat().st_size / 1e9
+            lines.append(f"- {COLUMNS[n]}: {gbs:.1f} GB/s, {gbs / ceiling:.0%} of the read")
+    return lines
 
 
 # --- the Python columns: each in a child process running this script with --worker ---
@@ -397,8 +441,9 @@ def main() -> None:
     if args.isa != "native":  # the children (qserve's workers, llama.cpp's binaries) inherit it
         os.environ |= ISA_ENV[args.isa]
 
-    rounds, about = {}, []  # column -> its runs, a dict a round
+    rounds, about, read = {}, [], []  # column -> its runs, a dict a round
     for r in range(args.rounds):
+        read.append(read_bandwidth(args.threads))
         for name in names:
             of = f" (round {r + 1} of {args.rounds})" if args.rounds > 1 else ""
             print(f"measuring {COLUMNS[name]} on {gguf.name}{of} ...", file=sys.stderr)
@@ -419,6 +464,7 @@ def main() -> None:
           f"{'; '.join(dict.fromkeys(about))}; ISA {args.isa}; {args.input_len} prompt + {args.output_len} "
           f"new tokens, median of {runs_each}\n")
     print(report(args, medians))
+    print("\n" + "\n".join(streamed(medians, gguf, read)))
     if args.rounds > 1 and (each := round_ratios(rounds)):
         print("\neach round (qserve / peer, medians of that round's runs):")
         print("\n".join(each))
@@ -426,7 +472,7 @@ def main() -> None:
         dump = json.dumps({"model": str(gguf), "cpu_threads": os.cpu_count(), "isa": args.isa,
                            "threads": args.threads, "input_len": args.input_len,
                            "output_len": args.output_len, "concurrent": N_CONCURRENT,
-                           "rounds": args.rounds,
+                           "rounds": args.rounds, "read_gb_per_s": read,
                            "about": about, "runs": runs, "median": medians}, indent=2)
         if args.json == "-":
             print(dump)

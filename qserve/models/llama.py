@@ -52,7 +52,7 @@ class LlamaForCausalLM(CausalLM):
         """The fused C decode step for these caches, built on first use (None: not available,
         and the layers run one by one). It applies the final norm too where that is a plain
         RMSNorm with the layers' eps: a torch op after the step's weights have streamed
-        through the caches took ~0.08 ms, ten times as long as it takes alone."""
+        through the caches took ~0.08 ms, five times as long as it takes alone."""
         if self._fused is None or self._fused[0] is not caches:
             norm = self.norm
             plain = type(norm) is RMSNorm and norm.eps == self.arch.rms_norm_eps
