@@ -830,7 +830,7 @@ class CpuDecoder:
             return None
         out = torch.empty(ids.shape[0], self.table.shape[1], dtype=torch.float32)
         rc = L.wdequant_rows(ctypes.byref(self.table_desc), _p(ids), ids.shape[0], _p(out),
-                                 _threads())
+                             _threads())
         if rc == -2:
             raise IndexError(f"a token id outside the embedding table's {self.table.shape[0]} "
                              "rows")
@@ -850,8 +850,7 @@ class CpuDecoder:
             return None
         out = torch.empty(S, self.head.shape[0], dtype=torch.float32)
         assert L.wmatmul(ctypes.byref(self.head_desc), _p(hidden), S, hidden.stride(0),
-                             _p(out), out.stride(0), int(self.int8_activations),
-                             _threads()) == 0
+                         _p(out), out.stride(0), int(self.int8_activations), _threads()) == 0
         return out
 
 
