@@ -635,12 +635,18 @@ def weight_rows(qt: QuantizedTensor, ids: torch.Tensor) -> torch.Tensor:
     L = lib()
     assert L is not None
     flat = ids.reshape(-1).to(torch.int64).contiguous()
-    out = torch.empty(flat.numel(), qt.in_features, dtype=torch.float32)
-    rc = L.wdequant_rows(ctypes.byref(_desc(qt)), _p(flat), flat.numel(), _p(out), _threads())
+    return _rows(L, qt, _desc(qt), flat).reshape(*ids.shape, qt.in_features)
+
+
+def _rows(L: ctypes.CDLL, qt: QuantizedTensor, desc: WDesc, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` ((n,) int64, contiguous) of qt, described by desc, in fp32: (n, in_features);
+    IndexError for an id outside qt's rows."""
+    out = torch.empty(ids.shape[0], qt.in_features, dtype=torch.float32)
+    rc = L.wdequant_rows(ctypes.byref(desc), _p(ids), ids.shape[0], _p(out), _threads())
     if rc == -2:
         raise IndexError(f"a token id outside the embedding table's {qt.shape[0]} rows")
     assert rc == 0, rc
-    return out.reshape(*ids.shape, qt.in_features)
+    return out
 
 
 # ---- KV cache --------------------------------------------------------------------------------
@@ -755,11 +761,7 @@ class CpuDecoder:
                  norm_final: torch.Tensor | None = None, head: QuantizedTensor | None = None,
                  table: QuantizedTensor | None = None):
         self.model, self.caches = model, caches
-        # the output matrix (vocab, hidden) and the token embedding's table, their WDescs made
-        # once; held so that they outlive them
-        self.head, self.table = head, table
-        self.head_desc = None if head is None else _desc(head)
-        self.table_desc = None if table is None else _desc(table)
+        self.head, self.table = head, table  # the output matrix, the token embedding's
         self.layers = (DLayer * len(layers))(*layers)
         arch = model.arch
         self.kind = KV_KINDS[caches[0]["k"].dtype]
@@ -773,9 +775,9 @@ class CpuDecoder:
               norm_final: torch.Tensor | None = None, head: QuantizedTensor | None = None,
               table: QuantizedTensor | None = None) -> "CpuDecoder | None":
         """norm_final: the weight of an RMSNorm (w * x / sqrt(mean(x^2) + eps), the layers'
-        eps) to apply to the step's output, fp32 (hidden,), or None. head: the output matrix
-        for `logits`; table: the token embedding's, for `embed` (fp32 rows); or None (each is
-        dropped where the kernels cannot run it)."""
+        eps) to apply to the step's output, fp32 (hidden,); head: the output matrix for
+        `logits`; table: the token embedding's, for `embed` (fp32 rows); or None (each is
+        dropped where the kernels cannot take it, and left to the caller)."""
         if lib() is None or model.dtype != torch.float32 or model.device.type != "cpu":
             return None
         d = model.arch.head_dim
@@ -794,7 +796,7 @@ class CpuDecoder:
         if norm_final is not None and not (norm_final.dtype == torch.float32
                                            and norm_final.is_contiguous()
                                            and norm_final.shape == (model.arch.hidden_size,)):
-            return None
+            norm_final = None  # the caller applies it
         head, table = [qt if qt is not None and qt.shape[1] == model.arch.hidden_size
                        and supports(qt) else None for qt in (head, table)]
         return cls(model, caches, layers, norm_final, head, table)
@@ -821,37 +823,25 @@ class CpuDecoder:
         return x
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor | None:
-        """(T,) int64 token ids -> their (T, hidden) fp32 embedding rows, through the table's
-        WDesc made once (weight_rows' decoders, the same rows), or None where this does not
-        apply (no table, ids of another shape or type)."""
+        """(T,) int64 token ids -> their (T, hidden) fp32 embedding rows (weight_rows' decoders,
+        the same rows, without its reshapes and casts), or None where this does not apply (no
+        table, ids of another shape or type)."""
         L = lib()
         if (L is None or self.table is None or ids.dtype != torch.int64 or ids.dim() != 1
                 or not ids.is_contiguous() or ids.device.type != "cpu"):
             return None
-        out = torch.empty(ids.shape[0], self.table.shape[1], dtype=torch.float32)
-        rc = L.wdequant_rows(ctypes.byref(self.table_desc), _p(ids), ids.shape[0], _p(out),
-                             _threads())
-        if rc == -2:
-            raise IndexError(f"a token id outside the embedding table's {self.table.shape[0]} "
-                             "rows")
-        assert rc == 0, rc
-        return out
+        return _rows(L, self.table, _desc(self.table), ids)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """(S, hidden) fp32 final hidden states -> (S, vocab) fp32 logits through the output
-        matrix's WDesc made once (weight_matmul's row kernels, the same call and bits), or
-        None where this does not apply (no head, more than FUSED_MAX_ROWS rows, another
-        layout). Packing, checking and describing the matrix every step in Python, with its
-        code out of the caches, had cost ~0.15 ms a step."""
-        L, S = lib(), hidden.shape[0]
-        if (L is None or self.head is None or not 0 < S <= FUSED_MAX_ROWS
-                or hidden.dtype != torch.float32 or hidden.device.type != "cpu"
-                or hidden.dim() != 2 or hidden.stride(1) != 1):
+        """(S, hidden) fp32 final hidden states -> (S, vocab) fp32 logits: weight_matmul on the
+        output matrix (the call and bits of packed_linear's), or None where this does not apply
+        (no head, another dtype, device or layout). packed_linear's reshapes, casts and
+        column views around that call, their code out of the caches, had cost ~0.15 ms a
+        step; weight_matmul's own checks cost ~5 us."""
+        if (lib() is None or self.head is None or hidden.dtype != torch.float32
+                or hidden.device.type != "cpu" or hidden.dim() != 2 or hidden.stride(1) != 1):
             return None
-        out = torch.empty(S, self.head.shape[0], dtype=torch.float32)
-        assert L.wmatmul(ctypes.byref(self.head_desc), _p(hidden), S, hidden.stride(0),
-                         _p(out), out.stride(0), int(self.int8_activations), _threads()) == 0
-        return out
+        return weight_matmul(hidden, self.head, None, self.int8_activations)
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
