@@ -1500,7 +1500,7 @@ void paged_decode(int kind, const float *q, float *out, int64_t B, int64_t H, in
             const int64_t n = L - t0 < len ? L - t0 : len; /* 0: an empty context */
             const int64_t *table = tables + b * max_blocks;
             const float *qb = rotate_q ? qrot : q;
-            for (int64_t qh = h0 * g; qh < (h0 + hg) * g; qh++) { /* an empty part: nothing */
+            for (int64_t qh = h0 * g; qh < (h0 + hg) * g; qh++) { /* an empty context: nothing */
                 const int64_t r = part * H + qh;
                 pm[r] = -INFINITY;
                 pl[r] = 0.f;
