@@ -184,6 +184,13 @@ static inline float hsum(__m256 v)
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
+static inline float hmax(__m256 v)
+{
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
 /* Ask for the cache lines PF_AHEAD bytes past p .. p + n. A row kernel streams its weight rows
  * (and the rows after them, which the same thread takes next) from memory, and the hardware
  * prefetcher alone keeps too few lines in flight while the core is busy unpacking: on the 1B
@@ -353,9 +360,7 @@ static inline __m256i chunk_to_i8(const float *v, float *d, __m256i q[4])
         x8[u] = _mm256_loadu_ps(v + 8 * u);
         mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, x8[u]));
     }
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    const float amax = hmax(mx);
     const float id = amax > 0.f ? 127.f / amax : 0.f;
     *d = amax / 127.f;
     for (int u = 0; u < 4; u++)
@@ -1323,9 +1328,7 @@ static float att_scores(const float *q, const float *const *k, int64_t n, int d,
             _mm256_storeu_ps(s + t, v);
             vm = _mm256_max_ps(vm, v);
         }
-        __m128 h = _mm_max_ps(_mm256_castps256_ps128(vm), _mm256_extractf128_ps(vm, 1));
-        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-        mx = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+        mx = hmax(vm);
     }
 #endif
     for (; t < n; t++) {
@@ -2847,10 +2850,7 @@ void argmax_rows(const float *x, int64_t B, int64_t V, int64_t ld, int64_t *out)
             un = _mm256_or_ps(un, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
         }
         nan = _mm256_movemask_ps(un) != 0;
-        float lanes[8];
-        _mm256_storeu_ps(lanes, vm);
-        for (int u = 0; u < 8; u++)
-            mx = lanes[u] > mx ? lanes[u] : mx;
+        mx = hmax(vm); /* (used only where no row value is NaN) */
 #endif
         for (; j < V; j++) {
             nan |= r[j] != r[j];

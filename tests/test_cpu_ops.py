@@ -435,11 +435,11 @@ def test_fused_decode_step_matches_layer_by_layer(quant, kw, kv, monkeypatch):
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_fused_decode_step_embeds_norms_and_projects(tied, monkeypatch):
-    """With a packed token embedding and output matrix (Q6_K, as a Q4_K_M file's), the fused decode
-    step reads the step's embedding rows, applies the final norm and makes the logits itself:
-    the same rows and logits, bit for bit, as the modules' own paths (QuantEmbedding's lookup,
-    compute_logits through packed_linear), and the decode matches the pure-torch layers as in
-    the test above."""
+    """With a packed token embedding and output matrix (Q6_K, as a Q4_K_M file's), the fused
+    decode step reads the step's embedding rows, applies the final norm and makes the logits
+    itself: the same rows and logits, bit for bit, as the modules' own paths (QuantEmbedding's
+    lookup, compute_logits through packed_linear), and the decode matches the pure-torch
+    layers as in the test above."""
     from qserve.models.base import CausalLM
 
     monkeypatch.setenv("QSERVE_CPU_ACTIVATIONS", "fp32")
