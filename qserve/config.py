@@ -60,6 +60,22 @@ class ModelArchConfig:
     norm_topk_prob: bool = True  # the chosen experts' weights are rescaled to sum to 1
 
     def __post_init__(self):
+        # A corrupt file's metadata (a count of 0, a string, NaN) fails here in one line, not
+        # as a division by zero or an empty tensor deep in the engine.
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name}={value!r} must be a positive integer")
+        if self.head_dim > MAX_HEAD_DIM:  # (rope's tables are built before the memory plan)
+            raise ConfigError(f"head_dim={self.head_dim} is larger than qserve runs (at most "
+                              f"{MAX_HEAD_DIM})")
+        for name, zero_ok in (("rms_norm_eps", True), ("rope_theta", False)):
+            value = getattr(self, name)
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok)):
+                raise ConfigError(f"{name}={value!r} must be a "
+                                  f"{'non-negative' if zero_ok else 'positive'} finite number")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
@@ -93,6 +109,7 @@ class ModelArchConfig:
 
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
+MAX_HEAD_DIM = 4096  # 16x the largest of the families qserve runs (Gemma's 256)
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 
 

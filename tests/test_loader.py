@@ -4,6 +4,7 @@ cache, and every error a user can cause."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 import zipfile
@@ -417,8 +418,6 @@ def test_gguf_types_qserve_cannot_run_are_one_line(tmp_path):
     """A tensor of a type without kernels (IQ2_XXS) is refused in one line naming the tensor
     and the type, by `qserve generate` too; IQ4_NL and IQ4_XS, which have them, load in their
     own format, bit for bit gguf-py's weights."""
-    import re
-
     from click.testing import CliRunner
 
     from qserve import cli
@@ -443,6 +442,131 @@ def test_gguf_types_qserve_cannot_run_are_one_line(tmp_path):
         assert torch.equal(qt.dequantize(), torch.from_numpy(gguf.quants.dequantize(raw, qtype)))
 
 
+def _patch_metadata(path, key, value):
+    """Overwrite one numeric metadata value of a GGUF in place, in its own type's width."""
+    import struct
+
+    field = gguf.GGUFReader(str(path)).fields[key]
+    at = int(field.offset) + sum(int(p.nbytes) for p in field.parts[:-1])
+    fmt = {gguf.GGUFValueType.UINT32: "<I", gguf.GGUFValueType.UINT64: "<Q",
+           gguf.GGUFValueType.FLOAT32: "<f"}[field.types[0]]
+    data = bytearray(path.read_bytes())
+    struct.pack_into(fmt, data, at, value)
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("key,value,problem", [
+    ("llama.block_count", 0, r"metadata key llama\.block_count is 0; it must be a positive "
+                             r"integer"),
+    ("llama.block_count", 3, r"metadata key llama\.block_count is 3, but the file has tensors "
+                             r"for 2 layers"),
+    # (built name by name, 2**31 - 1 layers had hung the memory planner)
+    ("llama.block_count", 2**31 - 1, r"metadata key llama\.block_count is 2147483647, but the "
+                                     r"file has tensors for 2 layers"),
+    ("GGUF.tensor_count", 7, r"metadata key llama\.block_count is 2, but the file has tensors "
+                             r"for 1 layers"),
+    ("llama.attention.head_count", 0, r"metadata key llama\.attention\.head_count is 0; it "
+                                      r"must be a positive integer"),
+    ("llama.embedding_length", 3, r"metadata key llama\.attention\.head_count is 4, more "
+                                  r"heads than embedding_length 3 has dimensions"),
+    ("llama.context_length", 0, r"max_position_embeddings=0 must be a positive integer"),
+    ("llama.rope.freq_base", float("nan"), r"rope_theta=nan must be a positive finite number"),
+    ("llama.attention.layer_norm_rms_epsilon", -1.0,
+     r"rms_norm_eps=-1\.0 must be a non-negative finite number"),
+])
+def test_corrupt_gguf_metadata_is_one_line(tmp_path, key, value, problem):
+    """Metadata a corrupt file can hold (a count of 0, more layers than tensors, NaN) is refused
+    in one line by the loader and by `qserve generate`, whose memory planner reads the file's
+    tensors before the model does: these had raised ZeroDivisionError, KeyError or IndexError,
+    or hung."""
+    from click.testing import CliRunner
+
+    from qserve import cli
+
+    path = write_tiny_gguf(tmp_path / "bad.gguf")
+    _patch_metadata(path, key, value)
+    with pytest.raises(ModelLoadError, match=f"^{re.escape(str(path))}: {problem}$"):
+        load_model(path)
+    r = CliRunner().invoke(cli.main, ["generate", "-m", str(path), "--max-tokens", "1", "to"])
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    assert re.fullmatch(f"error: {re.escape(str(path))}: {problem}", r.output.strip()), r.output
+
+
+def _patch_tensor_info(path, name, field, value):
+    """Overwrite one field (ndims, dim0, dim1, type or offset) of a tensor's info in place."""
+    import struct
+
+    data = bytearray(path.read_bytes())
+    raw = name.encode()
+    at = data.index(struct.pack("<Q", len(raw)) + raw) + 8 + len(raw)
+    ndims = struct.unpack_from("<I", data, at)[0]
+    where = {"dim0": (at + 4, "<Q"), "dim1": (at + 12, "<Q"),
+             "type": (at + 4 + 8 * ndims, "<I"), "offset": (at + 8 + 8 * ndims, "<Q")}[field]
+    struct.pack_into(where[1], data, where[0], value)
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("name,field,value,problem", [
+    ("blk.0.attn_k.weight", "dim0", 0, r"tensor blk\.0\.attn_k\.weight has shape \(128, 0\): "
+                                        r"an empty tensor"),
+    # an offset on another tensor's bytes; a misaligned one
+    ("blk.1.ffn_up.weight", "offset", 0, r"is corrupt: tensor blk\.1\.ffn_up\.weight starts at "
+                                         r"data offset 0, but the tensors listed before it end "
+                                         r"at \d+"),
+    ("blk.0.ffn_gate.weight", "offset", 1, r"is corrupt: tensor blk\.0\.ffn_gate\.weight starts "
+                                           r"at data offset 1, but the tensors listed before it "
+                                           r"end at \d+"),
+    # Q4_1 read as F16 (4x the bytes, over the next tensor's); as Q2_K (fewer, leaving a gap)
+    ("blk.0.attn_output.weight", "type", 1, r"is corrupt: tensor blk\.0\.ffn_gate\.weight "
+                                            r"starts at data offset \d+, but the tensors listed "
+                                            r"before it end at \d+"),
+    ("blk.0.attn_output.weight", "type", 10, r"is corrupt: tensor blk\.0\.ffn_gate\.weight "
+                                             r"starts at data offset \d+, but the tensors listed "
+                                             r"before it end at \d+"),
+])
+def test_corrupt_gguf_tensor_info_is_one_line(tmp_path, name, field, value, problem):
+    """A tensor's info a corrupt file can hold (an empty shape; an offset, or a type whose size
+    differs, that puts its bytes on another tensor's or leaves a gap) is refused in one line:
+    the empty shape had raised ZeroDivisionError, the others ran the model on the wrong bytes."""
+    path = write_tiny_gguf(tmp_path / "bad.gguf")
+    _patch_tensor_info(path, name, field, value)
+    with pytest.raises(ModelLoadError, match=f"^{re.escape(str(path))}: {problem}$"):
+        load_model(path)
+
+
+def test_corrupt_gguf_vocabulary_is_one_line(tmp_path):
+    """A special token outside the vocabulary (it had crashed building the tokenizer's
+    post-processor with a TypeError) and a merge of tokens the vocabulary lacks are refused in
+    one line."""
+    path = write_tiny_gguf(tmp_path / "bos.gguf")
+    _patch_metadata(path, "tokenizer.ggml.bos_token_id", V + 10)
+    with pytest.raises(ModelLoadError, match=rf"^{re.escape(str(path))}: tokenizer\.ggml\."
+                                             rf"bos_token_id is {V + 10}, not a token of the "
+                                             rf"{V}-token vocabulary$"):
+        load_tokenizer(path)
+    path = write_tiny_gguf(tmp_path / "merges.gguf")
+    merge = (3).to_bytes(8, "little") + b"t o"
+    data = path.read_bytes()
+    assert data.count(merge) == 1
+    path.write_bytes(data.replace(merge, merge[:-1] + b"q"))
+    with pytest.raises(ModelLoadError, match=rf"^{re.escape(str(path))}: has a vocabulary no "
+                                             r"tokenizer can be built from \(.*`q`.*\)$"):
+        load_tokenizer(path)
+
+
+def test_gguf_missing_tensor_is_one_line_in_generate(tmp_path):
+    """The memory planner reads each needed tensor's type before the model loads: a missing
+    one is the loader's one-line error, not a KeyError."""
+    from click.testing import CliRunner
+
+    from qserve import cli
+
+    path = write_tiny_gguf(tmp_path / "missing.gguf", skip={"blk.1.ffn_up.weight"})
+    r = CliRunner().invoke(cli.main, ["generate", "-m", str(path), "--max-tokens", "1", "to"])
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    assert r.output.strip() == f"error: {path}: missing tensor blk.1.ffn_up.weight", r.output
+
+
 
 def test_hf_dir_errors(tmp_path):
     with pytest.raises(ModelLoadError, match="no config.json"):
@@ -457,6 +581,58 @@ def test_hf_dir_errors(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ModelLoadError, match="config.json: not readable JSON"):
         load_model(tmp_path)
+
+
+@pytest.mark.parametrize("key,value,problem", [
+    ("eos_token_id", "x", "eos_token_id is 'x'; it must be a token id or a list of them"),
+    ("eos_token_id", 1.5, "eos_token_id is 1.5; it must be a token id or a list of them"),
+    ("bos_token_id", [1, "2"], r"bos_token_id is \[1, '2'\]; it must be a token id or a list "
+                               r"of them"),
+    ("tie_word_embeddings", "x", "tie_word_embeddings is 'x'; it must be true or false"),
+    # (rope's tables had tried to allocate 4 TB, before the memory plan could refuse it)
+    ("head_dim", 10**12, r"head_dim=1000000000000 is larger than qserve runs \(at most 4096\)"),
+])
+def test_hf_config_value_errors(tmp_path, key, value, problem):
+    """config.json values of the wrong kind: one line naming the file and key (a string or
+    float token id had raised TypeError; a string tie flag was taken as true)."""
+    config = {"model_type": "llama", "vocab_size": V, "hidden_size": 64, "intermediate_size": 96,
+              "num_hidden_layers": 2, "num_attention_heads": 4, key: value}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=f"^{re.escape(str(tmp_path))}/config.json: "
+                                             f"{problem}$"):
+        load_arch(tmp_path)
+
+
+def test_safetensors_header_errors_in_the_memory_plan(tmp_path):
+    """The memory plan reads safetensors headers itself (before any weight): a shape that is
+    not a list of sizes, or a header longer than the file, is the loader's one-line error
+    (they had raised ValueError and JSONDecodeError)."""
+    from qserve.engine.memory_plan import _safetensors_tensors
+
+    file = tmp_path / "model.safetensors"
+    header = json.dumps({"w": {"dtype": "F32", "shape": ["a"], "data_offsets": [0, 4]}}).encode()
+    file.write_bytes(len(header).to_bytes(8, "little") + header + bytes(4))
+    with pytest.raises(ModelLoadError, match=rf"^{re.escape(str(file))}: not a readable "
+                                             r"safetensors file \(header: tensor w has dtype "
+                                             r"'F32', shape \['a'\]\)$"):
+        list(_safetensors_tensors(tmp_path))
+    file.write_bytes((10**9).to_bytes(8, "little") + header)
+    with pytest.raises(ModelLoadError, match=r"header: a 1000000000-byte header is longer than "
+                                             r"the file\)$"):
+        list(_safetensors_tensors(tmp_path))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layers", [1, 3, 10**12])
+def test_hf_dir_layer_count_must_match_the_weights(tmp_path, layers):
+    """config.json's num_hidden_layers against the layers the safetensors hold: fewer would run
+    part of the model, more fail, and a corrupt 10**12 had hung building the model's names."""
+    write_tiny_hf_dir(tmp_path, "llama")
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(cfg | {"num_hidden_layers": layers}))
+    with pytest.raises(ModelLoadError, match=rf"config\.json: num_hidden_layers is {layers}, but "
+                                             r"the checkpoint has tensors for 2 layers$"):
+        load_arch(tmp_path)
 
 
 @pytest.mark.slow

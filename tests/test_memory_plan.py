@@ -132,7 +132,8 @@ def test_auto_kv_dtype_follows_the_weights_precision(default_model_path, hf_dir,
     f16_dir.mkdir()
     (f16_dir / "config.json").write_bytes((hf_dir / "config.json").read_bytes())
     arch = load_arch(hf_dir)
-    save_file({"model.layers.0.mlp.down_proj.weight":
+    last = arch.num_layers - 1  # (the config's layer count must match the weights')
+    save_file({f"model.layers.{last}.mlp.down_proj.weight":
                torch.zeros(arch.hidden_size, arch.intermediate_size, dtype=torch.float16)},
               str(f16_dir / "model.safetensors"))
     assert kv(f16_dir) == half

@@ -28,6 +28,7 @@ On a CPU the plan is the process's peak RSS, term by term (measured with
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -35,7 +36,7 @@ import torch
 
 from qserve.config import EngineConfig, ModelArchConfig
 from qserve.engine.cache_engine import DTYPES, kv_torch_dtype
-from qserve.errors import ConfigError
+from qserve.errors import ConfigError, ModelLoadError
 from qserve.kernels import cpu_ops
 from qserve.models.softcap_attention import QUERY_BLOCK
 
@@ -356,9 +357,21 @@ def _safetensors_tensors(path: Path):
     """(name, dtype string, shape) of every tensor in a directory's safetensors files, read
     from their JSON headers (8-byte length, then the header)."""
     for file in sorted(path.glob("*.safetensors")):
-        with open(file, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(n))
-        for name, meta in header.items():
-            if name != "__metadata__":
-                yield name, meta["dtype"], meta["shape"]
+        try:  # (a corrupt header is the loader's one-line error, not a traceback from here)
+            with open(file, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                if n > os.fstat(f.fileno()).st_size - 8:
+                    raise ValueError(f"a {n}-byte header is longer than the file")
+                header = json.loads(f.read(n))
+            entries = [(name, meta["dtype"], meta["shape"]) for name, meta in header.items()
+                       if name != "__metadata__"]
+            for name, dt, shape in entries:
+                if (not isinstance(dt, str) or not isinstance(shape, list) or
+                        any(isinstance(s, bool) or not isinstance(s, int) or s < 0
+                            for s in shape)):
+                    raise ValueError(f"tensor {name} has dtype {dt!r}, shape {shape!r}")
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ModelLoadError(f"{file}: not a readable safetensors file (header: "
+                                 f"{str(e).splitlines()[0] if str(e) else type(e).__name__})"
+                                 ) from None
+        yield from entries

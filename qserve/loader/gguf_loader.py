@@ -19,6 +19,7 @@ each parse the header, and only the tokenizer reads the vocabulary.
 from __future__ import annotations
 
 import array
+import math
 import mmap
 import os
 import re
@@ -136,17 +137,33 @@ class GGUFFile:
             dims = self._unpack("Q" * self._unpack("I")[0])
             infos.append((name, dims) + self._unpack("IQ"))
         align = self.metadata.get("general.alignment", 32)
+        if (isinstance(align, bool) or not isinstance(align, int) or align < 1
+                or align & (align - 1)):
+            raise self.error(f"general.alignment is {align!r}; it must be a power of two")
         data_start = -(-self._pos // align) * align
         self.tensors: dict[str, GGUFTensorInfo] = {}
+        end = 0
         for name, dims, type_id, offset in infos:
             if type_id not in ggml.ALL_TYPES:
                 raise self.error(f"tensor {name} has unknown type id {type_id}")
+            if name in self.tensors:
+                raise self.error(f"tensor {name} is listed twice")
+            if not dims or not all(dims):
+                raise self.error(f"tensor {name} has shape {tuple(reversed(dims))}: an empty "
+                                 f"tensor")
             qtype = ggml.GGMLTypeId(type_id)
             block, block_bytes = ggml.ALL_TYPES[type_id][1:]
             if dims[0] % block:
                 raise self.error(f"tensor {name} has {dims[0]} columns, not a multiple of "
                                  f"{qtype.name}'s block of {block}")
-            nbytes = int(np.prod(dims)) // block * block_bytes
+            nbytes = math.prod(dims) // block * block_bytes
+            # A GGUF's tensors lie back to back in the order listed, each padded to the
+            # alignment (llama.cpp refuses a file otherwise): a corrupt offset, type or shape
+            # that would put one on another's bytes, or leave a gap, fails here.
+            if offset != end:
+                raise self.error(f"is corrupt: tensor {name} starts at data offset {offset}, "
+                                 f"but the tensors listed before it end at {end}")
+            end = -(-(offset + nbytes) // align) * align
             info = GGUFTensorInfo(name, tuple(reversed(dims)), qtype, data_start + offset, nbytes)
             if info.offset + nbytes > len(self._mm):
                 raise self.error(f"is truncated: tensor {name} ends at byte {info.offset + nbytes} "
@@ -270,11 +287,26 @@ def read_arch(gguf: GGUFFile) -> ModelArchConfig:
             raise gguf.error(f"missing metadata key {arch}.{name}")
         return value
 
-    hidden, heads = key("embedding_length"), key("attention.head_count")
+    def count(name, default=None) -> int:  # what the shapes below are computed from
+        value = key(name, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise gguf.error(f"metadata key {arch}.{name} is {value!r}; it must be a positive "
+                             f"integer")
+        return value
+
+    hidden, heads = count("embedding_length"), count("attention.head_count")
     if "token_embd.weight" not in gguf.tensors:
         raise gguf.error("missing tensor token_embd.weight")
-    layers = key("block_count")
-    head_dim = key("attention.key_length", hidden // heads)
+    layers = count("block_count")
+    blocks = {int(m[1]) for m in (re.match(r"blk\.(\d+)\.", t) for t in gguf.tensors) if m}
+    in_file = max(blocks, default=-1) + 1
+    if layers != in_file:  # (and a corrupt count of 2**31 layers is not built name by name)
+        raise gguf.error(f"metadata key {arch}.block_count is {layers}, but the file has "
+                         f"tensors for {in_file} layers")
+    if heads > hidden and f"{arch}.attention.key_length" not in md:
+        raise gguf.error(f"metadata key {arch}.attention.head_count is {heads}, more heads "
+                         f"than embedding_length {hidden} has dimensions")
+    head_dim = count("attention.key_length", hidden // heads)
     window = md.get(f"{arch}.attention.sliding_window") or None  # 0: none (Phi-4)
     fields = dict(
         architecture=model_type,
@@ -321,9 +353,17 @@ def _layer_types(gguf: GGUFFile, arch: str, family, num_layers: int) -> list[str
             for i in range(num_layers)]
 
 
+EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+            "tokenizer.ggml.eom_token_id")
+
+
 def _eos_ids(md: dict) -> list[int]:
-    keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
-    return list(dict.fromkeys(md[k] for k in keys if k in md))
+    return list(dict.fromkeys(md[k] for k in EOS_KEYS if k in md))
+
+
+def _count(values) -> str:
+    """'5 entries', or what a value that is not a list is."""
+    return f"{len(values):,} entries" if isinstance(values, list) else f"a {type(values).__name__}"
 
 
 def _rope_scaling(gguf: GGUFFile, arch: str) -> dict | None:
@@ -517,10 +557,7 @@ def _as_qtensor(rows: torch.Tensor, type_name: str, in_features: int) -> Quantiz
 def read_weights(gguf: GGUFFile, arch: ModelArchConfig, native: bool = True) -> LazyWeights:
     """Every weight the model needs under Hugging Face names, shapes (out, in): a lazy
     mapping that reads each tensor from the file when it is looked up (see read_tensor)."""
-    names = {h: g for g, h in hf_names(arch).items()}
-    missing = [g for g in names.values() if g not in gguf.tensors]
-    if missing:
-        raise gguf.error(f"missing tensor {missing[0]}")
+    names = _needed_tensors(gguf, arch)
     shapes = {h: gguf.tensors[g].shape for h, g in names.items()}
     check_shapes(shapes, arch, gguf.path)
     return LazyWeights(shapes, lambda h: read_tensor(gguf, names[h], arch, native),
@@ -530,7 +567,16 @@ def read_weights(gguf: GGUFFile, arch: ModelArchConfig, native: bool = True) -> 
 
 def tensor_types(gguf: GGUFFile, arch: ModelArchConfig) -> dict[str, str]:
     """HF name -> GGML type name of every weight the model needs."""
-    return {h: gguf.tensors[g].ggml_type.name for g, h in hf_names(arch).items()}
+    return {h: gguf.tensors[g].ggml_type.name for h, g in _needed_tensors(gguf, arch).items()}
+
+
+def _needed_tensors(gguf: GGUFFile, arch: ModelArchConfig) -> dict[str, str]:
+    """HF name -> GGUF name of every weight the model needs; the first missing one is an error."""
+    names = {h: g for g, h in hf_names(arch).items()}
+    missing = [g for g in names.values() if g not in gguf.tensors]
+    if missing:
+        raise gguf.error(f"missing tensor {missing[0]}")
+    return names
 
 
 def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -555,17 +601,31 @@ def read_tokenizer(gguf: GGUFFile) -> Tokenizer:
     model, tokens = md.get("tokenizer.ggml.model"), md.get("tokenizer.ggml.tokens")
     if tokens is None:
         raise gguf.error("has no tokenizer.ggml.tokens vocabulary")
-    types = md.get("tokenizer.ggml.token_type", [1] * len(tokens))
-    if model == "gpt2":
-        backend = byte_level_bpe(tokens, md.get("tokenizer.ggml.merges", []), types,
-                                 md.get("tokenizer.ggml.pre", "default"))
-        add_bos_default = False
-    elif model == "llama":
-        backend = sentencepiece_bpe(tokens, md.get("tokenizer.ggml.scores", [0.0] * len(tokens)), types,
-                                    md.get("tokenizer.ggml.add_space_prefix", True))
-        add_bos_default = True  # llama.cpp's default for sentencepiece vocabularies
-    else:
+    n = len(tokens)
+    types = md.get("tokenizer.ggml.token_type", [1] * n)
+    scores = md.get("tokenizer.ggml.scores", [0.0] * n)
+    for key, values in (("token_type", types), ("scores", scores)):
+        if not isinstance(values, list) or len(values) != n:
+            raise gguf.error(f"tokenizer.ggml.{key} has {_count(values)} for a vocabulary of "
+                             f"{n:,} tokens")
+    for key in ("tokenizer.ggml.bos_token_id", *EOS_KEYS):
+        value = md.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or not 0 <= value < n):
+            raise gguf.error(f"{key} is {value!r}, not a token of the {n:,}-token vocabulary")
+    if model not in ("gpt2", "llama"):
         raise gguf.error(f"tokenizer model {model!r} is not supported (gpt2, llama)")
+    try:  # the tokenizers library raises Exception for a merge of unknown tokens
+        if model == "gpt2":
+            backend = byte_level_bpe(tokens, md.get("tokenizer.ggml.merges", []), types,
+                                     md.get("tokenizer.ggml.pre", "default"))
+        else:
+            backend = sentencepiece_bpe(tokens, scores, types,
+                                        md.get("tokenizer.ggml.add_space_prefix", True))
+    except Exception as e:  # noqa: BLE001 (a malformed merge is a TypeError)
+        raise gguf.error(f"has a vocabulary no tokenizer can be built from "
+                         f"({str(e).splitlines()[0]})") from None
+    add_bos_default = model == "llama"  # llama.cpp's default for sentencepiece vocabularies
     eos_ids = _eos_ids(md)
     return Tokenizer(backend, bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
                      eos_token_id=eos_ids[0] if eos_ids else None, extra_eos_ids=eos_ids[1:],

@@ -12,6 +12,7 @@ The weight names and shapes here are the layout every loader produces (`expected
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -57,8 +58,14 @@ def _read_json(path: Path, required: bool = True) -> dict:
     return data
 
 
-def _as_list(value) -> list[int]:
-    return [] if value is None else [value] if isinstance(value, int) else list(value)
+def _token_ids(value, where: str) -> list[int]:
+    """A config's token id or list of ids (eos_token_id may be either) as a list; `where`
+    (file: key) names a value that is neither."""
+    ids = [] if value is None else [value] if isinstance(value, int) else value
+    if (isinstance(value, bool) or not isinstance(ids, list)
+            or any(isinstance(i, bool) or not isinstance(i, int) for i in ids)):
+        raise ModelLoadError(f"{where} is {value!r}; it must be a token id or a list of them")
+    return ids
 
 
 def read_config(path: Path) -> ModelArchConfig:
@@ -91,6 +98,12 @@ def read_config(path: Path) -> ModelArchConfig:
                                  f"number")
         return value
 
+    def flag(name) -> bool:  # absent or null: false
+        value = cfg.get(name)
+        if value is not None and not isinstance(value, bool):
+            raise ModelLoadError(f"{cfg_path}: {name} is {value!r}; it must be true or false")
+        return bool(value)
+
     def optional(name):  # None (or absent) stays None
         return None if cfg.get(name) is None else positive(name, None)
 
@@ -122,12 +135,18 @@ def read_config(path: Path) -> ModelArchConfig:
     heads = count("num_attention_heads")
     hidden = count("hidden_size")
     layers = count("num_hidden_layers")
+    in_files = _checkpoint_layers(path)
+    if in_files is not None and layers != in_files:  # (nor is a corrupt 10**12 built)
+        raise ModelLoadError(f"{cfg_path}: num_hidden_layers is {layers}, but the checkpoint "
+                             f"has tensors for {in_files} layers")
     if not cfg.get("head_dim") and hidden % heads:
         raise ModelLoadError(f"{cfg_path}: hidden_size {hidden} is not a multiple of "
                              f"num_attention_heads {heads}, and there is no head_dim")
     window, layer_types = _windows(cfg, family, layers, cfg_path)
     gen = _read_json(path / "generation_config.json", required=False)
-    eos = _as_list(gen.get("eos_token_id")) + _as_list(cfg.get("eos_token_id"))
+    eos = (_token_ids(gen.get("eos_token_id"), f"{path / 'generation_config.json'}: eos_token_id")
+           + _token_ids(cfg.get("eos_token_id"), f"{cfg_path}: eos_token_id"))
+    bos = _token_ids(cfg.get("bos_token_id"), f"{cfg_path}: bos_token_id")
     try:
         return ModelArchConfig(
             architecture=cfg["model_type"],
@@ -142,10 +161,10 @@ def read_config(path: Path) -> ModelArchConfig:
             rope_theta=positive("rope_theta", None, theta or cfg.get("rope_theta", 10000.0)),
             rope_scaling=None if rope_type == "default" else rope,
             max_position_embeddings=max_positions,
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=cfg.get("attention_bias", False),
+            tie_word_embeddings=flag("tie_word_embeddings"),
+            attention_bias=flag("attention_bias"),
             sliding_window=window,
-            bos_token_id=cfg.get("bos_token_id"),
+            bos_token_id=bos[0] if bos else None,
             eos_token_ids=list(dict.fromkeys(eos)),
             layer_types=layer_types,
             rope_local_theta=(None if local_theta is None else
@@ -158,6 +177,28 @@ def read_config(path: Path) -> ModelArchConfig:
             **family.hf_config(cfg))  # the family's own fields (a mixture's experts)
     except ConfigError as e:
         raise ModelLoadError(f"{cfg_path}: {e}") from None
+
+
+def _checkpoint_layers(path: Path) -> int | None:
+    """How many decoder layers the directory's weights hold (1 + the largest N of a
+    `model.layers.N.` tensor), from model.safetensors.index.json or model.safetensors' header;
+    None where there are no weights to count (a config alone) or they cannot be read (the
+    weights' own reading says why)."""
+    from safetensors import safe_open
+
+    index, single = path / "model.safetensors.index.json", path / "model.safetensors"
+    try:
+        if index.exists():
+            names = _read_json(index).get("weight_map", {})
+        elif single.exists():
+            with safe_open(str(single), framework="pt") as f:
+                names = list(f.keys())
+        else:
+            return None
+    except Exception:  # noqa: BLE001 (safetensors raises its own error type)
+        return None
+    layers = {int(m[1]) for m in (re.match(r"model\.layers\.(\d+)\.", n) for n in names) if m}
+    return max(layers) + 1 if layers else None
 
 
 def _windows(cfg: dict, family, num_layers: int, cfg_path: Path
@@ -272,7 +313,8 @@ def read_tokenizer(path: Path) -> Tokenizer:
         token = tok_cfg.get(name)
         token = token.get("content") if isinstance(token, dict) else token
         found = backend.token_to_id(token) if token else None
-        fallback = _as_list(cfg.get(f"{name}_id"))  # config.json's bos_token_id / eos_token_id
+        fallback = _token_ids(cfg.get(f"{name}_id"),  # config.json's bos_token_id / eos_token_id
+                              f"{path / 'config.json'}: {name}_id")
         return found if found is not None else (fallback[0] if fallback else None)
 
     template = tok_cfg.get("chat_template")
@@ -281,7 +323,8 @@ def read_tokenizer(path: Path) -> Tokenizer:
     if (path / "chat_template.jinja").exists():
         template = (path / "chat_template.jinja").read_text()
     return Tokenizer(backend, bos_token_id=token_id("bos_token"), eos_token_id=token_id("eos_token"),
-                     extra_eos_ids=_as_list(gen.get("eos_token_id")),
+                     extra_eos_ids=_token_ids(gen.get("eos_token_id"),
+                                              f"{path / 'generation_config.json'}: eos_token_id"),
                      add_bos=tok_cfg.get("add_bos_token"), add_eos=tok_cfg.get("add_eos_token"),
                      chat_template=template)
 
