@@ -96,6 +96,45 @@ class ModelArchConfig:
         if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
             raise ConfigError(f"partial_rotary_factor={self.partial_rotary_factor} must give an "
                               f"even number of rotated dims out of head_dim={self.head_dim}")
+        self._check_rope_scaling()
+
+    def _check_rope_scaling(self) -> None:
+        """The scaling's numbers are what its type needs: a positive finite factor, an
+        original context of at least 2 positions (longrope and YaRN divide by its log), one
+        positive factor per rotated frequency (longrope)."""
+        scaling = self.rope_scaling
+        if scaling is None:
+            return
+        kind = scaling.get("rope_type", scaling.get("type")) or "default"
+        kind = "longrope" if kind == "su" else kind
+        if kind not in ROPE_TYPES:
+            raise ConfigError(f"rope scaling {kind!r} is not supported; qserve runs "
+                              f"{', '.join(ROPE_TYPES[1:])}")
+        if kind == "default":
+            return
+
+        def positive(value) -> bool:
+            return (not isinstance(value, bool) and isinstance(value, (int, float))
+                    and math.isfinite(value) and value > 0)
+        if not positive(scaling.get("factor")):
+            raise ConfigError(f"rope scaling {kind!r} has factor {scaling.get('factor')!r}; it "
+                              f"must be a positive number")
+        original = scaling.get("original_max_position_embeddings")
+        if (kind in ("longrope", "yarn") or original is not None) and (
+                isinstance(original, bool) or not isinstance(original, int) or original < 2):
+            raise ConfigError(f"rope scaling {kind!r} has original_max_position_embeddings "
+                              f"{original!r}; it must be an integer of at least 2")
+        for name in ("beta_fast", "beta_slow") if kind == "yarn" else ():
+            if scaling.get(name) is not None and not positive(scaling[name]):
+                raise ConfigError(f"YaRN's {name} is {scaling[name]!r}; it must be a positive "
+                                  f"number")
+        for name in ("long_factor", "short_factor") if kind == "longrope" else ():
+            values = scaling.get(name)
+            if (not isinstance(values, list) or len(values) != self.rotary_dim // 2
+                    or not all(positive(v) for v in values)):
+                got = f"{len(values)} values" if isinstance(values, list) else repr(values)
+                raise ConfigError(f"longrope's {name} must be {self.rotary_dim // 2} positive "
+                                  f"numbers, one per rotated frequency (it is {got})")
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of one layer (None: it attends to the whole context)."""
@@ -109,6 +148,7 @@ class ModelArchConfig:
 
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")  # qserve/models/rope.py
 MAX_HEAD_DIM = 4096  # 16x the largest of the families qserve runs (Gemma's 256)
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 

@@ -1,6 +1,6 @@
 """Each model family against transformers, on tiny random checkpoints that transformers itself
 writes, with the family's special features switched on: Qwen3 (q/k norms, head_dim not
-hidden / heads), Phi-3 (fused checkpoint tensors, longrope crossing the original context
+hidden / heads; YaRN rope scaling), Phi-3 (fused checkpoint tensors, longrope crossing the original context
 mid-generation, rope on 3/4 of each head, a sliding window), Gemma 2 (1 + w norms, scaled
 embedding, gelu-tanh, attention and final soft-capping, query_pre_attn_scalar, sliding and
 global layers) and Gemma 3 (q/k norms, a local rope base, linear scaling on global layers).
@@ -42,6 +42,10 @@ def configs() -> dict[str, tuple[object, bool]]:
     return {
         "qwen3": (Qwen3Config(**COMMON, num_hidden_layers=2, head_dim=32,
                               tie_word_embeddings=False), True),
+        # YaRN (Qwen's long-context setting): 16 frequencies, the ramp over dims 0-5
+        "qwen3-yarn": (Qwen3Config(**COMMON, num_hidden_layers=2, head_dim=32, rope_parameters={
+            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+            "rope_theta": 10000.0}), True),
         "phi3-longrope": (Phi3Config(
             **COMMON, num_hidden_layers=2, sliding_window=8, original_max_position_embeddings=32,
             partial_rotary_factor=0.75, rope_scaling={  # 12 of 16 dims rotate: 6 factors
@@ -187,6 +191,27 @@ def test_checkpoint_layout_comes_from_the_model(checkpoints, tmp_path):
     """The tensors transformers saved are exactly the ones the meta-built model asks for, the
     parameter count is theirs, and a qserve checkpoint's config.json reads back the same."""
     assert_layout_comes_from_the_model(checkpoints, tmp_path)
+
+
+@pytest.mark.parametrize("original", [0, 1])
+def test_gguf_longrope_without_an_original_context_is_one_line(original, ggufs, tmp_path):
+    """A Phi-3 GGUF whose original context is 0 or 1 (longrope divides by its log) is refused
+    in one line; it had raised ZeroDivisionError."""
+    import re
+    import shutil
+
+    from qserve.errors import ModelLoadError
+    from qserve.loader import load_arch
+    from test_loader import _patch_metadata
+
+    path = tmp_path / "phi3.gguf"
+    shutil.copy(ggufs["phi3-longrope"], path)
+    _patch_metadata(path, "phi3.rope.scaling.original_context_length", original)
+    with pytest.raises(ModelLoadError, match=rf"^{re.escape(str(path))}: metadata key phi3\.rope"
+                                             rf"\.scaling\.original_context_length is {original}; "
+                                             r"longrope scaling needs the original context, an "
+                                             r"integer of at least 2$"):
+        load_arch(path)
 
 
 def test_unsupported_architecture_is_one_line(tmp_path):

@@ -128,7 +128,8 @@ def write_tiny_gguf(path, arch="llama", skip=(), rope_freqs=None, extra_kv=None,
     w.add_bos_token_id(0)
     w.add_eos_token_id(1)
     for key, value in (extra_kv or {}).items():
-        (w.add_string if isinstance(value, str) else w.add_float32)(key, value)
+        add = {str: w.add_string, int: w.add_uint32}.get(type(value), w.add_float32)
+        add(key, value)
 
     def tensor(name, arr, qtype):
         if name in skip:
@@ -554,6 +555,40 @@ def test_corrupt_gguf_vocabulary_is_one_line(tmp_path):
         load_tokenizer(path)
 
 
+def test_gguf_yarn_scaling_reads_as_llama_cpp_does(tmp_path):
+    """A YaRN GGUF's keys become transformers' rope scaling: llama.cpp multiplies YaRN's
+    0.1 ln(s) + 1 by rope.scaling.attn_factor and takes yarn_log_multiplier as mscale_all_dim;
+    an extrapolation factor other than 1 is refused. The model then decodes (the YaRN tables
+    had raised ValueError)."""
+    import math
+
+    from qserve.models.rope import attention_factor
+
+    yarn = {"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0,
+            "llama.rope.scaling.original_context_length": 128}
+    path = write_tiny_gguf(tmp_path / "yarn.gguf", extra_kv=yarn | {
+        "llama.rope.scaling.yarn_beta_fast": 16.0, "llama.rope.scaling.attn_factor": 1.5})
+    scaling = load_arch(path).rope_scaling
+    assert scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+                       "beta_fast": 16.0, "attention_factor": pytest.approx(
+                           1.5 * (0.1 * math.log(4.0) + 1))}
+    path = write_tiny_gguf(tmp_path / "mul.gguf", extra_kv=yarn | {
+        "llama.rope.scaling.yarn_log_multiplier": 0.5})
+    scaling = load_arch(path).rope_scaling
+    assert attention_factor(scaling) == pytest.approx(
+        (0.1 * math.log(4.0) + 1) / (0.1 * 0.5 * math.log(4.0) + 1))
+    from qserve import LLM, SamplingParams
+
+    [out] = LLM(str(path), max_model_len=64).generate(
+        [[3, 4, 5]], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    assert len(out.outputs[0].token_ids) == 2
+    path = write_tiny_gguf(tmp_path / "ext.gguf", extra_kv=yarn | {
+        "llama.rope.scaling.yarn_ext_factor": 0.5})
+    with pytest.raises(ModelLoadError, match=r"YaRN rope scaling with llama\.rope\.scaling\."
+                                             r"yarn_ext_factor 0\.5 is not supported \(only 1\)$"):
+        load_arch(path)
+
+
 def test_gguf_missing_tensor_is_one_line_in_generate(tmp_path):
     """The memory planner reads each needed tensor's type before the model loads: a missing
     one is the loader's one-line error, not a KeyError."""
@@ -591,6 +626,19 @@ def test_hf_dir_errors(tmp_path):
     ("tie_word_embeddings", "x", "tie_word_embeddings is 'x'; it must be true or false"),
     # (rope's tables had tried to allocate 4 TB, before the memory plan could refuse it)
     ("head_dim", 10**12, r"head_dim=1000000000000 is larger than qserve runs \(at most 4096\)"),
+    # rope scalings: an unknown type and bad numbers had raised ValueError or
+    # ZeroDivisionError building the tables
+    ("rope_scaling", {"rope_type": "dynamic", "factor": 2.0},
+     r"rope scaling 'dynamic' is not supported; qserve runs linear, llama3, longrope, yarn"),
+    ("rope_scaling", {"rope_type": "linear", "factor": -2.0},
+     r"rope scaling 'linear' has factor -2\.0; it must be a positive number"),
+    ("rope_scaling", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1},
+     r"rope scaling 'yarn' has original_max_position_embeddings 1; it must be an integer of "
+     r"at least 2"),
+    ("rope_scaling", {"rope_type": "longrope", "original_max_position_embeddings": 32,
+                      "short_factor": [1.0] * 8, "long_factor": [1.0] * 7},
+     r"longrope's long_factor must be 8 positive numbers, one per rotated frequency \(it is 7 "
+     r"values\)"),
 ])
 def test_hf_config_value_errors(tmp_path, key, value, problem):
     """config.json values of the wrong kind: one line naming the file and key (a string or

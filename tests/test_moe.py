@@ -401,8 +401,14 @@ def test_moe_tensor_of_the_wrong_shape_is_named(name, bad, shape, message, check
 
 
 @pytest.mark.parametrize("key, value, message", [
-    # one expert more than the stacked tensors hold: the missing slice is named
-    ("expert_count", 9, r"missing tensor blk\.0\.ffn_\w+_exps\.weight\[8\]$"),
+    # an expert count the stacked tensors do not hold (0 had failed an assert building the
+    # model, 2**31 - 1 hung building every expert's name)
+    ("expert_count", 9, r"metadata key qwen3moe\.expert_count is 9, but "
+                        r"blk\.0\.ffn_gate_exps\.weight stacks 8 experts$"),
+    ("expert_count", 0, r"metadata key qwen3moe\.expert_count is 0, but "
+                        r"blk\.0\.ffn_gate_exps\.weight stacks 8 experts$"),
+    ("expert_count", 2**31 - 1, r"metadata key qwen3moe\.expert_count is 2147483647, but "
+                                r"blk\.0\.ffn_gate_exps\.weight stacks 8 experts$"),
     # experts narrower than the stored ones: the first that disagrees is named
     ("expert_feed_forward_length", 48, r"tensor model\.layers\.0\.mlp\.experts\.0\.gate_proj"
                                        r"\.weight has shape \(64, 64\), expected \(48, 64\)"),
@@ -432,6 +438,22 @@ def test_gguf_expert_that_disagrees_with_the_metadata_is_named(key, value, messa
     writer.close()
     with pytest.raises(ModelLoadError, match=f"^{re.escape(str(out))}: {message}"):
         load_model(out)
+
+
+@pytest.mark.parametrize("experts", [5, 10**12])
+def test_hf_expert_count_must_match_the_weights(experts, checkpoints, tmp_path):
+    """config.json's expert count against the experts layer 0's tensors number (a corrupt
+    10**12 had hung building every expert's name)."""
+    from qserve.loader import load_arch
+
+    shutil.copytree(checkpoints["mixtral"], tmp_path, dirs_exist_ok=True)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    held = cfg["num_local_experts"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg | {"num_local_experts": experts}))
+    with pytest.raises(ModelLoadError, match=rf"config\.json: the config has {experts} experts "
+                                             rf"a layer, but the checkpoint's layer 0 has "
+                                             rf"{held}$"):
+        load_arch(tmp_path)
 
 
 def test_unsupported_qwen3_moe_layout_is_one_line(tmp_path):

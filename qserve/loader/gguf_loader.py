@@ -331,6 +331,14 @@ def read_arch(gguf: GGUFFile) -> ModelArchConfig:
         bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=_eos_ids(md))
     fields |= family.gguf_config(fields, key, gguf.tensor)
+    experts = fields.get("num_experts")
+    if experts is not None:  # a mixture: its experts are stacked, the count their first dim
+        stacked = gguf.tensors.get("blk.0.ffn_gate_exps.weight")
+        if stacked is None:
+            raise gguf.error("missing tensor blk.0.ffn_gate_exps.weight")
+        if not isinstance(experts, int) or experts != stacked.shape[0]:
+            raise gguf.error(f"metadata key {arch}.expert_count is {experts!r}, but "
+                             f"blk.0.ffn_gate_exps.weight stacks {stacked.shape[0]} experts")
     try:
         return ModelArchConfig(**fields)
     except ConfigError as e:
@@ -375,10 +383,39 @@ def _rope_scaling(gguf: GGUFFile, arch: str) -> dict | None:
     original = md.get(f"{arch}.rope.scaling.original_context_length")
     if kind == "linear" and factor != 1.0:
         return {"rope_type": "linear", "factor": factor}
+    longrope = kind == "longrope" or "rope_factors_long.weight" in gguf.tensors
+    if (kind == "yarn" or longrope) and (isinstance(original, bool)
+                                         or not isinstance(original, int) or original < 2):
+        raise gguf.error(f"metadata key {arch}.rope.scaling.original_context_length is "
+                         f"{original!r}; {'YaRN' if kind == 'yarn' else 'longrope'} scaling "
+                         f"needs the original context, an integer of at least 2")
     if kind == "yarn":
-        return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original}
-    if kind == "longrope" or "rope_factors_long.weight" in gguf.tensors:  # Phi-3: factors
-        # per frequency, as tensors (the converter writes no scaling type for Phi-3)
+        scaling = {"rope_type": "yarn", "factor": factor,
+                   "original_max_position_embeddings": original}
+        # As llama.cpp runs it: an extrapolation factor other than 1 is another method (not
+        # supported), and yarn_attn_factor (a converted config's attention_factor) is replaced
+        # by the factor worked out below
+        ext = md.get(f"{arch}.rope.scaling.yarn_ext_factor", 1.0)
+        if ext != 1.0:
+            raise gguf.error(f"YaRN rope scaling with {arch}.rope.scaling.yarn_ext_factor "
+                             f"{ext!r} is not supported (only 1)")
+        for key in ("beta_fast", "beta_slow"):  # (llama.cpp's defaults, transformers' too)
+            if f"{arch}.rope.scaling.yarn_{key}" in md:
+                scaling[key] = md[f"{arch}.rope.scaling.yarn_{key}"]
+        log_mul = md.get(f"{arch}.rope.scaling.yarn_log_multiplier", 0.0)
+        if log_mul:  # llama.cpp's ratio of mscales, transformers' mscale / mscale_all_dim
+            scaling |= {"mscale": 1.0, "mscale_all_dim": log_mul}
+        # llama.cpp multiplies YaRN's factor by the file's attn_factor (default 1); a factor
+        # that is not a number is ModelArchConfig's to refuse
+        stored = md.get(f"{arch}.rope.scaling.attn_factor", 1.0)
+        if not isinstance(stored, (int, float)) or not math.isfinite(stored) or stored <= 0:
+            raise gguf.error(f"metadata key {arch}.rope.scaling.attn_factor is {stored!r}; it "
+                             f"must be a positive number")
+        if stored != 1.0 and isinstance(factor, (int, float)):
+            scaling["attention_factor"] = stored * attention_factor(scaling)
+        return scaling
+    if longrope:  # Phi-3: factors per frequency, as tensors (the converter writes no
+        # scaling type for Phi-3)
         for name in ("rope_factors_long.weight", "rope_factors_short.weight"):
             if name not in gguf.tensors:
                 raise gguf.error(f"longrope rope scaling without tensor {name}")

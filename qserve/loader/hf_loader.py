@@ -132,11 +132,16 @@ def read_config(path: Path) -> ModelArchConfig:
         rope["original_max_position_embeddings"] = original
         if rope.get("factor") is None:
             rope["factor"] = max_positions / original
+    if rope_type == "yarn" and rope.get("factor") is None:  # DeepSeek: the context's stretch
+        rope["factor"] = max_positions / count("original_max_position_embeddings",
+                                               rope.get("original_max_position_embeddings"))
     heads = count("num_attention_heads")
     hidden = count("hidden_size")
     layers = count("num_hidden_layers")
-    in_files = _checkpoint_layers(path)
-    if in_files is not None and layers != in_files:  # (nor is a corrupt 10**12 built)
+    # what the weights hold, checked before anything is built per layer or expert (a corrupt
+    # 10**12 would be built name by name)
+    in_files, experts_in_files = _checkpoint_counts(path)
+    if in_files is not None and layers != in_files:
         raise ModelLoadError(f"{cfg_path}: num_hidden_layers is {layers}, but the checkpoint "
                              f"has tensors for {in_files} layers")
     if not cfg.get("head_dim") and hidden % heads:
@@ -148,7 +153,7 @@ def read_config(path: Path) -> ModelArchConfig:
            + _token_ids(cfg.get("eos_token_id"), f"{cfg_path}: eos_token_id"))
     bos = _token_ids(cfg.get("bos_token_id"), f"{cfg_path}: bos_token_id")
     try:
-        return ModelArchConfig(
+        arch = ModelArchConfig(
             architecture=cfg["model_type"],
             vocab_size=count("vocab_size"),
             hidden_size=hidden,
@@ -177,28 +182,36 @@ def read_config(path: Path) -> ModelArchConfig:
             **family.hf_config(cfg))  # the family's own fields (a mixture's experts)
     except ConfigError as e:
         raise ModelLoadError(f"{cfg_path}: {e}") from None
+    if arch.num_experts and experts_in_files is not None and arch.num_experts != experts_in_files:
+        raise ModelLoadError(f"{cfg_path}: the config has {arch.num_experts} experts a layer, "
+                             f"but the checkpoint's layer 0 has {experts_in_files}")
+    return arch
 
 
-def _checkpoint_layers(path: Path) -> int | None:
-    """How many decoder layers the directory's weights hold (1 + the largest N of a
-    `model.layers.N.` tensor), from model.safetensors.index.json or model.safetensors' header;
-    None where there are no weights to count (a config alone) or they cannot be read (the
-    weights' own reading says why)."""
+def _checkpoint_counts(path: Path) -> tuple[int | None, int | None]:
+    """(decoder layers, layer 0's experts) the directory's weights hold: 1 + the largest N of
+    a `model.layers.N.` tensor and of a `model.layers.0.<...>experts.E.` one, from
+    model.safetensors.index.json or model.safetensors' header. None where there is nothing to
+    count (a config alone, a dense model) or the weights cannot be read (their own reading
+    says why)."""
     from safetensors import safe_open
 
     index, single = path / "model.safetensors.index.json", path / "model.safetensors"
     try:
         if index.exists():
-            names = _read_json(index).get("weight_map", {})
+            names = list(_read_json(index).get("weight_map", {}))
         elif single.exists():
             with safe_open(str(single), framework="pt") as f:
                 names = list(f.keys())
         else:
-            return None
+            return None, None
     except Exception:  # noqa: BLE001 (safetensors raises its own error type)
-        return None
-    layers = {int(m[1]) for m in (re.match(r"model\.layers\.(\d+)\.", n) for n in names) if m}
-    return max(layers) + 1 if layers else None
+        return None, None
+
+    def count(pattern: str) -> int | None:
+        found = {int(m[1]) for m in (re.match(pattern, n) for n in names) if m}
+        return max(found) + 1 if found else None
+    return count(r"model\.layers\.(\d+)\."), count(r"model\.layers\.0\.\S*experts\.(\d+)\.")
 
 
 def _windows(cfg: dict, family, num_layers: int, cfg_path: Path

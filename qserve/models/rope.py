@@ -39,8 +39,28 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict | None,
         factors = torch.tensor(scaling["long_factor" if long else "short_factor"],
                                dtype=torch.float32, device="cpu")
         return 1.0 / (factors * theta ** exponents)
-    raise ValueError(f"unsupported rope scaling type {kind!r}; qserve supports linear, llama3 "
-                     f"and longrope")
+    if kind == "yarn":
+        # YaRN (Qwen 2.5 / 3 long context): a frequency that turns more than beta_fast times
+        # within the original context keeps its value, one that turns fewer than beta_slow
+        # times is divided by `factor`, and between those dims a linear ramp blends the two;
+        # in transformers' order of operations (its `truncate`: the dims rounded outwards).
+        factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+        fast, slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+        def dim_turning(turns: float) -> float:  # the dim whose wavelength fits `turns` times
+            return head_dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(theta))
+        low, high = dim_turning(fast), dim_turning(slow)
+        if scaling.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
+        if low == high:  # (a ramp of no width)
+            high += 0.001
+        ramp = ((torch.arange(head_dim // 2, dtype=torch.float32, device="cpu") - low)
+                / (high - low)).clamp(0, 1)
+        kept = 1 - ramp  # (head_dim // 2,) the weight of the unscaled frequency
+        return 1.0 / (factor * theta ** exponents) * (1 - kept) + inv_freq * kept
+    raise ValueError(f"unsupported rope scaling type {kind!r}; qserve supports linear, llama3, "
+                     f"longrope and yarn")
 
 
 def rope_type(scaling: dict | None) -> str:
@@ -49,14 +69,27 @@ def rope_type(scaling: dict | None) -> str:
 
 
 def attention_factor(scaling: dict | None) -> float:
-    """The factor cos and sin are multiplied by: longrope's sqrt(1 + ln(s) / ln(original))
-    for a context stretched s times, unless the config gives it; 1 otherwise."""
-    if rope_type(scaling) != "longrope":
+    """The factor cos and sin are multiplied by, unless the config gives it: for a context
+    stretched s times, longrope's sqrt(1 + ln(s) / ln(original)), YaRN's 0.1 ln(s) + 1 (or
+    the ratio of two such terms with DeepSeek's mscale and mscale_all_dim); 1 otherwise."""
+    kind = rope_type(scaling)
+    if kind not in ("longrope", "yarn"):
         return 1.0
     if scaling.get("attention_factor") is not None:
         return scaling["attention_factor"]
-    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+    factor = scaling["factor"]
+    if kind == "yarn":
+        mscale, all_dims = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if mscale and all_dims:
+            return yarn_mscale(factor, mscale) / yarn_mscale(factor, all_dims)
+        return yarn_mscale(factor)
+    original = scaling["original_max_position_embeddings"]
     return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature for a context stretched `factor` times: 0.1 m ln(s) + 1."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 class RotaryEmbedding:
