@@ -1,9 +1,10 @@
 """Each model family against transformers, on tiny random checkpoints that transformers itself
 writes, with the family's special features switched on: Qwen3 (q/k norms, head_dim not
-hidden / heads; YaRN rope scaling), Phi-3 (fused checkpoint tensors, longrope crossing the original context
-mid-generation, rope on 3/4 of each head, a sliding window), Gemma 2 (1 + w norms, scaled
-embedding, gelu-tanh, attention and final soft-capping, query_pre_attn_scalar, sliding and
-global layers) and Gemma 3 (q/k norms, a local rope base, linear scaling on global layers).
+hidden / heads; YaRN rope scaling), Phi-3 (fused checkpoint tensors, longrope crossing the
+original context mid-generation, rope on 3/4 of each head, a sliding window), Gemma 2 (1 + w
+norms, scaled embedding, gelu-tanh, attention and final soft-capping, query_pre_attn_scalar,
+sliding and global layers) and Gemma 3 (q/k norms, a local rope base, linear scaling on
+global layers).
 
 Greedy tokens through the paged engine equal transformers' greedy loop over its own KV cache,
 token for token, from the safetensors directory and from the GGUF that llama.cpp's
