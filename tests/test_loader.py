@@ -507,23 +507,20 @@ def _patch_tensor_info(path, name, field, value):
     path.write_bytes(bytes(data))
 
 
+def _not_back_to_back(tensor: str, offset: str = r"\d+") -> str:
+    return (rf"is corrupt: tensor {re.escape(tensor)} starts at data offset {offset}, but the "
+            r"tensors listed before it end at \d+")
+
+
 @pytest.mark.parametrize("name,field,value,problem", [
     ("blk.0.attn_k.weight", "dim0", 0, r"tensor blk\.0\.attn_k\.weight has shape \(128, 0\): "
                                         r"an empty tensor"),
     # an offset on another tensor's bytes; a misaligned one
-    ("blk.1.ffn_up.weight", "offset", 0, r"is corrupt: tensor blk\.1\.ffn_up\.weight starts at "
-                                         r"data offset 0, but the tensors listed before it end "
-                                         r"at \d+"),
-    ("blk.0.ffn_gate.weight", "offset", 1, r"is corrupt: tensor blk\.0\.ffn_gate\.weight starts "
-                                           r"at data offset 1, but the tensors listed before it "
-                                           r"end at \d+"),
+    ("blk.1.ffn_up.weight", "offset", 0, _not_back_to_back("blk.1.ffn_up.weight", "0")),
+    ("blk.0.ffn_gate.weight", "offset", 1, _not_back_to_back("blk.0.ffn_gate.weight", "1")),
     # Q4_1 read as F16 (4x the bytes, over the next tensor's); as Q2_K (fewer, leaving a gap)
-    ("blk.0.attn_output.weight", "type", 1, r"is corrupt: tensor blk\.0\.ffn_gate\.weight "
-                                            r"starts at data offset \d+, but the tensors listed "
-                                            r"before it end at \d+"),
-    ("blk.0.attn_output.weight", "type", 10, r"is corrupt: tensor blk\.0\.ffn_gate\.weight "
-                                             r"starts at data offset \d+, but the tensors listed "
-                                             r"before it end at \d+"),
+    ("blk.0.attn_output.weight", "type", 1, _not_back_to_back("blk.0.ffn_gate.weight")),
+    ("blk.0.attn_output.weight", "type", 10, _not_back_to_back("blk.0.ffn_gate.weight")),
 ])
 def test_corrupt_gguf_tensor_info_is_one_line(tmp_path, name, field, value, problem):
     """A tensor's info a corrupt file can hold (an empty shape; an offset, or a type whose size
