@@ -561,7 +561,13 @@ def _batch_sizes(ctx, param, value: str) -> list[int]:
         sizes = []
     if not sizes or min(sizes) < 1:
         raise click.BadParameter(f"{value!r} is not a comma-separated list of positive integers")
+    if max(sizes) > MAX_BENCH_BATCH:  # (each batch's random prompts are made up front)
+        raise click.BadParameter(f"a batch of {max(sizes)} prompts is more than bench runs "
+                                 f"(at most {MAX_BENCH_BATCH:,})")
     return sizes
+
+
+MAX_BENCH_BATCH = 65536
 
 
 @main.command()

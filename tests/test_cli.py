@@ -223,6 +223,21 @@ def test_kv_budget_too_small_for_one_sequence(real):
 
 
 @pytest.mark.slow
+def test_flags_past_what_the_machine_or_a_run_holds(real):
+    """Values a flag's type accepts but no run can hold (found feeding huge numbers to every
+    flag): a swap pool past the machine's memory (its allocation had overflowed in torch),
+    more samples than --max-num-seqs (the forks had looped) and a bench batch of 10**20
+    prompts (it had hung making them)."""
+    huge = "99999999999999999999"
+    assert_user_error(invoke("generate", "hello", "--swap-space", huge, *LIGHT),
+                      "--swap-space=", "is more than this machine's")
+    assert_user_error(invoke("generate", "hello", "--n", huge, *LIGHT),
+                      f"n={huge} is more than --max-num-seqs=256")
+    assert_user_error(invoke("bench", "--batch-sizes", f"1,{huge}"),
+                      f"a batch of {huge} prompts is more than bench runs (at most 65,536)")
+
+
+@pytest.mark.slow
 def test_prompt_longer_than_max_model_len(real):
     assert_user_error(invoke("generate", "word " * 100, "--max-model-len", "32",
                              "--kv-cache-memory", "64MiB"), "--max-model-len is 32")

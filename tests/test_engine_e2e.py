@@ -356,6 +356,17 @@ def test_context_shrinks_to_the_kv_budget_without_max_model_len(llm, loaded_mode
         LLM(loaded=loaded_model, kv_cache_memory=100 * per_block, max_model_len=8192)
 
 
+def test_more_samples_than_max_num_seqs_is_refused(loaded_model):
+    """n over --max-num-seqs: a request's samples fork off its prompt into one batch, and
+    `qserve generate --n 99999999999999999999` had looped forking them."""
+    small = LLM(loaded=loaded_model, max_num_seqs=4, max_model_len=256)
+    with pytest.raises(ValueError, match=r"^n=5 is more than --max-num-seqs=4: a request's "
+                                         r"samples run in one batch$"):
+        small.generate([PROMPTS[0]], SamplingParams(n=5, max_tokens=1))
+    [out] = small.generate([PROMPTS[0]], SamplingParams(n=4, max_tokens=1))
+    assert len(out.outputs) == 4
+
+
 def test_unknown_model_alias():
     with pytest.raises(ValueError, match="unknown model"):
         LLM("no-such-model-alias")

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import mmap
+import os
 
 import queue
 import threading
@@ -302,7 +303,20 @@ def plan_num_blocks(arch: ModelArchConfig, cache: CacheConfig, dtype: torch.dtyp
             f" tokens, fewer than {short}; raise --kv-cache-memory to at least "
             f"{-(-least // cache.block_size) * per_block / 2**20:.1f} MiB or "
             f"{'lower' if requested else 'set a shorter'} --max-model-len")
+    host = host_memory_bytes()
+    if host is not None and cache.swap_space > host:  # (its pool is reserved, not touched,
+        # until blocks move there; one past the machine's memory cannot even be reserved)
+        raise ConfigError(f"--swap-space={cache.swap_space / 2**30:.1f} GiB is more than this "
+                          f"machine's {host / 2**30:.1f} GiB of memory")
     return int(num_blocks), int(cache.swap_space // per_block)
+
+
+def host_memory_bytes() -> int | None:
+    """The machine's physical memory (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def _want_bytes(cache: CacheConfig, per_block: int, max_model_len: int,

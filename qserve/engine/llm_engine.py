@@ -174,6 +174,10 @@ class LLMEngine:
         if bad:
             raise QServeError(f"prompt token id {bad[0]} is outside the vocabulary "
                               f"[0, {self.arch.vocab_size})")
+        if params.n > self.config.scheduler.max_num_seqs:  # (the forks would loop, unbounded)
+            raise QServeError(f"n={params.n} is more than --max-num-seqs="
+                              f"{self.config.scheduler.max_num_seqs}: a request's samples run "
+                              f"in one batch")
         if len(prompt_token_ids) >= self.max_model_len:
             raise QServeError(
                 f"the prompt has {len(prompt_token_ids)} tokens but --max-model-len is "
