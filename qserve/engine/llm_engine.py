@@ -174,7 +174,9 @@ class LLMEngine:
         if bad:
             raise QServeError(f"prompt token id {bad[0]} is outside the vocabulary "
                               f"[0, {self.arch.vocab_size})")
-        if params.n > self.config.scheduler.max_num_seqs:  # (the forks would loop, unbounded)
+        # the n - 1 forks join the running batch at once, so they must fit it (10**20 of
+        # them had looped forking)
+        if params.n > self.config.scheduler.max_num_seqs:
             raise QServeError(f"n={params.n} is more than --max-num-seqs="
                               f"{self.config.scheduler.max_num_seqs}: a request's samples run "
                               f"in one batch")
