@@ -12,6 +12,23 @@ from pathlib import Path
 
 from qserve.errors import ConfigError
 
+def is_count(value, least: int = 1) -> bool:
+    """Whether a value read from a model file is an integer (not a bool) of at least `least`."""
+    return not isinstance(value, bool) and isinstance(value, int) and value >= least
+
+
+def is_positive(value) -> bool:
+    """Whether a value read from a model file is a finite number above 0 (not a bool)."""
+    return (not isinstance(value, bool) and isinstance(value, (int, float))
+            and math.isfinite(value) and value > 0)
+
+
+def rope_type(scaling: dict | None) -> str:
+    """A rope scaling's type, as transformers names it (Phi-3's old "su" is longrope)."""
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type")) or "default"
+    return "longrope" if kind == "su" else kind
+
+
 KV_DTYPES = ("auto", "fp32", "fp16", "bf16", "int8", "int4")
 PREEMPTION_MODES = ("recompute", "swap")
 KV_OFFLOAD_MODES = ("off", "layerwise")
@@ -64,18 +81,16 @@ class ModelArchConfig:
         # as a division by zero or an empty tensor deep in the engine.
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                      "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name}={value!r} must be a positive integer")
+            if not is_count(getattr(self, name)):
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be a positive integer")
         if self.head_dim > MAX_HEAD_DIM:  # (rope's tables are built before the memory plan)
             raise ConfigError(f"head_dim={self.head_dim} is larger than qserve runs (at most "
                               f"{MAX_HEAD_DIM})")
-        for name, zero_ok in (("rms_norm_eps", True), ("rope_theta", False)):
-            value = getattr(self, name)
-            if (isinstance(value, bool) or not isinstance(value, (int, float))
-                    or not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok)):
-                raise ConfigError(f"{name}={value!r} must be a "
-                                  f"{'non-negative' if zero_ok else 'positive'} finite number")
+        if not is_positive(self.rope_theta):
+            raise ConfigError(f"rope_theta={self.rope_theta!r} must be a positive finite number")
+        if not (self.rms_norm_eps == 0 or is_positive(self.rms_norm_eps)):
+            raise ConfigError(f"rms_norm_eps={self.rms_norm_eps!r} must be a non-negative "
+                              f"finite number")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
@@ -102,36 +117,27 @@ class ModelArchConfig:
         """The scaling's numbers are what its type needs: a positive finite factor, an
         original context of at least 2 positions (longrope and YaRN divide by its log), one
         positive factor per rotated frequency (longrope)."""
-        scaling = self.rope_scaling
-        if scaling is None:
-            return
-        kind = scaling.get("rope_type", scaling.get("type")) or "default"
-        kind = "longrope" if kind == "su" else kind
+        scaling, kind = self.rope_scaling, rope_type(self.rope_scaling)
         if kind not in ROPE_TYPES:
             raise ConfigError(f"rope scaling {kind!r} is not supported; qserve runs "
                               f"{', '.join(ROPE_TYPES[1:])}")
         if kind == "default":
             return
-
-        def positive(value) -> bool:
-            return (not isinstance(value, bool) and isinstance(value, (int, float))
-                    and math.isfinite(value) and value > 0)
-        if not positive(scaling.get("factor")):
+        if not is_positive(scaling.get("factor")):
             raise ConfigError(f"rope scaling {kind!r} has factor {scaling.get('factor')!r}; it "
                               f"must be a positive number")
         original = scaling.get("original_max_position_embeddings")
-        if (kind in ("longrope", "yarn") or original is not None) and (
-                isinstance(original, bool) or not isinstance(original, int) or original < 2):
+        if (kind in ("longrope", "yarn") or original is not None) and not is_count(original, 2):
             raise ConfigError(f"rope scaling {kind!r} has original_max_position_embeddings "
                               f"{original!r}; it must be an integer of at least 2")
         for name in ("beta_fast", "beta_slow") if kind == "yarn" else ():
-            if scaling.get(name) is not None and not positive(scaling[name]):
+            if scaling.get(name) is not None and not is_positive(scaling[name]):
                 raise ConfigError(f"YaRN's {name} is {scaling[name]!r}; it must be a positive "
                                   f"number")
         for name in ("long_factor", "short_factor") if kind == "longrope" else ():
             values = scaling.get(name)
             if (not isinstance(values, list) or len(values) != self.rotary_dim // 2
-                    or not all(positive(v) for v in values)):
+                    or not all(is_positive(v) for v in values)):
                 got = f"{len(values)} values" if isinstance(values, list) else repr(values)
                 raise ConfigError(f"longrope's {name} must be {self.rotary_dim // 2} positive "
                                   f"numbers, one per rotated frequency (it is {got})")

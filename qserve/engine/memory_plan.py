@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from qserve.config import EngineConfig, ModelArchConfig
+from qserve.config import EngineConfig, ModelArchConfig, is_count
 from qserve.engine.cache_engine import DTYPES, kv_torch_dtype
 from qserve.errors import ConfigError, ModelLoadError
 from qserve.kernels import cpu_ops
@@ -367,8 +367,7 @@ def _safetensors_tensors(path: Path):
                        if name != "__metadata__"]
             for name, dt, shape in entries:
                 if (not isinstance(dt, str) or not isinstance(shape, list) or
-                        any(isinstance(s, bool) or not isinstance(s, int) or s < 0
-                            for s in shape)):
+                        not all(is_count(s, 0) for s in shape)):
                     raise ValueError(f"tensor {name} has dtype {dt!r}, shape {shape!r}")
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise ModelLoadError(f"{file}: not a readable safetensors file (header: "

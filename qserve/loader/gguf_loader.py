@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from qserve.config import ModelArchConfig
+from qserve.config import ModelArchConfig, is_count, is_positive
 from qserve.errors import ConfigError, ModelLoadError
 from qserve.formats import QuantizedTensor, format_for_ggml, ggml
 from qserve.heap import weight_buffer
@@ -137,8 +137,7 @@ class GGUFFile:
             dims = self._unpack("Q" * self._unpack("I")[0])
             infos.append((name, dims) + self._unpack("IQ"))
         align = self.metadata.get("general.alignment", 32)
-        if (isinstance(align, bool) or not isinstance(align, int) or align < 1
-                or align & (align - 1)):
+        if not is_count(align) or align & (align - 1):
             raise self.error(f"general.alignment is {align!r}; it must be a power of two")
         data_start = -(-self._pos // align) * align
         self.tensors: dict[str, GGUFTensorInfo] = {}
@@ -289,7 +288,7 @@ def read_arch(gguf: GGUFFile) -> ModelArchConfig:
 
     def count(name, default=None) -> int:  # what the shapes below are computed from
         value = key(name, default)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not is_count(value):
             raise gguf.error(f"metadata key {arch}.{name} is {value!r}; it must be a positive "
                              f"integer")
         return value
@@ -336,7 +335,7 @@ def read_arch(gguf: GGUFFile) -> ModelArchConfig:
         stacked = gguf.tensors.get("blk.0.ffn_gate_exps.weight")
         if stacked is None:
             raise gguf.error("missing tensor blk.0.ffn_gate_exps.weight")
-        if not isinstance(experts, int) or experts != stacked.shape[0]:
+        if not is_count(experts, 0) or experts != stacked.shape[0]:
             raise gguf.error(f"metadata key {arch}.expert_count is {experts!r}, but "
                              f"blk.0.ffn_gate_exps.weight stacks {stacked.shape[0]} experts")
     try:
@@ -369,7 +368,7 @@ def _eos_ids(md: dict) -> list[int]:
     return list(dict.fromkeys(md[k] for k in EOS_KEYS if k in md))
 
 
-def _count(values) -> str:
+def _entries(values) -> str:
     """'5 entries', or what a value that is not a list is."""
     return f"{len(values):,} entries" if isinstance(values, list) else f"a {type(values).__name__}"
 
@@ -384,8 +383,7 @@ def _rope_scaling(gguf: GGUFFile, arch: str) -> dict | None:
     if kind == "linear" and factor != 1.0:
         return {"rope_type": "linear", "factor": factor}
     longrope = kind == "longrope" or "rope_factors_long.weight" in gguf.tensors
-    if (kind == "yarn" or longrope) and (isinstance(original, bool)
-                                         or not isinstance(original, int) or original < 2):
+    if (kind == "yarn" or longrope) and not is_count(original, 2):
         raise gguf.error(f"metadata key {arch}.rope.scaling.original_context_length is "
                          f"{original!r}; {'YaRN' if kind == 'yarn' else 'longrope'} scaling "
                          f"needs the original context, an integer of at least 2")
@@ -408,7 +406,7 @@ def _rope_scaling(gguf: GGUFFile, arch: str) -> dict | None:
         # llama.cpp multiplies YaRN's factor by the file's attn_factor (default 1); a factor
         # that is not a number is ModelArchConfig's to refuse
         stored = md.get(f"{arch}.rope.scaling.attn_factor", 1.0)
-        if not isinstance(stored, (int, float)) or not math.isfinite(stored) or stored <= 0:
+        if not is_positive(stored):
             raise gguf.error(f"metadata key {arch}.rope.scaling.attn_factor is {stored!r}; it "
                              f"must be a positive number")
         if stored != 1.0 and isinstance(factor, (int, float)):
@@ -643,12 +641,11 @@ def read_tokenizer(gguf: GGUFFile) -> Tokenizer:
     scores = md.get("tokenizer.ggml.scores", [0.0] * n)
     for key, values in (("token_type", types), ("scores", scores)):
         if not isinstance(values, list) or len(values) != n:
-            raise gguf.error(f"tokenizer.ggml.{key} has {_count(values)} for a vocabulary of "
+            raise gguf.error(f"tokenizer.ggml.{key} has {_entries(values)} for a vocabulary of "
                              f"{n:,} tokens")
     for key in ("tokenizer.ggml.bos_token_id", *EOS_KEYS):
         value = md.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                  or not 0 <= value < n):
+        if value is not None and not (is_count(value, 0) and value < n):
             raise gguf.error(f"{key} is {value!r}, not a token of the {n:,}-token vocabulary")
     if model not in ("gpt2", "llama"):
         raise gguf.error(f"tokenizer model {model!r} is not supported (gpt2, llama)")

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from tokenizers import AddedToken
 
-from qserve.config import ModelArchConfig
+from qserve.config import ModelArchConfig, is_count, is_positive
 from qserve.errors import ConfigError, ModelLoadError
 from qserve.loader.weights import LazyWeights
 from qserve.loader.tokenizer import BYTE, CONTROL, NORMAL, UNKNOWN, UNUSED, Tokenizer, sentencepiece_bpe
@@ -86,14 +86,14 @@ def read_config(path: Path) -> ModelArchConfig:
 
     def count(name, default=None) -> int:
         value = key(name, default)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not is_count(value):
             raise ModelLoadError(f"{cfg_path}: {name} is {value!r}; it must be a positive "
                                  f"integer")
         return value
 
     def positive(name, default, value=None) -> float:
         value = key(name, default) if value is None else value
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        if not is_positive(value):
             raise ModelLoadError(f"{cfg_path}: {name} is {value!r}; it must be a positive "
                                  f"number")
         return value
@@ -190,22 +190,12 @@ def read_config(path: Path) -> ModelArchConfig:
 
 def _checkpoint_counts(path: Path) -> tuple[int | None, int | None]:
     """(decoder layers, layer 0's experts) the directory's weights hold: 1 + the largest N of
-    a `model.layers.N.` tensor and of a `model.layers.0.<...>experts.E.` one, from
-    model.safetensors.index.json or model.safetensors' header. None where there is nothing to
-    count (a config alone, a dense model) or the weights cannot be read (their own reading
-    says why)."""
-    from safetensors import safe_open
-
-    index, single = path / "model.safetensors.index.json", path / "model.safetensors"
+    a `model.layers.N.` tensor and of a `model.layers.0.<...>experts.E.` one, from the
+    safetensors headers. None where there is nothing to count (a config alone, a dense model)
+    or the weights cannot be read (reading them says why)."""
     try:
-        if index.exists():
-            names = list(_read_json(index).get("weight_map", {}))
-        elif single.exists():
-            with safe_open(str(single), framework="pt") as f:
-                names = list(f.keys())
-        else:
-            return None, None
-    except Exception:  # noqa: BLE001 (safetensors raises its own error type)
+        names = tensor_index(path)[0]
+    except ModelLoadError:
         return None, None
 
     def count(pattern: str) -> int | None:

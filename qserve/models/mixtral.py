@@ -13,7 +13,7 @@ import re
 
 from torch import nn
 
-from qserve.config import ModelArchConfig
+from qserve.config import ModelArchConfig, is_count
 from qserve.errors import ConfigError
 from qserve.layers.moe import SparseMoE
 from qserve.models.base import GGUF_NAMES, MLP, CausalLM, DecoderLayer
@@ -31,7 +31,7 @@ def moe_fields(cfg: dict, intermediate_key: str) -> dict:
     num_local_experts for every family; Qwen's own configs say num_experts)."""
     def count(name: str) -> int:
         value = cfg.get(name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not is_count(value):
             raise ConfigError(f"{name} is {value!r}; it must be a positive integer")
         return value
 

@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from qserve.config import rope_type
 from qserve.kernels.paged_attention import PagedAttentionMetadata
 
 
@@ -61,11 +62,6 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict | None,
         return 1.0 / (factor * theta ** exponents) * (1 - kept) + inv_freq * kept
     raise ValueError(f"unsupported rope scaling type {kind!r}; qserve supports linear, llama3, "
                      f"longrope and yarn")
-
-
-def rope_type(scaling: dict | None) -> str:
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type")) or "default"
-    return "longrope" if kind == "su" else kind
 
 
 def attention_factor(scaling: dict | None) -> float:
