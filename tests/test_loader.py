@@ -599,6 +599,23 @@ def test_gguf_missing_tensor_is_one_line_in_generate(tmp_path):
     assert r.output.strip() == f"error: {path}: missing tensor blk.1.ffn_up.weight", r.output
 
 
+def test_gguf_chat_template_that_fails_is_one_line_in_generate(tmp_path):
+    """A file whose template raises as it renders (it had been a ZeroDivisionError traceback):
+    plain prompts still run; `--chat` is one line, exit 2."""
+    from click.testing import CliRunner
+
+    from qserve import cli
+
+    path = write_tiny_gguf(tmp_path / "t.gguf",
+                           extra_kv={"tokenizer.chat_template": "{{ (1 / 0) ~ messages }}"})
+    args = ["generate", "-m", str(path), "--max-tokens", "1", "to"]
+    assert CliRunner().invoke(cli.main, args).exit_code == 0
+    r = CliRunner().invoke(cli.main, args + ["--chat"])
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    assert r.output.strip().splitlines()[-1] == ("error: the chat template cannot render these "
+                                                 "messages: ZeroDivisionError: division by zero")
+
+
 
 def test_hf_dir_errors(tmp_path):
     with pytest.raises(ModelLoadError, match="no config.json"):

@@ -10,7 +10,7 @@ import pytest
 import sentencepiece as spm
 from pydoc_data.topics import topics
 
-from qserve.errors import QServeError
+from qserve.errors import ModelLoadError, QServeError
 from qserve.loader.chat_template import CHATML_TEMPLATE
 from qserve.loader.gguf_loader import GGUFFile, read_tokenizer
 from qserve.loader.hf_loader import _sentencepiece_backend
@@ -156,6 +156,58 @@ def test_fallback_and_raise_exception_template():
     assert CHATML_TEMPLATE  # the fallback is exported for the CLI's `info`
 
 
+def _word_level_tokenizer(**kwargs) -> Tokenizer:
+    from tokenizers import Tokenizer as Backend
+    from tokenizers.models import WordLevel
+
+    return Tokenizer(Backend(WordLevel({"<unk>": 0}, unk_token="<unk>")), **kwargs)
+
+
+def test_generation_block_renders_its_body_in_its_own_scope():
+    """transformers' `{% generation %}` tag (templates written for assistant-only training
+    masks): the body renders unchanged; a `set` inside it stays inside, as in transformers."""
+    tok = _word_level_tokenizer(chat_template=(
+        "{% set x = 'outer' %}{% for m in messages %}{% if m.role == 'assistant' %}"
+        "{% generation %}{% set x = 'inner' %}[{{ m.content }}|{{ x }}]{% endgeneration %}"
+        "{% else %}{{ m.content }}{% endif %}{% endfor %}{{ x }}"))
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    assert tok.apply_chat_template(messages) == "q[a|inner]outer"
+
+
+@pytest.mark.parametrize("template,problem", [
+    ("{{ 1 / 0 }}", "ZeroDivisionError: division by zero"),
+    ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", "RecursionError"),
+    ("{% for i in range(10**6) %}{% endfor %}", "OverflowError: Range too big"),
+    # loops and macros that would run for hours end at the render's deadline
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+     r"rendering took over 0\.2 s"),
+    ("{% macro f(n) %}{% if n %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(60) }}",
+     r"rendering took over 0\.2 s"),
+    ("{{ 'x' * 10**10 }}", "a repetition of over 16777216 items"),
+    ("{{ ([1] * 10**9) | length }}", "a repetition of over 16777216 items"),
+    ("{% set b = 10**8 %}{{ 3 ** b }}", "a power of over 65536 bits"),  # (** is left-associative)
+    ("{{ strftime_now(5) }}", "TypeError"),
+])
+def test_broken_templates_load_and_refuse_in_one_line(monkeypatch, template, problem):
+    """A model file's template that fails, never ends or builds gigabytes: the tokenizer still
+    loads (its turn-end probe fails quietly), and each render is one QServeError."""
+    from qserve.loader import chat_template
+
+    monkeypatch.setattr(chat_template, "RENDER_SECONDS", 0.2)
+    tok = _word_level_tokenizer(chat_template=template)
+    for tools in (None, [{"type": "function", "function": {"name": "f"}}]):
+        with pytest.raises(QServeError, match=problem) as e:
+            tok.apply_chat_template([{"role": "user", "content": "hi"}], tools=tools)
+        assert "\n" not in str(e.value)
+    assert not tok.chat_template_renders_tools
+
+
+@pytest.mark.parametrize("source", [7, ["{{ x }}"], b"{{ x }}"])
+def test_chat_template_that_is_not_text_is_a_load_error(source):
+    with pytest.raises(ModelLoadError, match=f"chat template is {type(source).__name__}, not text"):
+        _word_level_tokenizer(chat_template=source)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("pre", ["llama-bpe", "qwen2"])
 def test_llama3_and_qwen2_pre_tokenizers_match_transformers(default_model_path, tmp_path, pre):
@@ -232,3 +284,95 @@ def test_sentencepiece_gguf_vocab_matches_sentencepiece(sp_model, tmp_path):
     assert tok.encode("</s>hi", add_special_tokens=False) == [sp.eos_id()] + sp.encode("hi")
     assert tok.eos_token_ids == {sp.eos_id()}
     assert tok.apply_chat_template([{"role": "user", "content": "x"}]) == "[INST] x [/INST]"
+
+
+NAMED = {"default": "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}",
+         "tool_use": "[{{ tools | map(attribute='function') | map(attribute='name') | join(',') }}]"
+                     "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"}
+TOOLS = [{"type": "function", "function": {"name": "get_time", "description": "now",
+                                           "parameters": {"type": "object", "properties": {}}}}]
+
+
+def _hf_tokenizer_dir(path, layout: str):
+    """A tokenizer directory whose templates are named as transformers keeps them: a list in
+    tokenizer_config.json, or chat_template.jinja + additional_chat_templates/tool_use.jinja."""
+    import json
+
+    _word_level_tokenizer().backend.save(str(path / "tokenizer.json"))
+    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>"}
+    if layout == "list":
+        cfg["chat_template"] = [{"name": k, "template": v} for k, v in NAMED.items()]
+    else:
+        (path / "chat_template.jinja").write_text(NAMED["default"])
+        (path / "additional_chat_templates").mkdir()
+        (path / "additional_chat_templates" / "tool_use.jinja").write_text(NAMED["tool_use"])
+    (path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return path
+
+
+@pytest.mark.parametrize("layout", ["list", "files"])
+def test_tool_use_template_is_used_with_tools_as_transformers_does(tmp_path, layout):
+    """Models with a named `tool_use` template (Hermes 2 Pro, Command R): requests with tools
+    render through it, the rest through the default, as transformers chooses."""
+    from transformers import AutoTokenizer
+
+    from qserve.loader.hf_loader import read_tokenizer
+
+    ours = read_tokenizer(_hf_tokenizer_dir(tmp_path, layout))
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path))
+    messages = [{"role": "user", "content": "hi"}]
+    for tools in (None, TOOLS):
+        text = ours.apply_chat_template(messages, tools=tools)
+        assert text == theirs.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                  add_generation_prompt=True)
+        assert text.startswith("[get_time]") == (tools is not None)
+    assert (ours.chat_template, ours.tool_use_template) == (NAMED["default"], NAMED["tool_use"])
+    assert ours.chat_template_renders_tools
+
+
+@pytest.mark.slow
+def test_tool_use_template_from_gguf_and_through_a_checkpoint(tmp_path):
+    """llama.cpp's `tokenizer.chat_template.tool_use` key; `qserve quantize` keeps both
+    templates (tokenizer_config.json's named list), and so does a GGUF export of that."""
+    from test_loader import write_tiny_gguf
+
+    from qserve.loader import load_tokenizer
+    from qserve.quant.quantize import quantize
+
+    src = write_tiny_gguf(tmp_path / "named.gguf", extra_kv={
+        "tokenizer.chat_template": NAMED["default"],
+        "tokenizer.chat_template.tool_use": NAMED["tool_use"]})
+    quantize(str(src), tmp_path / "ck")
+    quantize(str(tmp_path / "ck"), tmp_path / "ck.gguf", fmt="gguf")
+    for path in (src, tmp_path / "ck", tmp_path / "ck.gguf"):
+        tok = load_tokenizer(path)
+        assert (tok.chat_template, tok.tool_use_template) == (NAMED["default"],
+                                                              NAMED["tool_use"]), path
+        assert tok.apply_chat_template([{"role": "user", "content": "x"}],
+                                       tools=TOOLS) == "[get_time]<user>x"
+
+
+def test_malformed_named_templates_are_load_errors(tmp_path):
+    import json
+
+    from test_loader import write_tiny_gguf
+
+    from qserve.loader import load_tokenizer
+    from qserve.loader.hf_loader import read_tokenizer
+
+    _hf_tokenizer_dir(tmp_path, "files")
+    (tmp_path / "additional_chat_templates" / "tool_use.jinja").write_bytes(b"\xff{{ x }}")
+    with pytest.raises(ModelLoadError, match=r"tool_use\.jinja: not readable as UTF-8 text"):
+        read_tokenizer(tmp_path)
+    (tmp_path / "additional_chat_templates" / "tool_use.jinja").unlink()
+    for value in ([{"template": "{{ x }}"}], [7], 7):  # (a list entry without a name had
+        # raised KeyError)
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": value}))
+        with pytest.raises(ModelLoadError, match=r"tokenizer_config\.json: chat_template must "
+                                                 r"be text or a list of"):
+            read_tokenizer(tmp_path)
+    gguf_file = write_tiny_gguf(tmp_path / "t.gguf",
+                                extra_kv={"tokenizer.chat_template.tool_use": 7})
+    with pytest.raises(ModelLoadError, match=r"t\.gguf: metadata key tokenizer\.chat_template"
+                                             r"\.tool_use is int, not text$"):
+        load_tokenizer(gguf_file)

@@ -6,6 +6,8 @@
                              (QuantizedTensor.tensors(): int4z's `offsets` are its uint8 zero
                              points)
     tokenizer.json, tokenizer_config.json, chat_template.jinja, generation_config.json
+                             (a model with a tool-use template keeps both templates in
+                             tokenizer_config.json's named list instead of the .jinja file)
 
     "quantization_config": {
       "quant_method": "qserve", "format_version": 1,
@@ -113,12 +115,15 @@ def save_checkpoint(out: Path, arch: ModelArchConfig, tokenizer, tensors: dict[s
     save_file({k: v.contiguous() for k, v in flatten(tensors).items()},
               str(out / WEIGHTS_FILE), metadata={"format": "pt"})
     (out / "tokenizer.json").write_text(tokenizer.backend.to_str())
-    (out / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token}, indent=2) + "\n")
+    tok_cfg = {"bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token}
+    named = {"default": tokenizer.chat_template, "tool_use": tokenizer.tool_use_template}
+    if tokenizer.tool_use_template:  # named templates: transformers' and gguf's list form
+        tok_cfg["chat_template"] = [{"name": k, "template": v} for k, v in named.items() if v]
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": tokenizer.bos_token_id,
          "eos_token_id": sorted(tokenizer.eos_token_ids)}, indent=2) + "\n")
-    if tokenizer.chat_template:
+    if tokenizer.chat_template and not tokenizer.tool_use_template:
         (out / "chat_template.jinja").write_text(tokenizer.chat_template)
 
 

@@ -665,4 +665,13 @@ def read_tokenizer(gguf: GGUFFile) -> Tokenizer:
                      eos_token_id=eos_ids[0] if eos_ids else None, extra_eos_ids=eos_ids[1:],
                      add_bos=md.get("tokenizer.ggml.add_bos_token", add_bos_default),
                      add_eos=md.get("tokenizer.ggml.add_eos_token", False),
-                     chat_template=md.get("tokenizer.chat_template"))
+                     chat_template=_template(gguf, "tokenizer.chat_template"),
+                     tool_use_template=_template(gguf, "tokenizer.chat_template.tool_use"))
+
+
+def _template(gguf: GGUFFile, key: str) -> str | None:
+    """A chat template key (llama.cpp reads the named `.tool_use` one for requests with tools)."""
+    value = gguf.metadata.get(key)
+    if value is not None and not isinstance(value, str):
+        raise gguf.error(f"metadata key {key} is {type(value).__name__}, not text")
+    return value

@@ -5,6 +5,7 @@
     tokenizer.json | tokenizer.model    vocabulary (tokenizers / sentencepiece)
     tokenizer_config.json               bos/eos, add_bos_token, chat_template (optional)
     chat_template.jinja                 the chat template, as transformers >= 4.50 saves it (optional)
+    additional_chat_templates/*.jinja   named templates, e.g. tool_use (optional)
     generation_config.json              extra eos ids (optional)
 
 The weight names and shapes here are the layout every loader produces (`expected_shapes`).
@@ -320,16 +321,38 @@ def read_tokenizer(path: Path) -> Tokenizer:
                               f"{path / 'config.json'}: {name}_id")
         return found if found is not None else (fallback[0] if fallback else None)
 
-    template = tok_cfg.get("chat_template")
-    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
-        template = {t["name"]: t["template"] for t in template}.get("default")
-    if (path / "chat_template.jinja").exists():
-        template = (path / "chat_template.jinja").read_text()
+    templates = _chat_templates(path, tok_cfg)
     return Tokenizer(backend, bos_token_id=token_id("bos_token"), eos_token_id=token_id("eos_token"),
                      extra_eos_ids=_token_ids(gen.get("eos_token_id"),
                                               f"{path / 'generation_config.json'}: eos_token_id"),
                      add_bos=tok_cfg.get("add_bos_token"), add_eos=tok_cfg.get("add_eos_token"),
-                     chat_template=template)
+                     chat_template=templates.get("default"),
+                     tool_use_template=templates.get("tool_use"))
+
+
+def _chat_templates(path: Path, tok_cfg: dict) -> dict[str, str]:
+    """The chat templates by name ("default", "tool_use", ...), where transformers keeps them:
+    tokenizer_config.json's chat_template (one, or a list of {"name", "template"} objects),
+    chat_template.jinja (the default) and additional_chat_templates/NAME.jinja."""
+    value = tok_cfg.get("chat_template")
+    entries = (value if isinstance(value, list) else [] if value is None
+               else [{"name": "default", "template": value}])
+    if not all(isinstance(e, dict) and isinstance(e.get("name"), str)
+               and isinstance(e.get("template"), str) for e in entries):
+        raise ModelLoadError(f"{path / 'tokenizer_config.json'}: chat_template must be text or "
+                             f"a list of {{\"name\": ..., \"template\": ...}} objects, not "
+                             f"{str(value)[:60]!r}")
+    templates = {e["name"]: e["template"] for e in entries}
+    extra = path / "additional_chat_templates"
+    files = [(path / "chat_template.jinja", "default")]
+    files += [(f, f.stem) for f in sorted(extra.glob("*.jinja"))] if extra.is_dir() else []
+    for file, name in files:
+        if file.is_file():
+            try:
+                templates[name] = file.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise ModelLoadError(f"{file}: not readable as UTF-8 text ({e})") from None
+    return templates
 
 
 def _sentencepiece_backend(model_file: Path, tok_cfg: dict):

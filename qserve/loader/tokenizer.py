@@ -107,15 +107,18 @@ class Tokenizer:
     def __init__(self, backend: Backend, *, bos_token_id: int | None = None,
                  eos_token_id: int | None = None, extra_eos_ids: Sequence[int] = (),
                  add_bos: bool | None = None, add_eos: bool | None = None,
-                 chat_template: str | None = None):
-        """add_bos / add_eos: None keeps the backend's own post-processor (a tokenizer.json's)."""
+                 chat_template: str | None = None, tool_use_template: str | None = None):
+        """add_bos / add_eos: None keeps the backend's own post-processor (a tokenizer.json's).
+        tool_use_template: a second, named template some models (Hermes 2 Pro, Command R) keep
+        for requests with tools, which transformers and llama.cpp then use."""
         self.backend = backend
         self.bos_token_id, self.eos_token_id = bos_token_id, eos_token_id
         if add_bos is not None or add_eos is not None:
             self._set_post_processor(bool(add_bos) and bos_token_id is not None,
                                      bool(add_eos) and eos_token_id is not None)
-        self.chat_template = chat_template
+        self.chat_template, self.tool_use_template = chat_template, tool_use_template
         self._template = ChatTemplate(chat_template or CHATML_TEMPLATE)
+        self._tool_template = ChatTemplate(tool_use_template) if tool_use_template else None
         added = backend.get_added_tokens_decoder()
         self.all_special_ids: list[int] = sorted(i for i, tok in added.items() if tok.special)
         self.eos_token_ids: set[int] = {i for i in (eos_token_id, *extra_eos_ids) if i is not None}
@@ -174,10 +177,15 @@ class Tokenizer:
                             tools: list[dict] | None = None) -> str:
         """Render a conversation to prompt text (tokenize it with encode(add_special_tokens=False)
         when the template writes BOS itself). `tools` reach templates that list them
-        (`chat_template_renders_tools`)."""
-        return self._template.render(messages, add_generation_prompt, tools=tools,
-                                     bos_token=self.bos_token, eos_token=self.eos_token)
+        (`chat_template_renders_tools`), through the tool-use template where there is one."""
+        template = self._template if tools is None else self._tools_template
+        return template.render(messages, add_generation_prompt, tools=tools,
+                               bos_token=self.bos_token, eos_token=self.eos_token)
+
+    @property
+    def _tools_template(self) -> ChatTemplate:
+        return self._tool_template or self._template
 
     @property
     def chat_template_renders_tools(self) -> bool:
-        return self._template.renders_tools
+        return self._tools_template.renders_tools

@@ -232,7 +232,7 @@ LLAMA3_JSON = ToolFormat("llama3_json", "", "", "parameters")
 def tool_format(tokenizer) -> ToolFormat:
     """The call format the model's chat template teaches: Llama 3's JSON when its template
     lists tools and asks for {"name": ..., "parameters": ...}, else Hermes-style tags."""
-    source = tokenizer.chat_template or ""
+    source = tokenizer.tool_use_template or tokenizer.chat_template or ""
     if (tokenizer.chat_template_renders_tools and "<tool_call>" not in source
             and re.search(r'"parameters"\s*:', source)):
         return LLAMA3_JSON
