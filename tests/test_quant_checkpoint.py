@@ -229,6 +229,86 @@ def test_corrupt_checkpoint(ckpt, tmp_path, corruption, needle):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.fixture(scope="module")
+def tiny_checkpoints(tmp_path_factory):
+    """recipe -> a checkpoint of the tiny GGUF (gguf-native keeps its K-quant / Q5_0 blocks)."""
+    from test_loader import write_tiny_gguf
+
+    root = tmp_path_factory.mktemp("tiny")
+    src = write_tiny_gguf(root / "tiny.gguf")
+    for recipe in ("gguf-native", "w4g64", "w8"):
+        quantize(str(src), root / recipe, None if recipe == "gguf-native" else recipe)
+    return root
+
+
+@pytest.mark.parametrize("recipe, layer, change, problem", [
+    # (each had been a traceback: KeyError, AttributeError or TypeError in the memory plan,
+    # `info` or the loader, or a shape error that printed "expected (320, 256.5)")
+    ("gguf-native", None, {"kv_dtype": "int3"},
+     r"kv_dtype is 'int3'; it must be one of auto, fp32, fp16, bf16, int8, int4"),
+    ("gguf-native", None, {"layers": []}, r"has no 'layers' mapping"),
+    ("gguf-native", None, {"recipe": 5}, r"recipe is int, not an object"),
+    ("gguf-native", None, {"format_version": True}, r"format_version is True; this qserve "
+                                                    r"reads 1"),
+    ("gguf-native", "model.layers.1.self_attn.q_proj", 5, r"is not an object"),
+    ("gguf-native", "model.layers.1.self_attn.q_proj", {"format": "q4_0"},
+     r"format 'q4_0' is not one a checkpoint holds \(int4, int4z, int8, q5_0"),
+    ("w4g64", "model.layers.0.mlp.up_proj", {"group_size": 1.5},
+     r"group_size 1\.5 is not a positive even integer or null"),
+    ("w4g64", "model.layers.0.mlp.up_proj", {"bits": 8}, r"bits 8 do not fit format int4"),
+    ("w4g64", "model.layers.0.mlp.up_proj", {"symmetric": "x"},
+     r"symmetric 'x' is not true or false"),
+    ("w8", "model.layers.1.self_attn.o_proj", {"symmetric": False},
+     r"symmetric False does not fit int8"),
+])
+def test_checkpoint_config_values_no_qserve_wrote(tiny_checkpoints, tmp_path, recipe, layer,
+                                                   change, problem):
+    """quantization_config values of the wrong kind: one line naming config.json, from the
+    loader and from `generate` / `info` (whose memory plans read the layers first)."""
+    import re
+    import shutil
+
+    bad = shutil.copytree(tiny_checkpoints / recipe, tmp_path / "bad")
+    cfg = json.loads((bad / "config.json").read_text())
+    q = cfg["quantization_config"]
+    if layer is None:
+        q |= change
+    else:
+        q["layers"][layer] = change if not isinstance(change, dict) else (
+            q["layers"][layer] | change)
+    (bad / "config.json").write_text(json.dumps(cfg))
+    where = f"layer {layer}: " if layer else ""
+    line = rf"{re.escape(f'{bad}/config.json: quantization_config {where}')}{problem}"
+    with pytest.raises(ModelLoadError, match=line):
+        load_model(bad)
+    for args in (["generate", "-m", str(bad), "--max-tokens", "1", "to"], ["info", str(bad)]):
+        result = invoke(*args)
+        assert result.exit_code == 2 and re.search(line, result.output), result.output
+        assert "Traceback" not in result.output
+
+
+def test_checkpoint_tensors_the_config_does_not_describe(tiny_checkpoints, tmp_path):
+    """A layer marked symmetric whose file still holds its offsets ran without them (on wrong
+    weights), and stray tensors were ignored: the file must hold exactly what the config says."""
+    import shutil
+
+    bad = shutil.copytree(tiny_checkpoints / "w4g64", tmp_path / "bad")
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["quantization_config"]["layers"]["model.layers.0.mlp.up_proj"]["symmetric"] = True
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors: tensor model\.layers\.0\.mlp"
+                                             r"\.up_proj\.offsets is not one the config's model "
+                                             r"and quantization layers describe$"):
+        load_model(bad)
+    shutil.copy(tiny_checkpoints / "w4g64" / "config.json", bad / "config.json")
+    tensors = load_file(str(bad / "model.safetensors"))
+    save_file(tensors | {"a.b": torch.zeros(1), "c.d": torch.zeros(1)},
+              str(bad / "model.safetensors"))
+    assert_user_error(invoke("generate", "-m", str(bad), "--max-tokens", "1", "to"),
+                      "tensor a.b is not one the config's model and quantization layers "
+                      "describe (nor 1 more)")
+
+
 def test_calib_text_errors(tmp_path, default_model_path):
     out = tmp_path / "o"
     assert_user_error(invoke("quantize", str(default_model_path), "-o", str(out), "-r", "w8",

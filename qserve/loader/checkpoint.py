@@ -39,14 +39,65 @@ QUANT_METHOD, FORMAT_VERSION = "qserve", 1
 WEIGHTS_FILE = "model.safetensors"
 
 
-def quantization_config(path: Path) -> dict | None:
-    """The directory's quantization_config if it is a qserve checkpoint, else None."""
+GROUPED_BITS = {"int4": 4, "int4z": 4, "int8": 8}  # formats with bits / group_size / symmetric
+
+
+def quantization_config(path: Path, check: bool = True) -> dict | None:
+    """The directory's quantization_config if it is a qserve checkpoint, else None; `check`
+    refuses one whose values no qserve wrote (ModelLoadError naming config.json)."""
     try:
         cfg = json.loads((path / "config.json").read_text())
     except (OSError, ValueError):
         return None  # hf_loader reports an unreadable config.json
     q = cfg.get("quantization_config") if isinstance(cfg, dict) else None
-    return q if isinstance(q, dict) and q.get("quant_method") == QUANT_METHOD else None
+    if not (isinstance(q, dict) and q.get("quant_method") == QUANT_METHOD):
+        return None
+    problem = _config_problem(q) if check else None
+    if problem:
+        raise ModelLoadError(f"{path / 'config.json'}: quantization_config {problem}")
+    return q
+
+
+def _config_problem(q: dict) -> str | None:
+    from qserve.config import KV_DTYPES
+
+    version, kv, recipe, layers = (q.get(k) for k in ("format_version", "kv_dtype", "recipe",
+                                                       "layers"))
+    if type(version) is not int or version != FORMAT_VERSION:
+        return f"format_version is {version!r}; this qserve reads {FORMAT_VERSION}"
+    if kv is not None and kv not in KV_DTYPES:
+        return f"kv_dtype is {kv!r}; it must be one of {', '.join(KV_DTYPES)}"
+    if recipe is not None and not isinstance(recipe, dict):
+        return f"recipe is {type(recipe).__name__}, not an object"
+    if not isinstance(layers, dict):
+        return "has no 'layers' mapping"
+    for name, layer in layers.items():
+        problem = _layer_problem(layer)
+        if problem:
+            return f"layer {name}: {problem} (in {str(layer)[:80]})"
+    return None
+
+
+def _layer_problem(layer) -> str | None:
+    """What is wrong with one `layers` entry, or None (format_version 1 entries may name bits
+    only; GGML block formats need nothing but the format)."""
+    if not isinstance(layer, dict):
+        return "is not an object"
+    fmt, bits, group, sym = (layer.get(k) for k in ("format", "bits", "group_size", "symmetric"))
+    if fmt is not None and fmt not in (*GROUPED_BITS, *ggml.IN_PLACE):
+        return (f"format {fmt!r} is not one a checkpoint holds "
+                f"({', '.join((*GROUPED_BITS, *ggml.IN_PLACE))})")
+    if fmt in ggml.IN_PLACE:
+        return None
+    if type(bits) is not int or bits not in ((GROUPED_BITS[fmt],) if fmt else (4, 8)):
+        return f"bits {bits!r} do not fit format {fmt or 'int4 / int8'}"
+    if group is not None and not (type(group) is int and group > 0 and group % (8 // bits) == 0):
+        return f"group_size {group!r} is not a positive {'even ' * (bits == 4)}integer or null"
+    if type(sym) is not bool:
+        return f"symmetric {sym!r} is not true or false"
+    if (fmt == "int4z" and sym) or (bits == 8 and not sym):
+        return f"symmetric {sym} does not fit {fmt or 'int8'}"
+    return None
 
 
 def hf_config(arch: ModelArchConfig) -> dict:
@@ -153,12 +204,7 @@ def read_checkpoint(path: Path, arch: ModelArchConfig, quant: dict
 
     from qserve.loader.hf_loader import expected_shapes
 
-    if quant.get("format_version") != FORMAT_VERSION:
-        raise ModelLoadError(f"{path}: qserve checkpoint format_version "
-                             f"{quant.get('format_version')!r}; this qserve reads {FORMAT_VERSION}")
-    layers = quant.get("layers")
-    if not isinstance(layers, dict):
-        raise ModelLoadError(f"{path}/config.json: quantization_config has no 'layers' mapping")
+    layers = quant["layers"]  # checked by quantization_config
     expected: dict[str, tuple[tuple, torch.dtype | None]] = {}
     for name, shape in expected_shapes(arch).items():
         layer = layers.get(name.removesuffix(".weight"))
@@ -178,6 +224,11 @@ def read_checkpoint(path: Path, arch: ModelArchConfig, quant: dict
     try:
         with safe_open(str(file), framework="pt") as f:
             present = set(f.keys())
+            unexpected = sorted(present - expected.keys())
+            if unexpected:  # e.g. offsets a layer marked symmetric would silently drop
+                raise ModelLoadError(f"{file}: tensor {unexpected[0]} is not one the config's "
+                                     f"model and quantization layers describe"
+                                     f"{f' (nor {len(unexpected) - 1} more)' * (len(unexpected) > 1)}")
             for name, (shape, dtype) in expected.items():
                 if name not in present:
                     raise ModelLoadError(f"{file}: missing tensor {name}")

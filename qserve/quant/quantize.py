@@ -453,7 +453,7 @@ def _check_replaceable(out: Path, src: Path) -> None:
     if model_home().resolve().is_relative_to(target):
         raise QServeError(f"{out} holds the model cache {model_home()}; --force would delete "
                           f"it. Write the checkpoint somewhere else")
-    if not out.is_dir() or quantization_config(out) is None:
+    if not out.is_dir() or quantization_config(out, check=False) is None:
         raise QServeError(f"{out} exists and is not a qserve checkpoint; --force only replaces "
                           f"a checkpoint qserve wrote. Remove it yourself or choose another "
                           f"directory")
