@@ -749,33 +749,36 @@ def serve(model, host, port, api_key, allowed_origins, max_request_bytes, shutdo
     from qserve.loader.registry import DEFAULT_MODEL
     from qserve.server.api import serve as run_server
     from qserve.server.async_engine import EngineThread
-    from qserve.server.config import LOOPBACK, ServerConfig
+    from qserve.server.config import LOOPBACK, ServerConfig, listen_socket
 
     config = ServerConfig(host, port, api_key,
                           tuple(o.strip() for o in allowed_origins.split(",") if o.strip()),
                           parse_size(max_request_bytes, "--max-request-bytes"),
                           shutdown_timeout)
+    if cluster["replicas"] is None and any(
+            cluster[k] is not None for k in ("ray_address", "min_replicas", "max_replicas",
+                                             "target_ongoing_requests")):
+        raise click.UsageError("--ray-address and the autoscaling flags need --replicas")
+    # bound before the model loads: a bad --host or a port in use fails at once
+    sock = listen_socket(host, port)
     if host not in LOOPBACK and not api_key:
         click.echo(f"warning: serving on {host} without an API key; anyone who can reach "
                    f"port {port} can use it (set --api-key or QSERVE_API_KEY)", err=True)
-    if cluster["replicas"] is None:
-        if any(cluster[k] is not None for k in ("ray_address", "min_replicas", "max_replicas",
-                                                "target_ongoing_requests")):
-            raise click.UsageError("--ray-address and the autoscaling flags need --replicas")
+    if cluster["replicas"] is not None:  # Ray Serve's proxy binds the address itself
+        sock.close()
+        _serve_replicas(cluster, model, dict(engine, max_waiting=max_waiting),
+                        served_model_name or model or DEFAULT_MODEL, config)
+        return
+    with sock:
         thread = EngineThread()
         eng = _build_engine(model, dict(engine, max_waiting=max_waiting), on=thread)
         name = served_model_name or model or DEFAULT_MODEL
-        click.echo(f"qserve: serving {name!r} at {_url(host, port)}/v1 (OpenAI-compatible; "
-                   f"Ctrl-C stops it)", err=True)
-        run_server(eng, name, config, thread)
-        return
-    _serve_replicas(cluster, model, dict(engine, max_waiting=max_waiting),
-                    served_model_name or model or DEFAULT_MODEL, config)
+        click.echo(f"qserve: serving {name!r} at {_url(host, sock.getsockname()[1])}/v1 "
+                   f"(OpenAI-compatible; Ctrl-C stops it)", err=True)
+        run_server(eng, name, config, thread, sock=sock)
 
 
 def _url(host: str, port: int) -> str:
-    if port == 0:
-        return f"http://{host}:<a free port, in uvicorn's line below>"
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 

@@ -435,3 +435,23 @@ def test_binding_elsewhere_without_a_key_warns():
                                 env={"QSERVE_API_KEY": ""})
     assert "warning: serving on 0.0.0.0 without an API key" in result.output
 
+
+
+def test_an_address_serve_cannot_listen_on_fails_before_the_model_loads():
+    """A host that does not resolve, or a port another server holds, is one line at once:
+    they had surfaced as uvicorn's ERROR lines (exit 3) after the whole model had loaded."""
+    from click.testing import CliRunner
+
+    from qserve import cli
+
+    r = CliRunner().invoke(cli.main, ["serve", "--host", "no-such-host.invalid"])
+    assert r.exit_code == 2, r.output
+    assert r.output.startswith("error: --host 'no-such-host.invalid' is not an address this "
+                               "machine can listen on (") and r.output.count("\n") == 1
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = CliRunner().invoke(cli.main, ["serve", "--port", str(port)])
+    assert r.exit_code == 2, r.output
+    assert r.output == f"error: cannot listen on 127.0.0.1:{port}: Address already in use\n"

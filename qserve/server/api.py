@@ -39,14 +39,16 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 def serve(engine, model_name: str, config: ServerConfig | None = None,
-          thread: EngineThread | None = None) -> None:
+          thread: EngineThread | None = None, sock=None) -> None:
     """Serve `engine` (an LLMEngine; `thread`: the EngineThread that loaded it) until SIGINT
-    or SIGTERM, then return normally.
+    or SIGTERM, then return normally. `sock`: a socket already bound to the config's address
+    (config.listen_socket); without one uvicorn binds it.
 
     On a signal the server stops accepting connections and lets in-flight requests finish for
     up to `config.shutdown_timeout_s`; then each still running ends with an error.
     """
-    make_server(engine, model_name, config or ServerConfig(), thread).run()
+    make_server(engine, model_name, config or ServerConfig(), thread).run(
+        sockets=None if sock is None else [sock])
 
 
 def make_server(engine, model_name: str, config: ServerConfig,

@@ -2,6 +2,7 @@
 construction (the CLI's serve flags map onto its fields)."""
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -43,3 +44,24 @@ class ServerConfig:
         if not self.shutdown_timeout_s >= 0:
             raise ConfigError(f"--shutdown-timeout={self.shutdown_timeout_s} must be >= 0 "
                               f"seconds")
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port, made before the model loads (as vLLM binds first), so
+    a host that does not resolve or a port in use is a one-line ConfigError at once, not an
+    error from uvicorn after the load; uvicorn then serves on it. Port 0 takes a free port
+    (`getsockname()` says which)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except (OSError, UnicodeError) as e:
+        raise ConfigError(f"--host {host!r} is not an address this machine can listen on "
+                          f"({getattr(e, 'strerror', None) or e})") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
