@@ -240,7 +240,13 @@ def test_cluster_flags_are_checked_before_anything_starts():
                       (dict(replicas=2, min_replicas=1), "together"),
                       (dict(replicas=5, min_replicas=1, max_replicas=4), "<= --max-replicas"),
                       (dict(replicas=2, target_ongoing_requests=4), "needs --min-replicas"),
-                      (dict(replicas=2, routing="random"), "--routing")]:
+                      (dict(replicas=2, routing="random"), "--routing"),
+                      # (10**20 had been a ValueError traceback from Serve's protobuf; a NaN
+                      # CPU count had reached Ray)
+                      (dict(replicas=10**20), "--replicas=100000000000000000000 is more than "
+                                              "Ray Serve takes (2,147,483,647)"),
+                      (dict(replicas=2, replica_cpus=float("nan")),
+                       "--replica-cpus=nan and --replica-gpus=0.0 must be finite and >= 0")]:
         with pytest.raises(ConfigError, match=re.escape(says)):
             ClusterConfig(**bad)
     auto = ClusterConfig(replicas=2, min_replicas=1, max_replicas=4, target_ongoing_requests=8)
@@ -252,6 +258,24 @@ def test_cluster_flags_are_checked_before_anything_starts():
     assert ClusterConfig().device("auto") == "cpu"
     r = _qserve("serve", "--replicas", "2", "--min-replicas", "3", "--max-replicas", "4")
     assert r.returncode == 2 and r.stderr.startswith("error: autoscaling needs"), r.stderr
+
+
+
+def test_replicas_that_cannot_fit_this_machine_are_refused():
+    """A local Ray cluster is this machine: replicas it cannot place would have kept Serve
+    waiting forever (a warning every 30 s); a joined cluster (--ray-address) may grow."""
+    _ray()
+    from qserve.errors import ConfigError
+    from qserve.server.cluster import ClusterConfig, _check_local_resources
+
+    have = {"CPU": 2.0, "memory": 1e10}
+    _check_local_resources(ClusterConfig(replicas=2, replica_cpus=1), have)
+    with pytest.raises(ConfigError, match=r"^--replicas 5 x --replica-cpus 1 needs 5 CPUs; this "
+                                          r"machine's Ray cluster has 2\. Ask for fewer"):
+        _check_local_resources(ClusterConfig(replicas=5, replica_cpus=1), have)
+    with pytest.raises(ConfigError, match=r"--replica-gpus 0\.5 needs 1 GPUs; this machine's "
+                                          r"Ray cluster has 0\."):
+        _check_local_resources(ClusterConfig(replicas=2, replica_gpus=0.5), have)
 
 
 def test_cli_flags_become_the_replicas_ray_placement_and_autoscaling(monkeypatch):

@@ -41,6 +41,7 @@ import asyncio
 import hmac
 import json
 import logging
+import math
 import os
 import re
 import signal
@@ -74,6 +75,7 @@ APP_NAME = "qserve"
 REPLICA_DEPLOYMENT = "QServeReplica"
 REPLICA_HEADER = "x-qserve-replica"
 ROUTING = ("prefix", "round-robin")
+MAX_REPLICAS = 2**31 - 1  # Ray Serve keeps replica counts as int32
 _DEAD = (RayActorError, ActorUnavailableError)
 ASK_TIMEOUT_S = 10.0  # a replica that does not answer /health or /metrics in this is unavailable
 
@@ -93,11 +95,14 @@ class ClusterConfig:
     max_ongoing_requests: int = 256  # per replica; beyond it the router tries the next one
 
     def __post_init__(self):
+        for flag, n in (("--replicas", self.replicas), ("--max-replicas", self.max_replicas)):
+            if n is not None and n > MAX_REPLICAS:  # Serve's config holds an int32
+                raise ConfigError(f"{flag}={n} is more than Ray Serve takes ({MAX_REPLICAS:,})")
         if self.replicas < 1:
             raise ConfigError(f"--replicas={self.replicas} must be at least 1")
-        if self.replica_cpus < 0 or self.replica_gpus < 0:
+        if not (0 <= self.replica_cpus < math.inf and 0 <= self.replica_gpus < math.inf):
             raise ConfigError(f"--replica-cpus={self.replica_cpus} and --replica-gpus="
-                              f"{self.replica_gpus} must be >= 0")
+                              f"{self.replica_gpus} must be finite and >= 0")
         if self.routing not in ROUTING:
             raise ConfigError(f"--routing={self.routing!r}: give one of {', '.join(ROUTING)}")
         scaling = (self.min_replicas, self.max_replicas)
@@ -541,10 +546,28 @@ def _replica_error() -> str | None:
     return found[-1].strip() if found else None
 
 
+def _check_local_resources(cluster: ClusterConfig, have: dict) -> None:
+    """The first replicas must fit the local Ray cluster this run started (this machine):
+    Serve would otherwise wait for them forever, warning every 30 s."""
+    for flag, each, kind in (("--replica-cpus", cluster.replica_cpus, "CPU"),
+                             ("--replica-gpus", cluster.replica_gpus, "GPU")):
+        need, free = cluster.replicas * each, have.get(kind, 0)
+        if need > free:
+            raise ConfigError(f"--replicas {cluster.replicas} x {flag} {each:g} needs "
+                              f"{need:g} {kind}s; this machine's Ray cluster has {free:g}. "
+                              f"Ask for fewer, or join a larger cluster with --ray-address")
+
+
 def run(cluster: ClusterConfig, model: str | None, engine: dict, model_name: str,
         server: ServerConfig) -> None:
     """`qserve serve --replicas`: deploy, then serve until SIGINT or SIGTERM."""
     ray.init(address=cluster.ray_address)
+    if cluster.ray_address is None:  # a cluster that may grow is left to schedule them
+        try:
+            _check_local_resources(cluster, ray.cluster_resources())
+        except ConfigError:
+            ray.shutdown()
+            raise
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which sets its own
         signal.signal(sig, lambda *_: stop.set())
