@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from qserve.config import ModelArchConfig
+from qserve.config import KV_DTYPES, ModelArchConfig
 from qserve.errors import ModelLoadError
 from qserve.formats import QuantizedTensor, ggml
 from qserve.models.registry import hf_architecture
@@ -59,8 +59,7 @@ def quantization_config(path: Path, check: bool = True) -> dict | None:
 
 
 def _config_problem(q: dict) -> str | None:
-    from qserve.config import KV_DTYPES
-
+    """What in a qserve quantization_config no qserve writes, or None."""
     version, kv, recipe, layers = (q.get(k) for k in ("format_version", "kv_dtype", "recipe",
                                                        "layers"))
     if type(version) is not int or version != FORMAT_VERSION:
