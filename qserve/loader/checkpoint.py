@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from qserve.config import KV_DTYPES, ModelArchConfig
+from qserve.config import KV_DTYPES, ModelArchConfig, is_count
 from qserve.errors import ModelLoadError
 from qserve.formats import QuantizedTensor, ggml
 from qserve.models.registry import hf_architecture
@@ -62,7 +62,7 @@ def _config_problem(q: dict) -> str | None:
     """What in a qserve quantization_config no qserve writes, or None."""
     version, kv, recipe, layers = (q.get(k) for k in ("format_version", "kv_dtype", "recipe",
                                                        "layers"))
-    if type(version) is not int or version != FORMAT_VERSION:
+    if not is_count(version) or version != FORMAT_VERSION:
         return f"format_version is {version!r}; this qserve reads {FORMAT_VERSION}"
     if kv is not None and kv not in KV_DTYPES:
         return f"kv_dtype is {kv!r}; it must be one of {', '.join(KV_DTYPES)}"
@@ -88,9 +88,9 @@ def _layer_problem(layer) -> str | None:
                 f"({', '.join((*GROUPED_BITS, *ggml.IN_PLACE))})")
     if fmt in ggml.IN_PLACE:
         return None
-    if type(bits) is not int or bits not in ((GROUPED_BITS[fmt],) if fmt else (4, 8)):
+    if not is_count(bits) or bits not in ((GROUPED_BITS[fmt],) if fmt else (4, 8)):
         return f"bits {bits!r} do not fit format {fmt or 'int4 / int8'}"
-    if group is not None and not (type(group) is int and group > 0 and group % (8 // bits) == 0):
+    if group is not None and not (is_count(group) and group % (8 // bits) == 0):
         return f"group_size {group!r} is not a positive {'even ' * (bits == 4)}integer or null"
     if type(sym) is not bool:
         return f"symmetric {sym!r} is not true or false"
@@ -210,9 +210,8 @@ def read_checkpoint(path: Path, arch: ModelArchConfig, quant: dict
         if layer is None:
             expected[name] = (shape, None)  # dense: any float dtype
             continue
-        try:
+        try:  # (the entry is checked; its shape may still not fit, e.g. a norm's)
             specs = packed_specs(shape, layer)
-            layer_format(layer)
         except (KeyError, TypeError, ValueError, ZeroDivisionError):
             raise ModelLoadError(f"{path}/config.json: layer {name} has a bad quantization "
                                  f"entry {layer!r}") from None

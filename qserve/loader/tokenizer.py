@@ -118,7 +118,8 @@ class Tokenizer:
                                      bool(add_eos) and eos_token_id is not None)
         self.chat_template, self.tool_use_template = chat_template, tool_use_template
         self._template = ChatTemplate(chat_template or CHATML_TEMPLATE)
-        self._tool_template = ChatTemplate(tool_use_template) if tool_use_template else None
+        self._tools_template = (ChatTemplate(tool_use_template) if tool_use_template
+                                else self._template)  # what renders requests with tools
         added = backend.get_added_tokens_decoder()
         self.all_special_ids: list[int] = sorted(i for i, tok in added.items() if tok.special)
         self.eos_token_ids: set[int] = {i for i in (eos_token_id, *extra_eos_ids) if i is not None}
@@ -181,10 +182,6 @@ class Tokenizer:
         template = self._template if tools is None else self._tools_template
         return template.render(messages, add_generation_prompt, tools=tools,
                                bos_token=self.bos_token, eos_token=self.eos_token)
-
-    @property
-    def _tools_template(self) -> ChatTemplate:
-        return self._tool_template or self._template
 
     @property
     def chat_template_renders_tools(self) -> bool:
