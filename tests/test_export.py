@@ -229,23 +229,36 @@ NEAR_TIE = 0.3
 
 
 def assert_same_greedy(theirs: tuple[list[int], list[float]], ours: list[int],
-                       min_agree: int) -> None:
+                       min_agree: int, resume=None) -> None:
     """Token for token, up to a step where llama.cpp's top two are within NEAR_TIE: both
     engines round activations to int8 per 32 inputs, but sum in their own order, which can
-    flip a near tie (and everything after it), never a clear choice. The first min_agree
-    tokens must agree."""
+    flip a near tie (and everything after it), never a clear choice. There the comparison
+    ends, unless `resume(prefix, k)` is given (qserve's k greedy tokens after the prompt and
+    llama.cpp's tokens `prefix`): then qserve goes on from llama.cpp's choice and every later
+    step is checked the same way. At least min_agree tokens must agree (without `resume`,
+    the first min_agree)."""
     tokens, gaps = theirs
-    for i, (a, b) in enumerate(zip(tokens, ours)):
-        if a != b:
+    ours, i, agree = list(ours), 0, 0
+    while i < min(len(tokens), len(ours)):
+        if tokens[i] != ours[i]:
             near_tie = gaps[i] is not None and gaps[i] < NEAR_TIE
-            assert near_tie and i >= min_agree, (i, tokens, ours, gaps[i])
-            return
-    assert len(tokens) == len(ours)
+            assert near_tie, (i, tokens, ours, gaps[i])
+            if resume is None:
+                break
+            rest = len(tokens) - i - 1
+            ours = ours[:i] + [tokens[i]] + (resume(tokens[:i + 1], rest) if rest else [])
+        else:
+            agree += 1
+        i += 1
+    else:
+        assert len(tokens) == len(ours)
+    assert agree >= min_agree, (agree, tokens, ours)
 
 
 @pytest.mark.slow
 def test_llama_cpp_completes_the_default_model_export_as_qserve(tmp_path, default_model_path):
-    """The real model (SmolLM2-135M), w4g32 -> Q4_1: llama.cpp's greedy equals qserve's."""
+    """The real model (SmolLM2-135M), w4g32 -> Q4_1: llama.cpp's greedy equals qserve's at
+    every step where llama.cpp's choice is clear."""
     if _llama_server() is None:
         pytest.skip("native llama.cpp is not built here (python scripts/peer.py builds it)")
     ckpt, out = tmp_path / "ckpt", tmp_path / "w4g32.gguf"
@@ -254,7 +267,10 @@ def test_llama_cpp_completes_the_default_model_export_as_qserve(tmp_path, defaul
     tok = load_model(ckpt).tokenizer
     for prompt in ("The capital of France is", "def fibonacci(n):"):
         ids = tok.encode(prompt)
-        assert_same_greedy(llama_cpp_greedy(out, ids, 16), qserve_greedy(out, ids, 16), 8)
+        # a near tie as early as the sixth token parted them on a Zen 3 (0.07 nats): qserve
+        # then continues llama.cpp's tokens, so all 16 steps are checked
+        assert_same_greedy(llama_cpp_greedy(out, ids, 16), qserve_greedy(out, ids, 16), 8,
+                           resume=lambda prefix, k: qserve_greedy(out, ids + prefix, k))
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
