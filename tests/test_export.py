@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -229,7 +230,8 @@ NEAR_TIE = 0.3
 
 
 def assert_same_greedy(theirs: tuple[list[int], list[float]], ours: list[int],
-                       min_agree: int, resume=None) -> None:
+                       min_agree: int,
+                       resume: Callable[[list[int], int], list[int]] | None = None) -> None:
     """Token for token, up to a step where llama.cpp's top two are within NEAR_TIE: both
     engines round activations to int8 per 32 inputs, but sum in their own order, which can
     flip a near tie (and everything after it), never a clear choice. There the comparison
