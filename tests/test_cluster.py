@@ -260,7 +260,6 @@ def test_cluster_flags_are_checked_before_anything_starts():
     assert r.returncode == 2 and r.stderr.startswith("error: autoscaling needs"), r.stderr
 
 
-
 def test_replicas_that_cannot_fit_this_machine_are_refused():
     """A local Ray cluster is this machine: replicas it cannot place would have kept Serve
     waiting forever (a warning every 30 s); a joined cluster (--ray-address) may grow."""
