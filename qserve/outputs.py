@@ -51,4 +51,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # SamplingParams.prompt_logprobs: per prompt token {id: logprob}, top-N + the token itself,
+    # the first None; set once the whole prompt is computed ("delta": in that output only)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     extra: dict = field(default_factory=dict)

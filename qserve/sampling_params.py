@@ -65,6 +65,9 @@ class SamplingParams:
     max_tokens: int = 16
     min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens exist
     logprobs: int | None = None  # return the logprobs of the chosen token and of the top-N
+    # return each prompt token's logprob and the top-N at its position (the first token has
+    # none: nothing precedes it); the prompt is then computed whole, not from the prefix cache
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # What engine.step() returns for this request (vLLM's RequestOutputKind): "cumulative",
@@ -113,6 +116,9 @@ class SamplingParams:
                "min_tokens")
         _check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
                f"logprobs={self.logprobs} must be in [0, {MAX_LOGPROBS}] or None", "logprobs")
+        _check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+               f"prompt_logprobs={self.prompt_logprobs} must be in [0, {MAX_LOGPROBS}] or None",
+               "prompt_logprobs")
         for s in self.stop:
             _check(isinstance(s, str) and s != "", f"stop={s!r} must be a non-empty string",
                    "stop")

@@ -253,6 +253,64 @@ def test_streamed_logprobs_join_to_the_whole_ones(client):
     assert streamed == [t.token for t in chat.choices[0].logprobs.content]
 
 
+def test_echo_with_logprobs_scores_the_prompt(client, server, tokenizer):
+    """echo + logprobs reports the prompt's tokens first (the first with null logprobs), as
+    OpenAI's legacy completions did and lm-evaluation-harness scores continuations with; the
+    generated tokens follow as without echo."""
+    ids = tokenizer.encode(PROMPT)
+    gen = client.completions.create(model=MODEL, prompt=ids, max_tokens=2, temperature=0,
+                                    logprobs=2)
+    made = gen.choices[0].logprobs
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=2, temperature=0,
+                                  logprobs=2, echo=True)
+    lp, text = r.choices[0].logprobs, r.choices[0].text
+    n = len(ids)
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n + 2
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:])
+    assert "".join(lp.tokens) == text and text.startswith(tokenizer.decode(ids))
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(n + 2)]
+    assert lp.tokens[n:] == made.tokens
+    assert lp.token_logprobs[n:] == pytest.approx(made.token_logprobs, abs=1e-4)
+
+
+def test_echo_with_max_tokens_0_returns_the_prompt_alone(client, server, tokenizer):
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0, logprobs=1,
+                                  echo=True)
+    c = r.choices[0]
+    assert c.text == PROMPT and c.finish_reason == "length"
+    assert len(c.logprobs.tokens) == r.usage.prompt_tokens == len(tokenizer.encode(PROMPT))
+    assert r.usage.completion_tokens == 0 and r.usage.total_tokens == r.usage.prompt_tokens
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, logprobs=1,
+                                      echo=True, temperature=0).choices[0].logprobs
+    assert c.logprobs.token_logprobs[1:] == pytest.approx(
+        whole.token_logprobs[1:len(c.logprobs.tokens)], abs=1e-4)
+    chunks = [ch for ch in client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=0, logprobs=1, echo=True, stream=True,
+        stream_options={"include_usage": True})]
+    texts = [ch.choices[0].text for ch in chunks if ch.choices]
+    assert texts == [PROMPT] and chunks[-1].usage.completion_tokens == 0
+    streamed = next(ch.choices[0].logprobs for ch in chunks if ch.choices)
+    assert streamed.tokens == c.logprobs.tokens
+    r = post(server, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 0})
+    assert r.status_code == 400 and "echo" in r.json()["error"]["message"]
+
+
+def test_streamed_echo_logprobs_join_to_the_whole_ones(client):
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0,
+                                      logprobs=2, echo=True).choices[0].logprobs
+    tokens, offsets, values = [], [], []
+    for ch in client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5,
+                                        temperature=0, logprobs=2, echo=True, stream=True):
+        lp = ch.choices[0].logprobs
+        if lp is not None:
+            tokens += lp.tokens
+            offsets += lp.text_offset
+            values += lp.token_logprobs
+    assert tokens == whole.tokens and offsets == whole.text_offset
+    assert values[0] is None and values[1:] == pytest.approx(whole.token_logprobs[1:], abs=1e-4)
+
+
 def test_sixteen_concurrent_streams(client, server):
     prompts = [f"Question {i}: what is {i} plus {i}? Answer:" for i in range(4)]
     expected = {p: client.completions.create(model=MODEL, prompt=p, max_tokens=6,

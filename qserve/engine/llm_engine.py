@@ -49,6 +49,7 @@ class _Request:
     metrics: RequestMetrics
     # sample index -> (output tokens, detokenizer deltas) already handed out
     sent: dict[int, tuple[int, int]]
+    prompt_logprobs_sent: bool = False  # "delta" hands them out once
 
     @property
     def finished(self) -> bool:
@@ -385,9 +386,15 @@ class LLMEngine:
                 spec_accepted_tokens=seq.spec_accepted_tokens))
         if finished:
             req.metrics.finished_time = now
-        req.metrics.first_scheduled_time = req.seqs[0].first_scheduled_time
+        first = req.seqs[0]
+        req.metrics.first_scheduled_time = first.first_scheduled_time
+        prompt_logprobs = None
+        if (first.prompt_logprobs is not None and not first.wants_prompt_logprobs
+                and not (delta and req.prompt_logprobs_sent)):
+            prompt_logprobs, req.prompt_logprobs_sent = first.prompt_logprobs, True
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions,
-                             finished, req.metrics, num_cached_tokens=req.seqs[0].num_cached_tokens)
+                             finished, req.metrics, num_cached_tokens=first.num_cached_tokens,
+                             prompt_logprobs=prompt_logprobs)
 
     # ---- introspection -----------------------------------------------------------------
     def stats(self) -> dict:

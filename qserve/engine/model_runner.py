@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 
 class ModelRunner:
     EXPAND_MAX = 17  # run_speculative: longest query still run as one-token rows (K <= 16)
+    PROMPT_LOGIT_ROWS = 128  # prompt logprobs: rows of logits formed at a time
 
     def __init__(self, model: CausalLM, cache_engine: CacheEngine,
                  block_manager: BlockManager, device: torch.device,
@@ -116,6 +117,7 @@ class ModelRunner:
             (S, vocab) fp32 logits, one row per scheduled sequence that samples, in order.
         """
         hidden, rows = self._forward(out)
+        self._record_prompt_logprobs(out, hidden)
         if not rows:
             return hidden.new_empty((0, self.model.arch.vocab_size), dtype=torch.float32)
         if len(rows) < hidden.shape[0]:
@@ -151,10 +153,44 @@ class ModelRunner:
         expand = (max(s.num_new_tokens for s in out.scheduled) <= self.EXPAND_MAX
                   and not out.staging)
         hidden, rows = self._forward(out, expand)  # (T, hidden)
+        self._record_prompt_logprobs(out, hidden)
         sampling = [s for s in out.scheduled if s.samples]
         rows = [r - s.num_spec_tokens + j for r, s in zip(rows, sampling)
                 for j in range(s.num_spec_tokens + 1)]
         return self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
+
+    def _record_prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor) -> None:
+        """Append to each scheduled sequence that wants prompt logprobs (SamplingParams.
+        prompt_logprobs) those of the prompt tokens this step predicts: the row of position p
+        holds the distribution of token p + 1. Rows are packed in scheduling order, one per
+        scheduled token (drafts included), so a sequence's rows start after the tokens of
+        those before it. Logits are formed PROMPT_LOGIT_ROWS rows at a time: a 2,048-token
+        chunk of a 128k vocabulary would be 1 GiB of fp32 at once."""
+        start = 0
+        for s in out.scheduled:
+            seq, n = s.seq, s.num_new_tokens
+            if seq.wants_prompt_logprobs:
+                c, first = seq.num_computed_tokens, len(seq.prompt_logprobs)
+                lo, hi = first - 1, min(seq.num_prompt_tokens - 1, c + n)  # positions
+                if c <= lo < hi:  # positions before c were recorded when they ran
+                    self._prompt_logprobs(seq, hidden[start + lo - c:start + hi - c],
+                                          seq.token_ids[lo + 1:hi + 1])
+            start += n
+
+    def _prompt_logprobs(self, seq, hidden: torch.Tensor, targets: list[int]) -> None:
+        """{top-N ids in rank order, then the target id: logprob} for each row of hidden, of
+        the model's own distribution (no temperature or penalty), appended to
+        seq.prompt_logprobs as the sampler forms a generated token's."""
+        k, step = seq.params.prompt_logprobs, self.PROMPT_LOGIT_ROWS
+        for i in range(0, len(targets), step):
+            lp = torch.log_softmax(self.model.compute_logits(hidden[i:i + step]).float(), -1)
+            t = torch.tensor(targets[i:i + step], device=lp.device)
+            chosen = lp.gather(1, t[:, None])[:, 0].tolist()
+            top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], t[:, None][:, :0])
+            for tid, c, tl, ti in zip(t.tolist(), chosen, top_lp.tolist(), top_ids.tolist()):
+                d = dict(zip(ti, tl))
+                d.setdefault(tid, c)
+                seq.prompt_logprobs.append(d)
 
     def _graphable(self, out: SchedulerOutput) -> bool:
         """Whether this step can replay a CUDA graph: one new token per sequence, every block

@@ -37,6 +37,7 @@ class _Request:
     prompt_token_ids: list[int]
     params: SamplingParams  # as the caller asked (its output_kind, not the engine's)
     samples: dict[int, _Sample] = dataclasses.field(default_factory=dict)
+    prompt_logprobs: list | None = None  # the engine hands them out once (its "delta")
 
 
 def engine_params(params: SamplingParams) -> SamplingParams:
@@ -79,6 +80,8 @@ class OutputProcessor:
         if req is None:
             return None, []
         kind = req.params.output_kind
+        if out.prompt_logprobs is not None:
+            req.prompt_logprobs = out.prompt_logprobs
         stopped = []
         completions = []
         for c in out.outputs:
@@ -116,8 +119,10 @@ class OutputProcessor:
             del self.requests[out.request_id]
             if metrics.finished_time is None:
                 metrics = dataclasses.replace(metrics, finished_time=time.monotonic())
-        return dataclasses.replace(out, outputs=completions, finished=finished,
-                                   metrics=metrics), stopped
+        return dataclasses.replace(
+            out, outputs=completions, finished=finished, metrics=metrics,
+            prompt_logprobs=out.prompt_logprobs if kind == "delta" else req.prompt_logprobs
+        ), stopped
 
     def _feed(self, sample: _Sample, c: CompletionOutput) -> str:
         """Detokenize a sample's new tokens (c.token_ids, a delta) as LLMEngine._append does

@@ -64,6 +64,8 @@ class DraftSeq:
     """The draft model's view of a sequence: the sequence's id and tokens, the draft's own
     computed count (its blocks are under the same id in the draft's block manager)."""
 
+    wants_prompt_logprobs = False  # the runner reports the target's, never the draft's
+
     def __init__(self, seq: Sequence):
         self.seq = seq
         self.num_computed_tokens = 0

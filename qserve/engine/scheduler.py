@@ -291,7 +291,8 @@ class Scheduler:
         """
         bm = self.block_manager
         if not bm.block_table(seq.seq_id):
-            seq.num_computed_tokens = bm.match_prefix(seq)
+            # a cached prefix would skip positions whose prompt logprobs are still wanted
+            seq.num_computed_tokens = 0 if seq.wants_prompt_logprobs else bm.match_prefix(seq)
             if seq.first_scheduled_time is None:
                 seq.num_cached_tokens = seq.num_computed_tokens
         remaining = seq.num_tokens - seq.num_computed_tokens

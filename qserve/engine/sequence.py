@@ -56,6 +56,10 @@ class Sequence:
         self.generator: torch.Generator | None = None
         self.detokenizer: IncrementalDetokenizer | None = None
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        # SamplingParams.prompt_logprobs: one entry per prompt token recorded so far, the
+        # first None (no distribution precedes it); the model runner appends the rest in order
+        self.prompt_logprobs: list[dict[int, float] | None] | None = (
+            [None] if params.prompt_logprobs is not None else None)
         self.first_token_time: float | None = None
         self.first_scheduled_time: float | None = None
         self.num_spec_tokens = 0  # provisional draft tokens at the end of token_ids
@@ -83,6 +87,12 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Whether prompt tokens still lack their logprobs (SamplingParams.prompt_logprobs)."""
+        return (self.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < self.num_prompt_tokens)
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
@@ -113,6 +123,7 @@ class Sequence:
         child.num_computed_tokens = self.num_computed_tokens
         child.num_cached_tokens = self.num_cached_tokens
         child.first_scheduled_time = self.first_scheduled_time
+        child.prompt_logprobs = self.prompt_logprobs  # recorded once, for the request
         return child
 
     def __repr__(self) -> str:

@@ -316,13 +316,21 @@ class _Response:
         self.echo = echo_texts
         self.lp = (P.LogprobFormatter(engine.tokenizer, req.logprobs)
                    if req.logprobs is not None else None)
+        # echo with max_tokens 0: the prompt alone (the engine samples one token, left out)
+        self.prompt_only = req.echo and req.max_tokens == 0
 
-    def _logprobs(self, c, offset: int):
-        """c's tokens' logprobs (a whole sample's, or a stream chunk's new ones)."""
+    def _logprobs(self, c, offset: int, out=None):
+        """c's tokens' logprobs (a whole sample's, or a stream chunk's new ones); with `out`
+        (its RequestOutput, for an echoed prompt's first chunk) the prompt's tokens first."""
         if self.lp is None or c.logprobs is None:
             return None
         ids, lps = c.token_ids, c.logprobs[:len(c.token_ids)]
-        return self.lp.chat(ids, lps) if self.chat else self.lp.completion(ids, lps, offset)
+        if self.chat:
+            return self.lp.chat(ids, lps)
+        made = None if self.prompt_only else self.lp.completion(ids, lps, offset)
+        if out is None or out.prompt_logprobs is None:
+            return made if made is not None else self.lp.completion([], [], offset)
+        return self.lp.join(self.lp.prompt(out.prompt_token_ids, out.prompt_logprobs), made)
 
     def whole(self, finals) -> dict:
         choices = []
@@ -336,18 +344,18 @@ class _Response:
                     parser.finish()
                     content, calls = parser.message()
                 choice = {"index": i * self.n + c.index,
-                          "logprobs": self._logprobs(c, len(head)),
+                          "logprobs": self._logprobs(c, len(head), out if self.echo else None),
                           "finish_reason": P.finish_reason(c, bool(calls))}
                 if self.chat:
                     choice["message"] = {"role": "assistant", "content": content}
                     if calls:
                         choice["message"]["tool_calls"] = calls
                 else:
-                    choice["text"] = head + c.text
+                    choice["text"] = head + ("" if self.prompt_only else c.text)
                 choices.append(choice)
         choices.sort(key=lambda ch: ch["index"])
         return P.envelope(self.id, self.kind, self.created, self.model, choices,
-                          usage=P.usage(finals))
+                          usage=P.usage(finals, self.prompt_only))
 
     async def stream(self, gen: Generation):
         kind = "chat.completion.chunk" if self.chat else "text_completion"
@@ -373,12 +381,17 @@ class _Response:
                             text, calls = text + rest, calls + more
                     reason = P.finish_reason(c, index in parsers and bool(parsers[index].calls))
                     first = index not in started
+                    if self.prompt_only:  # one chunk: the prompt, cut at length
+                        text, reason = "", "length" if first else None
                     if not (first or text or calls or (reason and index not in finished)):
                         continue
                     if first and self.echo:
                         text = self.echo[i] + text
+                    # a first chunk's own tokens follow its echoed prompt
+                    at = offsets.get(index, 0) + (len(self.echo[i]) if first and self.echo else 0)
                     choice = {"index": index,
-                              "logprobs": self._logprobs(c, offsets.get(index, 0)),
+                              "logprobs": self._logprobs(c, at,
+                                                         out if first and self.echo else None),
                               "finish_reason": reason}
                     if self.chat:
                         delta = {"role": "assistant"} if first else {}
@@ -403,7 +416,7 @@ class _Response:
         if self.req.include_usage:
             finals = [last[i] for i in sorted(last)]
             yield _sse(P.envelope(self.id, kind, self.created, self.model, [],
-                                  usage=P.usage(finals)))
+                                  usage=P.usage(finals, self.prompt_only)))
         yield "data: [DONE]\n\n"
 
 

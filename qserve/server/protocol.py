@@ -45,7 +45,7 @@ class GenerateRequest:
     prompts: list[str | list[int]]  # chat: empty until the template is applied
     messages: list[dict] | None  # chat only
     params: SamplingParams  # max_tokens is a placeholder until the prompt length is known
-    max_tokens: int | None  # None: as many as the context leaves
+    max_tokens: int | None  # None: as many as the context leaves; 0 (echo only): the prompt
     stream: bool
     include_usage: bool
     echo: bool
@@ -145,8 +145,9 @@ def _content(content, i: int) -> str:
 def _common(body: dict, prompts, messages, max_tokens: int | None, logprobs: int | None,
             echo: bool) -> GenerateRequest:
     model = _get(body, "model", (str,), "a string")
-    if max_tokens is not None and max_tokens < 1:
-        raise bad(f"'max_tokens'={max_tokens} must be at least 1", "max_tokens")
+    if max_tokens is not None and max_tokens < (0 if echo else 1):
+        raise bad(f"'max_tokens'={max_tokens} must be at least 1 (0 only with 'echo': true, "
+                  f"which returns the prompt alone)", "max_tokens")
     temperature = _get(body, "temperature", _NUMBER, "a number", 1.0)
     if not 0 <= temperature <= 2:
         raise bad(f"'temperature'={temperature} must be in [0, 2]", "temperature")
@@ -173,6 +174,9 @@ def _common(body: dict, prompts, messages, max_tokens: int | None, logprobs: int
         ignore_eos=_get(body, "ignore_eos", (bool,), "a boolean", False),
         min_tokens=_get(body, "min_tokens", (int,), "an integer", 0),
         logprobs=logprobs,
+        # echo with logprobs reports the prompt's tokens too, as OpenAI's legacy completions
+        # did (what lm-evaluation-harness scores a continuation with)
+        prompt_logprobs=logprobs if echo else None,
     )
     _get(body, "user", (str,), "a string")
     if max_tokens is not None and sampling["min_tokens"] > max_tokens:
@@ -214,7 +218,8 @@ def fit_to_context(req: GenerateRequest, prompt_lens: list[int], max_model_len: 
                   f"for {longest + req.max_tokens} ({longest} in the prompt, {req.max_tokens} "
                   f"in the completion). Lower max_tokens or shorten the prompt.",
                   "max_tokens", "context_length_exceeded")
-    return dataclasses.replace(req.params, max_tokens=req.max_tokens)
+    # max_tokens 0 (with echo) samples one token, which the response leaves out
+    return dataclasses.replace(req.params, max_tokens=max(req.max_tokens, 1))
 
 
 # ---- responses --------------------------------------------------------------------------
@@ -228,9 +233,10 @@ def finish_reason(c: CompletionOutput, tool_calls: bool = False) -> str | None:
     return "tool_calls" if tool_calls else "stop"
 
 
-def usage(outputs: list[RequestOutput]) -> dict:
+def usage(outputs: list[RequestOutput], prompt_only: bool = False) -> dict:
+    """prompt_only: echo with max_tokens 0, whose one sampled token the response omits."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(c.num_tokens for o in outputs for c in o.outputs)
+    completion = 0 if prompt_only else sum(c.num_tokens for o in outputs for c in o.outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}
 
@@ -273,6 +279,20 @@ class LogprobFormatter:
             offset += len(s)
         return {"tokens": tokens, "token_logprobs": chosen, "top_logprobs": tops,
                 "text_offset": offsets}
+
+    def prompt(self, ids: list[int], lps: list[dict[int, float] | None]) -> dict:
+        """completion()'s shape for echoed prompt tokens: the first has no logprob (null), as
+        nothing precedes it; offsets count from the prompt's start."""
+        rest = self.completion(ids[1:], lps[1:], len(self.token(ids[0])))
+        return {"tokens": [self.token(ids[0]), *rest["tokens"]],
+                "token_logprobs": [None, *rest["token_logprobs"]],
+                "top_logprobs": [None, *rest["top_logprobs"]],
+                "text_offset": [0, *rest["text_offset"]]}
+
+    @staticmethod
+    def join(first: dict, then: dict | None) -> dict:
+        """Two completion() objects, one after the other."""
+        return first if then is None else {k: first[k] + then[k] for k in first}
 
     def chat(self, ids: list[int], lps: list[dict[int, float]]) -> dict:
         def item(tid: int, v: float) -> dict:
