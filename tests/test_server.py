@@ -311,6 +311,42 @@ def test_streamed_echo_logprobs_join_to_the_whole_ones(client):
     assert values[0] is None and values[1:] == pytest.approx(whole.token_logprobs[1:], abs=1e-4)
 
 
+def test_tokenize_and_detokenize(client, server, tokenizer):
+    """POST /tokenize and /detokenize in vLLM's shape and llama.cpp's: the ids a completion
+    or a chat request would run, and back to the text."""
+    r = post(server, "/tokenize", {"model": MODEL, "prompt": PROMPT})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    used = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1).usage
+    assert body["tokens"] == tokenizer.encode(PROMPT) and body["count"] == used.prompt_tokens
+    assert body["max_model_len"] == client.models.list().data[0].max_model_len
+    bare = post(server, "/tokenize", {"content": PROMPT}).json()  # llama.cpp: no specials
+    assert bare["tokens"] == tokenizer.encode(PROMPT, add_special_tokens=False)
+    chat = post(server, "/tokenize", {"model": MODEL, "messages": HELLO}).json()
+    used = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=1).usage
+    assert chat["count"] == len(chat["tokens"]) == used.prompt_tokens
+    back = post(server, "/detokenize", {"model": MODEL, "tokens": chat["tokens"]}).json()
+    assert back["prompt"] == back["content"] == tokenizer.decode(chat["tokens"],
+                                                                 skip_special_tokens=False)
+    assert post(server, "/detokenize", {"tokens": bare["tokens"]}).json()["prompt"] == PROMPT
+    assert post(server, "/tokenize", {"content": ""}).json()["count"] == 0
+
+
+@pytest.mark.parametrize("path, body, status, words", [
+    ("/tokenize", {"model": MODEL}, 400, "'prompt'"),
+    ("/tokenize", {"prompt": 5}, 400, "'prompt' must be a string"),
+    ("/tokenize", {"prompt": "x", "model": "other"}, 404, "does not exist"),
+    ("/tokenize", {"messages": []}, 400, "'messages'"),
+    ("/detokenize", {"tokens": "1 2"}, 400, "list of token ids"),
+    ("/detokenize", {"tokens": [1, -1]}, 400, "holds -1"),
+    ("/detokenize", {"tokens": [10 ** 12]}, 400, "not a token id of this model"),
+])
+def test_tokenize_refusals_are_one_line(server, path, body, status, words):
+    r = post(server, path, body)
+    assert r.status_code == status and words in r.json()["error"]["message"], r.text
+    assert post(server, path, {"prompt": "x", "tokens": [1]}, key=None).status_code == 401
+
+
 def test_sixteen_concurrent_streams(client, server):
     prompts = [f"Question {i}: what is {i} plus {i}? Answer:" for i in range(4)]
     expected = {p: client.completions.create(model=MODEL, prompt=p, max_tokens=6,

@@ -182,21 +182,45 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: Metrics,
         prompts = [next(encoded) if isinstance(p, str) else p for p in req.prompts]
         return await _run(request, req, prompts, "cmpl", "text_completion")
 
+    def chat_prompt(req: P.GenerateRequest) -> list[int]:
+        """A chat request's prompt ids, through the model's template (in a worker thread)."""
+        tok = engine.tokenizer
+        try:
+            text = render_chat(tok, req.messages, req.structure, grammars.fmt)
+        except QServeError as e:  # a template that refuses this conversation
+            raise P.bad(str(e), "messages") from None
+        return _encode(tok, [text], False)[0]
+
     @v1.post("/chat/completions")
     async def chat_completions(request: Request):
         req = P.parse_chat(await _json(request))
         check_model(req.model)
-        tok = engine.tokenizer
-
-        def render() -> list[int]:
-            try:
-                text = render_chat(tok, req.messages, req.structure, grammars.fmt)
-            except QServeError as e:  # a template that refuses this conversation
-                raise P.bad(str(e), "messages") from None
-            return _encode(tok, [text], False)[0]
-
-        ids = await asyncio.get_running_loop().run_in_executor(None, render)
+        ids = await asyncio.get_running_loop().run_in_executor(None, chat_prompt, req)
         return await _run(request, req, [ids], "chatcmpl", "chat.completion")
+
+    # ---- the tokenizer, as vLLM's and llama.cpp's servers offer it ----------------------
+    @app.post("/tokenize", dependencies=[Depends(require_key)])
+    async def tokenize(request: Request):
+        body = await _json(request)
+        loop = asyncio.get_running_loop()
+        if "messages" in body:  # a chat request's prompt, as it would run
+            req = P.parse_chat(body)
+            check_model(req.model)
+            ids = await loop.run_in_executor(None, chat_prompt, req)
+        else:
+            model, text, special = P.parse_tokenize(body)
+            check_model(model)
+            ids = (await loop.run_in_executor(None, _encode, engine.tokenizer, [text],
+                                              special))[0]
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+
+    @app.post("/detokenize", dependencies=[Depends(require_key)])
+    async def detokenize(request: Request):
+        model, ids = P.parse_detokenize(await _json(request), engine.tokenizer.vocab_size)
+        check_model(model)
+        text = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: engine.tokenizer.decode(ids, skip_special_tokens=False))
+        return {"prompt": text, "content": text}  # vLLM's key, llama.cpp's
 
     async def _run(request: Request, req: P.GenerateRequest, prompts: list[list[int]],
                    prefix: str, kind: str):

@@ -94,6 +94,37 @@ def parse_completion(body: dict) -> GenerateRequest:
                    logprobs, echo=_get(body, "echo", (bool,), "a boolean", False))
 
 
+def parse_tokenize(body: dict) -> tuple[str | None, str, bool]:
+    """POST /tokenize without `messages` (those make a chat request): the model asked for, the
+    text, and whether to add the tokenizer's special tokens. vLLM's shape sends `prompt` and
+    `add_special_tokens` (default true); llama.cpp's server sends `content` and `add_special`
+    (default false)."""
+    model = _get(body, "model", (str,), "a string")
+    if "prompt" in body:
+        text = _get(body, "prompt", (str,), "a string", "")
+        special = _get(body, "add_special_tokens", (bool,), "a boolean", True)
+    elif "content" in body:
+        text = _get(body, "content", (str,), "a string", "")
+        special = _get(body, "add_special", (bool,), "a boolean", False)
+    else:
+        raise bad("give the text to tokenize as 'prompt' (or 'content'), or a chat as "
+                  "'messages'", "prompt")
+    return model, text, special
+
+
+def parse_detokenize(body: dict, vocab_size: int) -> tuple[str | None, list[int]]:
+    """POST /detokenize: the model asked for and `tokens`, a list of ids in the vocabulary."""
+    model = _get(body, "model", (str,), "a string")
+    tokens = body.get("tokens")
+    if not (isinstance(tokens, list) and all(_is_ids(t) for t in tokens)):
+        raise bad("'tokens' must be a list of token ids", "tokens")
+    wrong = next((t for t in tokens if not 0 <= t < vocab_size), None)
+    if wrong is not None:
+        raise bad(f"'tokens' holds {wrong}, not a token id of this model (0 to "
+                  f"{vocab_size - 1})", "tokens")
+    return model, tokens
+
+
 def _is_ids(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
