@@ -1,7 +1,8 @@
 """SamplingParams.prompt_logprobs on the real default model in fp32: each prompt token's
 logprob and the top-N at its position, against Hugging Face transformers, and the same through
 chunked prefill, a warm prefix cache, n > 1, a batch with other requests, recompute
-preemption and the engine's "delta" outputs. (The server's echo + logprobs: test_server.py.)"""
+preemption, speculative decoding and the engine's "delta" outputs. (The server's echo +
+logprobs: test_server.py.)"""
 import pytest
 import torch
 
