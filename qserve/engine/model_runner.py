@@ -14,6 +14,7 @@ from qserve.engine.block_manager import BlockManager
 from qserve.engine.cache_engine import CacheEngine
 from qserve.engine.cuda_graph import DecodeGraphs, enabled as cuda_graphs_enabled, uncapturable
 from qserve.engine.layerwise import StepLayers
+from qserve.engine.sampler import logprob_dicts
 from qserve.engine.scheduler import SchedulerOutput, StagingPlan
 from qserve.kernels.paged_attention import PagedAttentionMetadata
 from qserve.models.base import CausalLM
@@ -180,17 +181,12 @@ class ModelRunner:
     def _prompt_logprobs(self, seq, hidden: torch.Tensor, targets: list[int]) -> None:
         """{top-N ids in rank order, then the target id: logprob} for each row of hidden, of
         the model's own distribution (no temperature or penalty), appended to
-        seq.prompt_logprobs as the sampler forms a generated token's."""
+        seq.prompt_logprobs in the sampler's form for a generated token."""
         k, step = seq.params.prompt_logprobs, self.PROMPT_LOGIT_ROWS
         for i in range(0, len(targets), step):
-            lp = torch.log_softmax(self.model.compute_logits(hidden[i:i + step]).float(), -1)
+            lp = torch.log_softmax(self.model.compute_logits(hidden[i:i + step]), -1)
             t = torch.tensor(targets[i:i + step], device=lp.device)
-            chosen = lp.gather(1, t[:, None])[:, 0].tolist()
-            top_lp, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], t[:, None][:, :0])
-            for tid, c, tl, ti in zip(t.tolist(), chosen, top_lp.tolist(), top_ids.tolist()):
-                d = dict(zip(ti, tl))
-                d.setdefault(tid, c)
-                seq.prompt_logprobs.append(d)
+            seq.prompt_logprobs += logprob_dicts(lp, t, [k] * len(t))
 
     def _graphable(self, out: SchedulerOutput) -> bool:
         """Whether this step can replay a CUDA graph: one new token per sequence, every block

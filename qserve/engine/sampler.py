@@ -287,13 +287,18 @@ def _logprobs(raw: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingRow
     """raw (B, V) logits, token_ids (B,) chosen ids -> per row in idx: {top-N ids in rank order,
     then the chosen id: logprob}."""
     t = torch.tensor(idx, device=raw.device)
-    lp = torch.log_softmax(raw[t], dim=-1)  # (L, V)
-    n = [rows[i].params.logprobs for i in idx]
-    top_lp, top_ids = lp.topk(max(n), dim=-1)  # (L, N)
-    chosen = token_ids[t]
+    return logprob_dicts(torch.log_softmax(raw[t], dim=-1), token_ids[t],
+                         [rows[i].params.logprobs for i in idx])
+
+
+def logprob_dicts(lp: torch.Tensor, chosen: torch.Tensor, ns: list[int]
+                  ) -> list[dict[int, float]]:
+    """lp (L, V) log-probs, chosen (L,) ids, ns each row's N -> per row {top-N ids in rank
+    order, then the chosen id: logprob} (a generated token's logprobs, and a prompt token's)."""
+    top_lp, top_ids = lp.topk(max(ns), dim=-1)  # (L, N)
     chosen_lp = lp.gather(1, chosen[:, None])[:, 0]  # (L,)
     out = []
-    for k, tl, ti, c, cl in zip(n, top_lp.tolist(), top_ids.tolist(), chosen.tolist(),
+    for k, tl, ti, c, cl in zip(ns, top_lp.tolist(), top_ids.tolist(), chosen.tolist(),
                                 chosen_lp.tolist()):
         d = dict(zip(ti[:k], tl[:k]))
         d.setdefault(c, cl)

@@ -352,8 +352,8 @@ class _Response:
         if self.chat:
             return self.lp.chat(ids, lps)
         made = None if self.prompt_only else self.lp.completion(ids, lps, offset)
-        if out is None or out.prompt_logprobs is None:
-            return made if made is not None else self.lp.completion([], [], offset)
+        if out is None or out.prompt_logprobs is None:  # (an abort before the prompt ran)
+            return made
         return self.lp.join(self.lp.prompt(out.prompt_token_ids, out.prompt_logprobs), made)
 
     def whole(self, finals) -> dict:
