@@ -309,9 +309,16 @@ def info(model, as_json, engine):
         kv_per_gib[name] = (1 << 30) // per_block * bs
     from qserve.models.registry import num_params
 
+    from qserve.loader.hf_loader import vision_language
+
     n = num_params(arch)
+    wrapper = vision_language(path) if path.is_dir() else None
     report = {
-        "model": str(path), "architecture": arch.architecture, "num_layers": arch.num_layers,
+        "model": str(path), "architecture": arch.architecture,
+        **({} if wrapper is None else {"vision_language": (
+            f"{wrapper}: its language model alone (the vision tower is not loaded; text in, "
+            f"text out)")}),
+        "num_layers": arch.num_layers,
         "num_heads": arch.num_heads, "num_kv_heads": arch.num_kv_heads,
         "head_dim": arch.head_dim, "hidden_size": arch.hidden_size,
         "intermediate_size": arch.intermediate_size, "vocab_size": arch.vocab_size,

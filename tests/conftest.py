@@ -86,7 +86,8 @@ def hf_tokenizer(hf_dir):
 # that compare tiny random models with transformers, whatever their own marks say.
 _SLOW_FIXTURES = {"default_model_path", "loaded_model", "native_model", "tokenizer", "hf_dir",
                   "hf_model", "hf_tokenizer"}
-_SLOW_MODULES = {"test_families.py", "test_moe.py", "test_awq_gptq_import.py"}
+_SLOW_MODULES = {"test_families.py", "test_moe.py", "test_awq_gptq_import.py",
+                 "test_vision_language.py"}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -82,26 +82,32 @@ def tokenizer_model(tmp_path_factory) -> Path:
     return out / "tok.model"
 
 
+def write_checkpoint(config, path: Path, tokenizer_model: Path,
+                     auto: str = "AutoModelForCausalLM") -> Path:
+    """A random-init model of `config` (built by transformers' `auto` class) saved at `path`
+    with the tiny vocabulary, norms and biases randomized too (Gemma initializes its norms to
+    0, which would hide a missing 1 + w)."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = getattr(transformers, auto).from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.add_(torch.randn_like(p) * 0.3)
+    model.save_pretrained(path)
+    (path / "tokenizer.model").write_bytes(tokenizer_model.read_bytes())
+    return path
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tokenizer_model, tmp_path_factory) -> dict[str, Path]:
-    """name -> Hugging Face directory of a random-init model, norms and biases randomized too
-    (Gemma initializes its norms to 0, which would hide a missing 1 + w)."""
-    from transformers import AutoModelForCausalLM
-
+    """name -> Hugging Face directory of a random-init model (write_checkpoint)."""
     root = tmp_path_factory.mktemp("families")
     dirs = {}
     for name, (config, _) in configs().items():
         config.vocab_size = 320
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        with torch.no_grad():
-            for pname, p in model.named_parameters():
-                if p.ndim == 1:
-                    p.add_(torch.randn_like(p) * 0.3)
-        path = root / name
-        model.save_pretrained(path)
-        (path / "tokenizer.model").write_bytes(tokenizer_model.read_bytes())
-        dirs[name] = path
+        dirs[name] = write_checkpoint(config, root / name, tokenizer_model)
     return dirs
 
 
@@ -135,16 +141,17 @@ def prompt() -> tuple[int, ...]:
 
 @functools.cache
 @torch.no_grad()
-def transformers_greedy(path: Path, ids: tuple[int, ...], n: int
-                        ) -> tuple[list[int], list[float]]:
+def transformers_greedy(path: Path, ids: tuple[int, ...], n: int,
+                        auto: str = "AutoModelForCausalLM") -> tuple[list[int], list[float]]:
     """Greedy through transformers' own KV cache, one token per step (as generate() would,
     without its EOS handling): the tokens and their log-probabilities. Eager attention: the
-    only one that soft-caps scores."""
-    from transformers import AutoModelForCausalLM
+    only one that soft-caps scores. `auto`: the transformers class that loads the whole
+    checkpoint (AutoModelForImageTextToText for a vision-language one, fed text alone)."""
+    import transformers
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                 attn_implementation="eager").eval()
-    out = model(torch.tensor([list(ids)]), use_cache=True)
+    model = getattr(transformers, auto).from_pretrained(path, dtype=torch.float32,
+                                                        attn_implementation="eager").eval()
+    out = model(input_ids=torch.tensor([list(ids)]), use_cache=True)
     tokens, logprobs = [], []
     while True:
         lp = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
@@ -152,7 +159,8 @@ def transformers_greedy(path: Path, ids: tuple[int, ...], n: int
         logprobs.append(lp[tokens[-1]].item())
         if len(tokens) == n:
             return tokens, logprobs
-        out = model(torch.tensor([tokens[-1:]]), cache=out.past_key_values, use_cache=True)
+        out = model(input_ids=torch.tensor([tokens[-1:]]), cache=out.past_key_values,
+                    use_cache=True)
 
 
 def qserve_greedy(model: Path, ids: tuple[int, ...], n: int) -> tuple[list[int], list[float]]:
@@ -165,9 +173,9 @@ def qserve_greedy(model: Path, ids: tuple[int, ...], n: int) -> tuple[list[int],
     return tokens, [lp[t] for t, lp in zip(tokens, out.outputs[0].logprobs)]
 
 
-def check(model: Path, checkpoint: Path) -> None:
+def check(model: Path, checkpoint: Path, auto: str = "AutoModelForCausalLM") -> None:
     ids = prompt()
-    ref_tokens, ref_logprobs = transformers_greedy(checkpoint, ids, NEW_TOKENS)
+    ref_tokens, ref_logprobs = transformers_greedy(checkpoint, ids, NEW_TOKENS, auto)
     tokens, logprobs = qserve_greedy(model, ids, NEW_TOKENS)
     assert tokens == ref_tokens
     # Greedy tokens alone cannot see a final soft-cap (tanh keeps the order) and barely see
@@ -224,7 +232,9 @@ def test_unsupported_architecture_is_one_line(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v3"}))
     with pytest.raises(ModelLoadError, match=r"model_type 'deepseek_v3' is not supported; qserve "
                                              r"runs llama, mistral, qwen2, qwen3, phi3, gemma2, "
-                                             r"gemma3_text, mixtral, qwen3_moe$"):
+                                             r"gemma3_text, mixtral, qwen3_moe, and the "
+                                             r"language model of gemma3, mistral3, llava, "
+                                             r"qwen2_vl, qwen2_5_vl, qwen3_vl checkpoints$"):
         load_arch(tmp_path)
 
 

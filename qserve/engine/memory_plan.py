@@ -289,7 +289,7 @@ def resident_tensors(path: Path, arch: ModelArchConfig, dtype: torch.dtype, nati
     keeps, from the file's headers alone; a packed linear is one entry: a qserve checkpoint's
     qweight, scales and offsets (int4z: zero points) together, an AWQ / GPTQ one's as the
     importer keeps them (awq_gptq.resident_layout)."""
-    from qserve.loader.hf_loader import expected_shapes
+    from qserve.loader.hf_loader import expected_shapes, language_names
 
     wanted = expected_shapes(arch)
     dense_name = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}[dtype]
@@ -321,7 +321,10 @@ def resident_tensors(path: Path, arch: ModelArchConfig, dtype: torch.dtype, nati
     quant = quantization_config(path)
     imported = resident_layout(path) if quant is None else None  # (format, suffix -> bytes)
     packed: dict[str, list] = {}  # base name -> [format, bytes]
-    for name, dt, shape in _safetensors_tensors(path):
+    rename = language_names(path)  # a vision-language checkpoint's text half alone
+    for stored, dt, shape in _safetensors_tensors(path):
+        if (name := rename(stored)) is None:
+            continue
         base, _, leaf = name.rpartition(".")
         if quant is not None and leaf in ("qweight", "scales", "offsets"):
             layer = quant.get("layers", {}).get(base, {})

@@ -161,11 +161,12 @@ def resident_layout(path: Path) -> tuple[str, dict[str, int]] | None:
 
 
 def read_weights(path: Path, arch: ModelArchConfig, quant: dict,
-                 where: dict[str, Path], shapes: dict[str, tuple]) -> LazyWeights:
+                 where: dict[str, tuple[Path, str]], shapes: dict[str, tuple]) -> LazyWeights:
     """The model's weights from an AWQ/GPTQ directory: each packed linear as an int4 / int4z
     QuantizedTensor under `<name>.weight`, the rest as stored. `where` / `shapes`: every
-    tensor in the directory's safetensors files -> its file / shape (from the headers)."""
-    from safetensors import safe_open
+    tensor in the directory's safetensors files -> (its file, stored name) / shape (from the
+    headers: hf_loader.tensor_index)."""
+    from qserve.loader.hf_loader import read_tensor
 
     spec = _Spec(quant, path / "config.json")
     expected = checkpoint_shapes(arch)
@@ -195,14 +196,10 @@ def read_weights(path: Path, arch: ModelArchConfig, quant: dict,
                                  f"{', '.join(packed)} are quantized")
 
     def load(key: str, dtype) -> torch.Tensor:
-        try:
-            with safe_open(str(where[key]), framework="pt") as f:
-                t = f.get_tensor(key)
-        except Exception as e:
-            raise ModelLoadError(f"{where[key]}: tensor {key} cannot be read "
-                                 f"({type(e).__name__}: {e})".splitlines()[0]) from None
+        t = read_tensor(where, key)
         if dtype is not None and t.dtype != dtype:
-            raise ModelLoadError(f"{where[key]}: tensor {key} has dtype {t.dtype}, expected "
+            file, stored = where[key]
+            raise ModelLoadError(f"{file}: tensor {stored} has dtype {t.dtype}, expected "
                                  f"{dtype}")
         return t
 

@@ -1,10 +1,13 @@
 """Hugging Face model directory -> ModelArchConfig, weights and Tokenizer.
 
-    config.json                         architecture (model_type: models/registry.py)
+    config.json                         architecture (model_type: models/registry.py); a
+                                        vision-language checkpoint's language model alone
+                                        (VISION_LANGUAGE: text_config, the tensors' prefix)
     model.safetensors                   weights, or shards listed in model.safetensors.index.json
     tokenizer.json | tokenizer.model    vocabulary (tokenizers / sentencepiece)
     tokenizer_config.json               bos/eos, add_bos_token, chat_template (optional)
     chat_template.jinja                 the chat template, as transformers >= 4.50 saves it (optional)
+    chat_template.json                  a processor's chat template (optional, read last)
     additional_chat_templates/*.jinja   named templates, e.g. tool_use (optional)
     generation_config.json              extra eos ids (optional)
 
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -69,15 +73,90 @@ def _token_ids(value, where: str) -> list[int]:
     return ids
 
 
+# Vision-language checkpoints whose language model qserve runs alone, text in and text out
+# (their vision tower and projector are not read): model_type -> the model_type of its
+# language model where its config does not name one (transformers' default for the wrapper;
+# Qwen2.5-VL's hub config is flat, its text fields beside vision_config)
+VISION_LANGUAGE = {"gemma3": "gemma3_text", "mistral3": "mistral", "llava": "llama",
+                   "qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3"}
+# Language models whose layers are a family's own: Qwen's multimodal rope (M-RoPE) rotates
+# sections of each head by a token's time, height and width positions, which for text are
+# all its position, so on text alone it is the family's plain rope
+_TEXT_MODEL_TYPES = {"qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2",
+                     "qwen3_vl_text": "qwen3"}
+# Where such a checkpoint keeps the language model's tensors: the hub's files (transformers
+# < 4.52, and >= 5 when it saves) put them under language_model.{model,lm_head}, 4.52-4.57
+# saved model.language_model.* beside a top-level lm_head; Qwen2-VL's and Qwen2.5-VL's are
+# a text model's own names beside visual.*
+_LANGUAGE_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                      ("model.language_model.", "model."))
+_VISION_PREFIXES = tuple(p + part for p in ("", "model.")
+                         for part in ("vision_tower.", "multi_modal_projector.", "visual."))
+
+
+def language_config(cfg: dict, cfg_path: Path) -> dict:
+    """config.json's language model: the config itself, or a vision-language checkpoint's
+    text_config (or its own text fields, where it is flat), with the outer config's bos/eos
+    ids where text_config has none, tied embeddings where either level says so (read_config
+    asks the weights first), and a multimodal rope as the plain one it is on text."""
+    wrapper = cfg.get("model_type")
+    if wrapper not in VISION_LANGUAGE:
+        return cfg
+    text = cfg.get("text_config", {k: v for k, v in cfg.items() if k != "vision_config"})
+    if not isinstance(text, dict):
+        raise ModelLoadError(f"{cfg_path}: text_config is {str(text)[:60]!r}; a {wrapper} "
+                             f"config's language model must be an object")
+    outer = {k: cfg[k] for k in ("bos_token_id", "eos_token_id") if cfg.get(k) is not None}
+    text = outer | text
+    model_type = text.get("model_type")
+    text["model_type"] = (VISION_LANGUAGE[wrapper] if model_type in (None, wrapper)
+                          else _TEXT_MODEL_TYPES.get(model_type, model_type))
+    if cfg.get("tie_word_embeddings") is True:
+        text["tie_word_embeddings"] = True
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = text.get(key)
+        if isinstance(rope, dict) and "mrope_section" in rope:
+            rope = {k: v for k, v in rope.items() if not k.startswith("mrope")}
+            kind = rope.pop("type", None) or rope.get("rope_type", "default")
+            text[key] = rope | {"rope_type": "default" if kind == "mrope" else kind}
+    return text
+
+
+def vision_language(path: Path) -> str | None:
+    """The model_type of the VISION_LANGUAGE checkpoint at `path`, else None."""
+    model_type = _read_json(path / "config.json", required=False).get("model_type")
+    return model_type if model_type in VISION_LANGUAGE else None
+
+
+def language_names(path: Path) -> Callable[[str], str | None]:
+    """A stored tensor name -> the name the language model reads it as (None: not one of its
+    tensors, e.g. a vision tower's): the name itself, but for a VISION_LANGUAGE checkpoint."""
+    if vision_language(path) is None:
+        return lambda name: name
+
+    def rename(name: str) -> str | None:
+        if name.startswith(_VISION_PREFIXES):
+            return None
+        for stored, own in _LANGUAGE_PREFIXES:
+            if name.startswith(stored):
+                return own + name[len(stored):]
+        return name  # model.*, lm_head.*, as a text model's
+    return rename
+
+
 def read_config(path: Path) -> ModelArchConfig:
     """ModelArchConfig from config.json (+ generation_config.json's eos ids), read as the
     model_type's family (models/registry.py) fills in its defaults."""
     cfg_path = path / "config.json"
-    cfg = _read_json(cfg_path)
+    outer = _read_json(cfg_path)
+    wrapped = outer.get("model_type") in VISION_LANGUAGE
+    cfg = language_config(outer, cfg_path)
     try:
         family = registry.model_class(cfg.get("model_type"))
     except ConfigError as e:
-        raise ModelLoadError(f"{cfg_path}: {e}") from None
+        also = ("" if wrapped else f", and the language model of {', '.join(VISION_LANGUAGE)} "
+                                   f"checkpoints")
+        raise ModelLoadError(f"{cfg_path}: {e}{also}") from None
     cfg = family.fill_hf_config(cfg)
 
     def key(name, default=None):
@@ -141,7 +220,7 @@ def read_config(path: Path) -> ModelArchConfig:
     layers = count("num_hidden_layers")
     # what the weights hold, checked before anything is built per layer or expert (a corrupt
     # 10**12 would be built name by name)
-    in_files, experts_in_files = _checkpoint_counts(path)
+    in_files, experts_in_files, head_in_files = _checkpoint_counts(path)
     if in_files is not None and layers != in_files:
         raise ModelLoadError(f"{cfg_path}: num_hidden_layers is {layers}, but the checkpoint "
                              f"has tensors for {in_files} layers")
@@ -149,6 +228,11 @@ def read_config(path: Path) -> ModelArchConfig:
         raise ModelLoadError(f"{cfg_path}: hidden_size {hidden} is not a multiple of "
                              f"num_attention_heads {heads}, and there is no head_dim")
     window, layer_types = _windows(cfg, family, layers, cfg_path)
+    tied = flag("tie_word_embeddings")
+    if wrapped and head_in_files is not None:
+        # whether a wrapper's output is tied has been said at either level, with defaults
+        # that differ between wrappers and transformers' versions; its weights say it plainly
+        tied = not head_in_files
     gen = _read_json(path / "generation_config.json", required=False)
     eos = (_token_ids(gen.get("eos_token_id"), f"{path / 'generation_config.json'}: eos_token_id")
            + _token_ids(cfg.get("eos_token_id"), f"{cfg_path}: eos_token_id"))
@@ -167,7 +251,7 @@ def read_config(path: Path) -> ModelArchConfig:
             rope_theta=positive("rope_theta", None, theta or cfg.get("rope_theta", 10000.0)),
             rope_scaling=None if rope_type == "default" else rope,
             max_position_embeddings=max_positions,
-            tie_word_embeddings=flag("tie_word_embeddings"),
+            tie_word_embeddings=tied,
             attention_bias=flag("attention_bias"),
             sliding_window=window,
             bos_token_id=bos[0] if bos else None,
@@ -189,20 +273,22 @@ def read_config(path: Path) -> ModelArchConfig:
     return arch
 
 
-def _checkpoint_counts(path: Path) -> tuple[int | None, int | None]:
-    """(decoder layers, layer 0's experts) the directory's weights hold: 1 + the largest N of
-    a `model.layers.N.` tensor and of a `model.layers.0.<...>experts.E.` one, from the
-    safetensors headers. None where there is nothing to count (a config alone, a dense model)
-    or the weights cannot be read (reading them says why)."""
+def _checkpoint_counts(path: Path) -> tuple[int | None, int | None, bool | None]:
+    """(decoder layers, layer 0's experts, whether there is an lm_head (packed or not)) the
+    directory's weights hold: 1 + the largest N of a `model.layers.N.` tensor and of a
+    `model.layers.0.<...>experts.E.` one, from the safetensors headers. None where there is
+    nothing to count (a config alone, a dense model) or the weights cannot be read (reading
+    them says why)."""
     try:
         names = tensor_index(path)[0]
     except ModelLoadError:
-        return None, None
+        return None, None, None
 
     def count(pattern: str) -> int | None:
         found = {int(m[1]) for m in (re.match(pattern, n) for n in names) if m}
         return max(found) + 1 if found else None
-    return count(r"model\.layers\.(\d+)\."), count(r"model\.layers\.0\.\S*experts\.(\d+)\.")
+    return (count(r"model\.layers\.(\d+)\."), count(r"model\.layers\.0\.\S*experts\.(\d+)\."),
+            any(n.startswith("lm_head.") for n in names))
 
 
 def _windows(cfg: dict, family, num_layers: int, cfg_path: Path
@@ -238,8 +324,6 @@ def read_weights(path: Path, arch: ModelArchConfig) -> LazyWeights:
     """The expected tensors, as stored (fp32/fp16/bf16), from one or several safetensors files:
     a lazy mapping that reads each tensor when it is looked up (the headers are checked now).
     An AWQ or GPTQ checkpoint (config.json quantization_config) is read by awq_gptq.py."""
-    from safetensors import safe_open
-
     quant = _read_json(path / "config.json").get("quantization_config")
     method = quant.get("quant_method") if isinstance(quant, dict) else None
     if quant is not None and method not in IMPORTED_QUANT_METHODS:
@@ -254,25 +338,34 @@ def read_weights(path: Path, arch: ModelArchConfig) -> LazyWeights:
     wanted = expected_shapes(arch)
     shapes = {k: s for k, s in shapes.items() if k in wanted}  # tied: lm_head.weight may stay
     check_shapes(shapes, arch, path)
+    return LazyWeights(shapes, lambda key: read_tensor(where, key))
 
-    def read(key: str) -> torch.Tensor:
-        try:
-            with safe_open(str(where[key]), framework="pt") as f:
-                return f.get_tensor(key)
-        except Exception as e:
-            raise ModelLoadError(f"{where[key]}: tensor {key} cannot be read "
-                                 f"({type(e).__name__}: {e})".splitlines()[0]) from None
 
-    return LazyWeights(shapes, read)
+def read_tensor(where: dict[str, tuple[Path, str]], key: str) -> torch.Tensor:
+    """The tensor the model knows as `key`, from the file and under the name tensor_index
+    found it."""
+    from safetensors import safe_open
+
+    file, stored = where[key]
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            return f.get_tensor(stored)
+    except Exception as e:
+        raise ModelLoadError(f"{file}: tensor {stored} cannot be read "
+                             f"({type(e).__name__}: {e})".splitlines()[0]) from None
 
 
 IMPORTED_QUANT_METHODS = ("awq", "gptq")  # quantization_config.quant_method read here
 
 
-def tensor_index(path: Path) -> tuple[dict[str, tuple[int, ...]], dict[str, Path]]:
-    """(name -> shape, name -> file) of every tensor in the directory's safetensors files
-    (model.safetensors, or the shards model.safetensors.index.json lists), from the headers."""
+def tensor_index(path: Path) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[Path, str]]]:
+    """(name -> shape, name -> (file, stored name)) of every language-model tensor in the
+    directory's safetensors files (model.safetensors, or the shards
+    model.safetensors.index.json lists), from the headers, under the names the model reads
+    (language_names)."""
     from safetensors import safe_open
+
+    rename = language_names(path)
 
     index = path / "model.safetensors.index.json"
     if index.exists():
@@ -286,8 +379,10 @@ def tensor_index(path: Path) -> tuple[dict[str, tuple[int, ...]], dict[str, Path
         file = path / name
         try:
             with safe_open(str(file), framework="pt") as f:
-                for key in f.keys():
-                    shapes[key], where[key] = tuple(f.get_slice(key).get_shape()), file
+                for stored in f.keys():
+                    if (key := rename(stored)) is not None:
+                        shapes[key] = tuple(f.get_slice(stored).get_shape())
+                        where[key] = file, stored
         except FileNotFoundError:
             raise ModelLoadError(f"{file}: listed in {index.name} but missing") from None
         except Exception as e:  # safetensors raises its own SafetensorError, not an OSError
@@ -333,7 +428,9 @@ def read_tokenizer(path: Path) -> Tokenizer:
 def _chat_templates(path: Path, tok_cfg: dict) -> dict[str, str]:
     """The chat templates by name ("default", "tool_use", ...), where transformers keeps them:
     tokenizer_config.json's chat_template (one, or a list of {"name", "template"} objects),
-    chat_template.jinja (the default) and additional_chat_templates/NAME.jinja."""
+    chat_template.jinja (the default) and additional_chat_templates/NAME.jinja; where none
+    of them holds a default, a processor's chat_template.json (vision-language checkpoints
+    keep theirs there)."""
     value = tok_cfg.get("chat_template")
     entries = (value if isinstance(value, list) else [] if value is None
                else [{"name": "default", "template": value}])
@@ -352,6 +449,13 @@ def _chat_templates(path: Path, tok_cfg: dict) -> dict[str, str]:
                 templates[name] = file.read_text(encoding="utf-8")
             except (OSError, UnicodeDecodeError) as e:
                 raise ModelLoadError(f"{file}: not readable as UTF-8 text ({e})") from None
+    processor = path / "chat_template.json"
+    if "default" not in templates and processor.is_file():
+        value = _read_json(processor).get("chat_template")
+        if not isinstance(value, str):
+            raise ModelLoadError(f"{processor}: chat_template must be text, not "
+                                 f"{str(value)[:60]!r}")
+        templates["default"] = value
     return templates
 
 

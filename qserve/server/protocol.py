@@ -165,9 +165,16 @@ def _content(content, i: int) -> str:
     if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
         parts = []
         for part in content:
-            if not (isinstance(part, dict) and part.get("type") == "text"
-                    and isinstance(part.get("text"), str)):
-                raise bad(f"messages[{i}].content: only text parts are supported", "messages")
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                what = (f"a part of type {kind!r}" if isinstance(kind, str)
+                        else f"the part {str(part)[:40]!r}")
+                raise bad(f"messages[{i}].content: {what} is not served; only text parts are "
+                          f"(a vision-language model runs as its language model alone)",
+                          "messages")
+            if not isinstance(part.get("text"), str):
+                raise bad(f"messages[{i}].content: a text part's 'text' must be a string",
+                          "messages")
             parts.append(part["text"])
         return "".join(parts)
     raise bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
