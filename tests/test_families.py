@@ -111,9 +111,10 @@ def checkpoints(tokenizer_model, tmp_path_factory) -> dict[str, Path]:
     return dirs
 
 
-@pytest.fixture(scope="module")
-def ggufs(checkpoints, tmp_path_factory) -> dict[str, Path]:
-    """name -> fp32 GGUF written by llama.cpp's convert_hf_to_gguf.py (one process for all)."""
+def convert_to_gguf(jobs: list[tuple[Path, Path]]) -> None:
+    """Each (Hugging Face directory, .gguf) of `jobs` written by llama.cpp's
+    convert_hf_to_gguf.py at fp32, in one process; skips the test where the converter is not
+    here."""
     sys.path.insert(0, str(REPO / "scripts"))
     import peer
 
@@ -121,9 +122,7 @@ def ggufs(checkpoints, tmp_path_factory) -> dict[str, Path]:
         script = peer.source_dir(download=False) / "convert_hf_to_gguf.py"
     except peer.PeerError as e:
         pytest.skip(f"llama.cpp's converter is not here ({e})")
-    root = tmp_path_factory.mktemp("gguf")
-    jobs = [(str(checkpoints[n]), str(root / f"{n}.gguf"))
-            for n, (_, convertible) in configs().items() if convertible]
+    jobs = [(str(src), str(out)) for src, out in jobs]
     code = ("import runpy, sys\n"
             f"sys.path.insert(0, {str(script.parent)!r})  # its conversion package\n"
             f"for src, out in {jobs!r}:\n"
@@ -132,7 +131,15 @@ def ggufs(checkpoints, tmp_path_factory) -> dict[str, Path]:
     r = subprocess.run([sys.executable, "-c", code], env=peer.convert_env(),
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    return {Path(out).stem: Path(out) for _, out in jobs}
+
+
+@pytest.fixture(scope="module")
+def ggufs(checkpoints, tmp_path_factory) -> dict[str, Path]:
+    """name -> fp32 GGUF written by llama.cpp's convert_hf_to_gguf.py (one process for all)."""
+    root = tmp_path_factory.mktemp("gguf")
+    names = [n for n, (_, convertible) in configs().items() if convertible]
+    convert_to_gguf([(checkpoints[n], root / f"{n}.gguf") for n in names])
+    return {n: root / f"{n}.gguf" for n in names}
 
 
 def prompt() -> tuple[int, ...]:

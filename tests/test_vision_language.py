@@ -86,6 +86,15 @@ def checkpoints(tokenizer_model, tmp_path_factory) -> dict[str, Path]:  # noqa: 
             for name, config in configs().items()}
 
 
+@pytest.fixture(scope="module")
+def ggufs(checkpoints, tmp_path_factory) -> dict[str, Path]:
+    """name -> the fp32 GGUF llama.cpp's convert_hf_to_gguf.py makes of the checkpoint: its
+    language model (the vision half would go to a separate --mmproj file)."""
+    root = tmp_path_factory.mktemp("vision-language-gguf")
+    families.convert_to_gguf([(path, root / f"{name}.gguf") for name, path in checkpoints.items()])
+    return {name: root / f"{name}.gguf" for name in checkpoints}
+
+
 def stored_names(path: Path) -> list[str]:
     from safetensors import safe_open
 
@@ -104,6 +113,13 @@ def test_greedy_equals_transformers(name, checkpoints):
     names = stored_names(checkpoints[name])
     assert any(n.startswith(("vision_tower.", "visual.", "model.visual.")) for n in names)
     check(checkpoints[name], checkpoints[name])
+
+
+@pytest.mark.parametrize("name", list(configs()))
+def test_gguf_of_the_language_model_greedy_equals_transformers(name, checkpoints, ggufs):
+    """llama.cpp names Qwen2-VL's and Qwen3-VL's language models qwen2vl and qwen3vl (their
+    rope's sections in `rope.dimension_sections`); the others as their text family."""
+    check(ggufs[name], checkpoints[name])
 
 
 def relaid(src: Path, out: Path) -> Path:
@@ -344,3 +360,21 @@ def test_an_image_in_a_chat_is_a_400_that_says_so(part, what):
     with pytest.raises(P.APIError, match=r"^messages\[0\]\.content: a text part's 'text' must "
                                          r"be a string$"):
         P.parse_chat(body)
+
+
+def test_ministral3_temperature_scaling_is_refused_in_one_line(tmp_path):
+    """llama.cpp writes Ministral 3 as mistral3 too, with queries scaled by a temperature that
+    grows with the position: refused by name, not run as a plain Mistral."""
+    from test_loader import write_tiny_gguf
+
+    from qserve.errors import ModelLoadError
+    from qserve.loader import load_arch
+
+    plain = write_tiny_gguf(tmp_path / "plain.gguf", arch="mistral3")
+    assert load_arch(plain).architecture == "mistral"
+    scaled = write_tiny_gguf(tmp_path / "scaled.gguf", arch="mistral3",
+                             extra_kv={"mistral3.attention.temperature_scale": 0.1})
+    with pytest.raises(ModelLoadError, match=rf"^{re.escape(str(scaled))}: attention "
+                                             r"temperature scaling \(Ministral 3's\) is not "
+                                             r"supported$"):
+        load_arch(scaled)

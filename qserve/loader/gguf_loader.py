@@ -329,7 +329,10 @@ def read_arch(gguf: GGUFFile) -> ModelArchConfig:
         final_logit_softcapping=md.get(f"{arch}.final_logit_softcapping"),
         bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=_eos_ids(md))
-    fields |= family.gguf_config(fields, key, gguf.tensor)
+    try:
+        fields |= family.gguf_config(fields, key, gguf.tensor)
+    except ConfigError as e:
+        raise gguf.error(str(e)) from None
     experts = fields.get("num_experts")
     if experts is not None:  # a mixture: its experts are stacked, the count their first dim
         stacked = gguf.tensors.get("blk.0.ffn_gate_exps.weight")

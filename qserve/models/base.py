@@ -168,6 +168,10 @@ class CausalLM(nn.Module):
     architectures: ClassVar[tuple[str, ...]] = ()
     model_types: ClassVar[tuple[str, ...]] = ()  # config.json "model_type"
     gguf_architectures: ClassVar[tuple[str, ...]] = ()  # GGUF general.architecture
+    # GGUF architectures that run as another of the family's model_types: llama.cpp names the
+    # language half of a vision-language model for the whole (qwen2vl: Qwen2-VL's Qwen2),
+    # and gives a text token one position on every axis of its multimodal rope, the plain rope
+    gguf_model_types: ClassVar[dict[str, str]] = {}
     # A mixture of experts: llama.cpp writes Mixtral as "llama" and tells them apart by
     # `{arch}.expert_count` (models/registry.py gguf_family)
     moe: ClassVar[bool] = False

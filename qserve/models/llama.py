@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from qserve.errors import ConfigError
 from qserve.formats import QuantizedTensor
 from qserve.kernels.cpu_ops import CpuDecoder
 from qserve.kernels.paged_attention import PagedAttentionMetadata
@@ -16,8 +17,19 @@ from qserve.models.base import (CausalLM, DecoderLayer, LayerHooks,  # noqa: F40
 class LlamaForCausalLM(CausalLM):
     architectures = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
     model_types = ("llama", "mistral", "qwen2")
-    gguf_architectures = ("llama", "qwen2")  # llama.cpp converts Mistral as llama
+    # llama.cpp converts Mistral as llama, and Mistral Small 3.x's language model as mistral3
+    gguf_architectures = ("llama", "qwen2", "qwen2vl", "mistral3")
+    gguf_model_types = {"qwen2vl": "qwen2",  # Qwen2-VL's and Qwen2.5-VL's language model
+                        "mistral3": "mistral"}
     gguf_permuted_qk = ("llama", "mistral")  # Qwen2 keeps HF's rotate-half order
+
+    @classmethod
+    def gguf_config(cls, arch, key, tensor):
+        # Ministral 3's mistral3 files scale queries by a temperature that grows with the
+        # position (Llama 4's), which these layers do not
+        if key("attention.temperature_scale", 0.0):
+            raise ConfigError("attention temperature scaling (Ministral 3's) is not supported")
+        return {}
 
     @classmethod
     def fill_hf_config(cls, cfg: dict) -> dict:

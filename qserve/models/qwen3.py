@@ -8,7 +8,8 @@ from qserve.models.base import CausalLM, DecoderLayer, RMSNorm
 class Qwen3ForCausalLM(CausalLM):
     architectures = ("Qwen3ForCausalLM",)
     model_types = ("qwen3",)
-    gguf_architectures = ("qwen3",)
+    gguf_architectures = ("qwen3", "qwen3vl")
+    gguf_model_types = {"qwen3vl": "qwen3"}  # Qwen3-VL's language model
 
     def decoder_layer(self, arch, i):
         return DecoderLayer(arch, self.layer_rope(i), i, qk_norm=RMSNorm,

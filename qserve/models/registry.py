@@ -61,7 +61,8 @@ def gguf_family(name: str, experts: int = 0) -> tuple[type[CausalLM], str]:
                     key=lambda f: f.moe != (experts > 0))  # the matching kind first
     if claims:
         family = claims[0]
-        return family, name if name in family.model_types else family.model_types[0]
+        return family, family.gguf_model_types.get(
+            name, name if name in family.model_types else family.model_types[0])
     names = dict.fromkeys(n for f in FAMILIES for n in f.gguf_architectures)
     raise ConfigError(f"architecture {name!r} is not supported; qserve reads "
                       f"{', '.join(names)} GGUFs (Mistral files say llama)")
