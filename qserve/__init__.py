@@ -37,7 +37,8 @@ if not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & _os.environ.keys():
         _os.environ["GOMP_SPINCOUNT"] = "10000"
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "SamplingParams", "PoolingParams", "RequestOutput", "CompletionOutput",
+           "__version__"]
 
 
 def __getattr__(name):
@@ -48,6 +49,9 @@ def __getattr__(name):
     if name == "SamplingParams":
         from qserve.sampling_params import SamplingParams
         return SamplingParams
+    if name == "PoolingParams":
+        from qserve.pooling_params import PoolingParams
+        return PoolingParams
     if name in ("RequestOutput", "CompletionOutput"):
         from qserve import outputs
         return getattr(outputs, name)

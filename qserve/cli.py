@@ -309,15 +309,18 @@ def info(model, as_json, engine):
         kv_per_gib[name] = (1 << 30) // per_block * bs
     from qserve.models.registry import num_params
 
-    from qserve.loader.hf_loader import vision_language
+    from qserve.loader.gguf_loader import GGUFFile, read_pooling
+    from qserve.loader.hf_loader import read_pooling as read_hf_pooling, vision_language
 
     n = num_params(arch)
     wrapper = vision_language(path) if path.is_dir() else None
+    pooling = read_hf_pooling(path) if path.is_dir() else read_pooling(GGUFFile(path))
     report = {
         "model": str(path), "architecture": arch.architecture,
         **({} if wrapper is None else {"vision_language": (
             f"{wrapper}: its language model alone (the vision tower is not loaded; text in, "
             f"text out)")}),
+        **({} if pooling is None else {"pooling": pooling}),  # an embedding model's own
         "num_layers": arch.num_layers,
         "num_heads": arch.num_heads, "num_kv_heads": arch.num_kv_heads,
         "head_dim": arch.head_dim, "hidden_size": arch.hidden_size,
@@ -348,7 +351,7 @@ def info(model, as_json, engine):
     if not path.is_dir():  # GGML type -> tensor count, as the file stores them
         from collections import Counter
 
-        from qserve.loader.gguf_loader import GGUFFile, tensor_types
+        from qserve.loader.gguf_loader import tensor_types
 
         report["gguf_types"] = dict(Counter(tensor_types(GGUFFile(path), arch).values()))
     report["weight_formats"] = plan.weight_formats  # format -> tensors, resident bytes

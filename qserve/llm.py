@@ -9,6 +9,7 @@ from qserve.config import EngineConfig, engine_config
 from qserve.engine.llm_engine import LLMEngine
 from qserve.errors import QServeError
 from qserve.outputs import RequestOutput
+from qserve.pooling_params import PoolingParams
 from qserve.sampling_params import SamplingParams
 
 
@@ -60,7 +61,21 @@ class LLM:
             params = [params] * len(prompts)
         # only the finished outputs are kept: the engine builds no others (at 32 sequences of
         # 2,000 tokens, copying each one's ids every step was ~0.4 ms of host time a step)
-        params = [dataclasses.replace(p, output_kind="final_only") for p in params]
+        return self._run(prompts, [dataclasses.replace(p, output_kind="final_only")
+                                   for p in params])
+
+    def embed(self, prompts: str | list[str] | list[list[int]],
+              pooling_params: PoolingParams | None = None) -> list[RequestOutput]:
+        """Embed every prompt: its final hidden states pooled (PoolingParams: the model's
+        pooling, else the last token's; unit length unless normalize=False), batched like
+        generation. Returns one finished RequestOutput per prompt, in order, its vector in
+        `.embedding`."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        return self._run(prompts, [pooling_params or PoolingParams()] * len(prompts))
+
+    def _run(self, prompts, params: list) -> list[RequestOutput]:
+        """Add every prompt with its params, step until all have finished."""
         ids = []
         try:
             for prompt, p in zip(prompts, params):

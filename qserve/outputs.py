@@ -54,4 +54,7 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: per prompt token {id: logprob}, top-N + the token itself,
     # the first None; set once the whole prompt is computed ("delta": in that output only)
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # an embedding request (PoolingParams): the prompt's pooled vector, once finished
+    # (`outputs` is then empty)
+    embedding: list[float] | None = None
     extra: dict = field(default_factory=dict)

@@ -23,7 +23,8 @@ class _Runner:
 
 
 def _scheduled(tag: int, computed: int, total: int, new: int) -> ScheduledSeq:
-    seq = SimpleNamespace(tag=tag, num_computed_tokens=computed, num_tokens=total)
+    seq = SimpleNamespace(tag=tag, num_computed_tokens=computed, num_tokens=total,
+                          pooling=None)
     return ScheduledSeq(seq, new)
 
 

@@ -121,6 +121,7 @@ EXAMPLES: dict[str, Run | Parse] = {
         Parse("a server that runs until stopped", engine_check=True),
     # The Python API and the OpenAI client
     "from qserve import LLM, SamplingParams": Run(),
+    "from qserve import LLM, PoolingParams": Run(),
     "from openai import OpenAI":
         Parse("needs `qserve serve --api-key sk-local` on port 8000 (tests/test_server.py "
               "drives the openai client against a live server)"),

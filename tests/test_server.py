@@ -347,6 +347,51 @@ def test_tokenize_refusals_are_one_line(server, path, body, status, words):
     assert post(server, path, {"prompt": "x", "tokens": [1]}, key=None).status_code == 401
 
 
+def test_embeddings_are_the_models_last_hidden_states(client, server, tokenizer, hf_model):
+    """POST /v1/embeddings through the openai client (which asks for base64 and decodes it):
+    each input's last-token hidden state, unit length, against transformers' on the same
+    weights (the server runs the file's Q4_1 with fp32 activations: summation order apart,
+    ~1e-6), in the inputs' order, with the tokens they took."""
+    import torch
+
+    texts = [PROMPT, "Once upon a time, there was a little", "def f(x):\n    return x"]
+    r = client.embeddings.create(model=MODEL, input=texts)
+    assert [d.index for d in r.data] == [0, 1, 2] and r.model == MODEL
+    ids = [tokenizer.encode(t) for t in texts]
+    assert r.usage.prompt_tokens == r.usage.total_tokens == sum(map(len, ids))
+    with torch.no_grad():
+        for d, tokens in zip(r.data, ids):
+            h = hf_model.model(input_ids=torch.tensor([tokens])).last_hidden_state[0, -1]
+            want = torch.nn.functional.normalize(h.float(), dim=0)
+            assert torch.allclose(torch.tensor(d.embedding), want, atol=1e-3, rtol=0)
+    # floats as JSON, token ids as input, fewer dimensions
+    plain = post(server, "/v1/embeddings", {"model": MODEL, "input": ids[0],
+                                            "encoding_format": "float"}).json()
+    assert plain["data"][0]["embedding"] == pytest.approx(r.data[0].embedding, abs=1e-6)
+    short = post(server, "/v1/embeddings", {"input": [ids[0]], "dimensions": 64}).json()
+    head = torch.nn.functional.normalize(torch.tensor(r.data[0].embedding[:64]), dim=0)
+    assert short["data"][0]["embedding"] == pytest.approx(head.tolist(), abs=1e-5)
+
+
+@pytest.mark.parametrize("body, status, param, words", [
+    ({"input": ""}, 400, "input", "'input' is empty"),
+    ({"input": [[]]}, 400, "input", "'input' must be a string"),
+    ({"input": 7}, 400, "input", "'input' must be a string"),
+    ({"input": "hello " * 1100}, 400, "input", "this model takes at most 1023"),
+    ({"input": [10 ** 9]}, 400, "input", "outside the vocabulary"),
+    ({"input": "x", "encoding_format": "hex"}, 400, "encoding_format", "float or base64"),
+    ({"input": "x", "dimensions": 0}, 400, "dimensions", "from 1 to the model's 576"),
+    ({"input": "x", "dimensions": 577}, 400, "dimensions", "from 1 to the model's 576"),
+    ({"input": "x", "model": "text-embedding-3-small"}, 404, "model", "does not exist"),
+])
+def test_embedding_refusals_are_one_line(server, body, status, param, words):
+    r = post(server, "/v1/embeddings", body)
+    error = r.json()["error"]
+    assert r.status_code == status and error["param"] == param, r.text
+    assert words in error["message"] and "\n" not in error["message"], r.text
+    assert post(server, "/v1/embeddings", {"input": "x"}, key=None).status_code == 401
+
+
 def test_sixteen_concurrent_streams(client, server):
     prompts = [f"Question {i}: what is {i} plus {i}? Answer:" for i in range(4)]
     expected = {p: client.completions.create(model=MODEL, prompt=p, max_tokens=6,

@@ -36,6 +36,7 @@ from qserve.heap import keep_step_buffers, trim_heap
 from qserve.models.build import build_model
 from qserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from qserve.engine import kv_codebook
+from qserve.pooling_params import POOLING_TYPES, PoolingParams
 from qserve.sampling_params import SamplingParams
 
 
@@ -97,6 +98,7 @@ class LLMEngine:
         loaded = self._load(loaded, path, arch, cache.block_size, num_blocks, num_host_blocks)
         self.arch, self.tokenizer = loaded.arch, loaded.tokenizer
         self.model_path = loaded.path
+        self.pooling = loaded.pooling  # what an embedding model declares (None: "last")
 
         self.model = build_model(self.arch, loaded.weights, self.max_model_len, self.dtype,
                                  self.device)
@@ -158,10 +160,16 @@ class LLMEngine:
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | None = None,
-                    params: SamplingParams | None = None,
+                    params: SamplingParams | PoolingParams | None = None,
                     prompt_token_ids: list[int] | None = None,
                     arrival_time: float | None = None) -> None:
-        """Queue a request. Raises QServeError (a ValueError) for input that can never run."""
+        """Queue a request: a generation (SamplingParams), or an embedding of the prompt
+        (PoolingParams), which ends once its prompt is computed. Raises QServeError (a
+        ValueError) for input that can never run."""
+        pooling = None
+        if isinstance(params, PoolingParams):
+            pooling = self._resolve_pooling(params)
+            params = SamplingParams(temperature=0, max_tokens=1, output_kind="final_only")
         params = params or SamplingParams()
         if request_id in self.requests:
             raise QServeError(f"request id {request_id!r} is already in use")
@@ -191,13 +199,27 @@ class LLMEngine:
         now = time.monotonic() if arrival_time is None else arrival_time
         seq = Sequence(request_id, 0, list(prompt_token_ids), len(prompt_token_ids), params, now)
         seq.num_forks = params.n - 1
+        seq.pooling = pooling
         self._init_seq(seq)
         self.requests[request_id] = _Request(request_id, prompt, list(prompt_token_ids), params,
                                              [seq], RequestMetrics(arrival_time=now), {})
         self.scheduler.add(seq)
         self.num_prompt_tokens += len(prompt_token_ids)
 
+    def _resolve_pooling(self, params: PoolingParams) -> PoolingParams:
+        """params with its pooling decided: the request's, else the model's, else "last"."""
+        kind = params.pooling or self.pooling or "last"
+        if kind not in POOLING_TYPES:
+            raise QServeError(f"this model pools its embeddings by {kind!r}, which qserve does "
+                              f"not; ask for one of {', '.join(POOLING_TYPES)}")
+        if params.dimensions is not None and params.dimensions > self.arch.hidden_size:
+            raise QServeError(f"dimensions={params.dimensions} is more than the model's "
+                              f"{self.arch.hidden_size}")
+        return dataclasses.replace(params, pooling=kind)
+
     def _init_seq(self, seq: Sequence) -> None:
+        if seq.pooling is not None:
+            return  # nothing is sampled or detokenized
         if seq.params.seed is not None:
             seq.generator = torch.Generator(device=self.device)  # where the logits are
             seq.generator.manual_seed(hash((seq.params.seed, seq.index)) & (2**63 - 1))
@@ -240,6 +262,9 @@ class LLMEngine:
         # (S, vocab); with drafts, 1 + num_spec_tokens rows per sampling sequence
         logits = self.runner.run_speculative(out) if speculating else self._run(out)
         seqs = self.scheduler.postprocess(out)
+        # embedding requests whose prompts this step finished (postprocess ended them)
+        pooled = [s.seq for s in out.scheduled if s.seq.pooling is not None
+                  and s.seq.is_finished and s.seq.request_id in self.requests]
         # (seq, its new tokens, their logprobs, whether they are verified drafts + one)
         new_tokens: list[tuple[Sequence, list[int], list, bool]] = []
         if speculating:
@@ -253,6 +278,9 @@ class LLMEngine:
                            in zip(seqs, sampled.token_ids, sampled.logprobs)]
         now = time.monotonic()
         touched: dict[str, _Request] = {}
+        for seq in pooled:
+            req = touched[seq.request_id] = self.requests[seq.request_id]
+            req.metrics.first_token_time = now  # its one result
         for seq, tokens, lps, speculated in new_tokens:
             req = self.requests[seq.request_id]
             touched[req.request_id] = req
@@ -362,7 +390,16 @@ class LLMEngine:
     def _output(self, req: _Request, now: float, finished: bool) -> RequestOutput:
         """The request's output as its output_kind asks: "delta" holds only the tokens,
         logprobs and text new since its previous output (nothing copied that was sent
-        before); the other kinds everything so far."""
+        before); the other kinds everything so far. An embedding request's has no
+        completions and, finished, its vector."""
+        first = req.seqs[0]
+        if finished:
+            req.metrics.finished_time = now
+        req.metrics.first_scheduled_time = first.first_scheduled_time
+        if first.pooling is not None:
+            return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [], finished,
+                                 req.metrics, num_cached_tokens=first.num_cached_tokens,
+                                 embedding=_embedding(first) if finished else None)
         delta = req.params.output_kind == "delta"
         completions = []
         for seq in req.seqs:
@@ -384,10 +421,6 @@ class LLMEngine:
                 logprobs=logprobs, stop_reason=seq.stop_reason,
                 spec_steps=seq.spec_steps, spec_draft_tokens=seq.spec_draft_tokens,
                 spec_accepted_tokens=seq.spec_accepted_tokens))
-        if finished:
-            req.metrics.finished_time = now
-        first = req.seqs[0]
-        req.metrics.first_scheduled_time = first.first_scheduled_time
         prompt_logprobs = None
         if (first.prompt_logprobs is not None and not first.wants_prompt_logprobs
                 and not (delta and req.prompt_logprobs_sent)):
@@ -412,3 +445,14 @@ class LLMEngine:
             "prompt_tokens": self.num_prompt_tokens,
             "generated_tokens": self.num_generated_tokens,
         } | (self.speculator.stats() if self.speculator is not None else {})
+
+
+def _embedding(seq: Sequence) -> list[float] | None:
+    """A finished embedding request's vector: the pooled hidden state, its first
+    `dimensions` values, scaled to unit length unless asked not to (None: aborted)."""
+    if seq.pooled is None or seq.finish_reason == "abort":
+        return None
+    v = seq.pooled[:seq.pooling.dimensions]  # (hidden,) or its first `dimensions`
+    if seq.pooling.normalize:
+        v = torch.nn.functional.normalize(v, dim=0)
+    return v.tolist()

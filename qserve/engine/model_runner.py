@@ -119,6 +119,7 @@ class ModelRunner:
         """
         hidden, rows = self._forward(out)
         self._record_prompt_logprobs(out, hidden)
+        self._pool(out, hidden)
         if not rows:
             return hidden.new_empty((0, self.model.arch.vocab_size), dtype=torch.float32)
         if len(rows) < hidden.shape[0]:
@@ -155,6 +156,7 @@ class ModelRunner:
                   and not out.staging)
         hidden, rows = self._forward(out, expand)  # (T, hidden)
         self._record_prompt_logprobs(out, hidden)
+        self._pool(out, hidden)
         sampling = [s for s in out.scheduled if s.samples]
         rows = [r - s.num_spec_tokens + j for r, s in zip(rows, sampling)
                 for j in range(s.num_spec_tokens + 1)]
@@ -187,6 +189,28 @@ class ModelRunner:
             lp = torch.log_softmax(self.model.compute_logits(hidden[i:i + step]), -1)
             t = torch.tensor(targets[i:i + step], device=lp.device)
             seq.prompt_logprobs += logprob_dicts(lp, t, [k] * len(t))
+
+    @staticmethod
+    def _pool(out: SchedulerOutput, hidden: torch.Tensor) -> None:
+        """Pool each embedding request's rows of this step (its prompt's final hidden states,
+        packed in scheduling order like _record_prompt_logprobs's) into seq.pooled: the
+        first position's row (cls), the last's (last), or their sum (mean, divided by the
+        count once the prompt is done). A prompt recomputed from position 0 starts over."""
+        start = 0
+        for s in out.scheduled:
+            seq, n = s.seq, s.num_new_tokens
+            if seq.pooling is not None:
+                c, kind = seq.num_computed_tokens, seq.pooling.pooling
+                rows = hidden[start:start + n].float()  # (n, hidden)
+                if kind == "mean":
+                    seq.pooled = rows.sum(0) if c == 0 else seq.pooled + rows.sum(0)
+                    if c + n == seq.num_tokens:
+                        seq.pooled /= seq.num_tokens
+                elif kind == "cls" and c == 0:  # (copies: the step's buffers are reused)
+                    seq.pooled = rows[0].clone()
+                elif kind == "last" and c + n == seq.num_tokens:
+                    seq.pooled = rows[-1].clone()
+            start += n
 
     def _graphable(self, out: SchedulerOutput) -> bool:
         """Whether this step can replay a CUDA graph: one new token per sequence, every block

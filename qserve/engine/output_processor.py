@@ -19,6 +19,7 @@ import time
 
 from qserve.engine.detokenizer import IncrementalDetokenizer
 from qserve.outputs import CompletionOutput, RequestOutput
+from qserve.pooling_params import PoolingParams
 from qserve.sampling_params import SamplingParams
 
 
@@ -35,14 +36,18 @@ class _Sample:
 @dataclasses.dataclass
 class _Request:
     prompt_token_ids: list[int]
-    params: SamplingParams  # as the caller asked (its output_kind, not the engine's)
+    params: SamplingParams | PoolingParams  # as the caller asked (its output_kind, not the
+    # engine's)
     samples: dict[int, _Sample] = dataclasses.field(default_factory=dict)
     prompt_logprobs: list | None = None  # the engine hands them out once (its "delta")
 
 
-def engine_params(params: SamplingParams) -> SamplingParams:
+def engine_params(params: SamplingParams | PoolingParams) -> SamplingParams | PoolingParams:
     """What the engine runs a request added here with: the same, reporting deltas. A
-    final_only caller too: a stop string must be seen in the step it appears."""
+    final_only caller too: a stop string must be seen in the step it appears. (An embedding
+    request has one output, its last.)"""
+    if isinstance(params, PoolingParams):
+        return params
     return dataclasses.replace(params, output_kind="delta")
 
 
@@ -51,7 +56,8 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.requests: dict[str, _Request] = {}
 
-    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add(self, request_id: str, prompt_token_ids: list[int],
+            params: SamplingParams | PoolingParams) -> None:
         """params: as the caller asked; the engine runs engine_params(params)."""
         self.requests[request_id] = _Request(list(prompt_token_ids), params)
 
@@ -79,6 +85,9 @@ class OutputProcessor:
         req = self.requests.get(out.request_id)
         if req is None:
             return None, []
+        if isinstance(req.params, PoolingParams):  # an embedding: no text, one output
+            del self.requests[out.request_id]
+            return out, []
         kind = req.params.output_kind
         if out.prompt_logprobs is not None:
             req.prompt_logprobs = out.prompt_logprobs

@@ -65,6 +65,7 @@ class DraftSeq:
     computed count (its blocks are under the same id in the draft's block manager)."""
 
     wants_prompt_logprobs = False  # the runner reports the target's, never the draft's
+    pooling = None  # nor pools: an embedding request never reaches the draft
 
     def __init__(self, seq: Sequence):
         self.seq = seq

@@ -73,8 +73,10 @@ class ScheduledSeq:
 
     @property
     def samples(self) -> bool:
-        """Does this step bring the sequence level with its tokens, so it gets a new one?"""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        """Does this step bring the sequence level with its tokens, so it gets a new one? (An
+        embedding request never does: its prompt computed, it ends.)"""
+        return (self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+                and self.seq.pooling is None)
 
 
 @dataclass
@@ -291,8 +293,9 @@ class Scheduler:
         """
         bm = self.block_manager
         if not bm.block_table(seq.seq_id):
-            # a cached prefix would skip positions whose prompt logprobs are still wanted
-            seq.num_computed_tokens = 0 if seq.wants_prompt_logprobs else bm.match_prefix(seq)
+            # a cached prefix would skip positions whose prompt logprobs or hidden states
+            # are still wanted
+            seq.num_computed_tokens = 0 if seq.needs_every_position else bm.match_prefix(seq)
             if seq.first_scheduled_time is None:
                 seq.num_cached_tokens = seq.num_computed_tokens
         remaining = seq.num_tokens - seq.num_computed_tokens
@@ -349,7 +352,8 @@ class Scheduler:
         """Advance computed counts after the forward pass.
 
         Returns:
-            the sequences that are now level with their tokens and need a sampled token.
+            the sequences that are now level with their tokens and need a sampled token. An
+            embedding request level with its prompt is finished here instead.
         """
         self.block_manager.release_staging()  # the runner waited for the copies out of them
         to_sample = []
@@ -362,7 +366,10 @@ class Scheduler:
             seq.num_computed_tokens += s.num_new_tokens - s.num_spec_tokens
             self.block_manager.commit_computed_blocks(seq)
             if seq.num_computed_tokens == seq.num_tokens:
-                to_sample.append(seq)
+                if seq.pooling is None:
+                    to_sample.append(seq)
+                else:
+                    self.finish(seq, "stop")
         return to_sample
 
     def accept_spec_tokens(self, seq: Sequence, num_accepted: int) -> None:

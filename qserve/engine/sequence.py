@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     import torch
 
     from qserve.engine.detokenizer import IncrementalDetokenizer
+    from qserve.pooling_params import PoolingParams
     from qserve.sampling_params import SamplingParams
 
 
@@ -60,6 +61,10 @@ class Sequence:
         # first None (no distribution precedes it); the model runner appends the rest in order
         self.prompt_logprobs: list[dict[int, float] | None] | None = (
             [None] if params.prompt_logprobs is not None else None)
+        # an embedding request (its pooling resolved): it ends once its prompt is computed,
+        # sampling nothing; the model runner pools the prompt's hidden states into `pooled`
+        self.pooling: PoolingParams | None = None
+        self.pooled: torch.Tensor | None = None  # (hidden,) fp32: a sum while "mean" runs
         self.first_token_time: float | None = None
         self.first_scheduled_time: float | None = None
         self.num_spec_tokens = 0  # provisional draft tokens at the end of token_ids
@@ -93,6 +98,13 @@ class Sequence:
         """Whether prompt tokens still lack their logprobs (SamplingParams.prompt_logprobs)."""
         return (self.prompt_logprobs is not None
                 and len(self.prompt_logprobs) < self.num_prompt_tokens)
+
+    @property
+    def needs_every_position(self) -> bool:
+        """Whether each prompt position must run here rather than come from the prefix
+        cache: its prompt logprobs are still wanted, or it pools more than the last token."""
+        return self.wants_prompt_logprobs or (self.pooling is not None
+                                              and self.pooling.pooling != "last")
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

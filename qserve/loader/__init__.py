@@ -48,6 +48,8 @@ class LoadedModel:
     path: Path
     source_format: str  # "gguf" | "hf" | "qserve"
     quant: dict | None = None  # a qserve checkpoint's quantization_config
+    # the pooling an embedding model declares (qserve.pooling_params; None: none declared)
+    pooling: str | None = None
 
 
 def _locate(spec: str | Path | None) -> tuple[Path, str]:
@@ -73,11 +75,13 @@ def load_model(spec: str | Path | None = None, native: bool = True) -> LoadedMod
         arch = gguf_loader.read_arch(gguf)
         weights = gguf_loader.read_weights(gguf, arch, native)
         tokenizer = gguf_loader.read_tokenizer(gguf)
+        pooling = gguf_loader.read_pooling(gguf)
         for key in gguf_loader.VOCABULARY_ARRAYS:  # in the tokenizer now
             gguf.metadata.pop(key, None)
     else:
         arch = hf_loader.read_config(path)
         tokenizer = hf_loader.read_tokenizer(path)
+        pooling = hf_loader.read_pooling(path)
         if fmt == "qserve":
             from qserve.loader.checkpoint import quantization_config, read_checkpoint
 
@@ -86,7 +90,7 @@ def load_model(spec: str | Path | None = None, native: bool = True) -> LoadedMod
         else:
             weights = hf_loader.read_weights(path, arch)
     arch.eos_token_ids = sorted(set(arch.eos_token_ids) | tokenizer.eos_token_ids)
-    return LoadedModel(arch, weights, tokenizer, path, fmt, quant)
+    return LoadedModel(arch, weights, tokenizer, path, fmt, quant, pooling)
 
 
 def load_arch(spec: str | Path | None = None) -> ModelArchConfig:

@@ -271,6 +271,24 @@ class GGUFFile:
         return _as_qtensor(rows, type_name, info.shape[-1]).dequantize().view(info.shape)
 
 
+# llama.cpp's `{arch}.pooling_type` (enum llama_pooling_type) -> qserve's names; 0 is none
+_POOLING_TYPES = {1: "mean", 2: "cls", 3: "last", 4: "rank"}
+
+
+def read_pooling(gguf: GGUFFile) -> str | None:
+    """The pooling an embedding model's GGUF declares (llama.cpp's converter writes
+    sentence-transformers' as `{arch}.pooling_type`), or None; "rank" (a reranker's
+    classifier head) comes back by name."""
+    arch = gguf.metadata.get("general.architecture")
+    value = gguf.metadata.get(f"{arch}.pooling_type")
+    if value is None or value == 0:
+        return None
+    if value not in _POOLING_TYPES:
+        raise gguf.error(f"metadata key {arch}.pooling_type is {value!r}; llama.cpp's types "
+                         f"are 0-4")
+    return _POOLING_TYPES[value]
+
+
 def read_arch(gguf: GGUFFile) -> ModelArchConfig:
     """ModelArchConfig from the metadata (no tensor data is read, but for rope tables)."""
     md = gguf.metadata

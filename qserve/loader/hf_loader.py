@@ -357,6 +357,30 @@ def read_tensor(where: dict[str, tuple[Path, str]], key: str) -> torch.Tensor:
 
 IMPORTED_QUANT_METHODS = ("awq", "gptq")  # quantization_config.quant_method read here
 
+# sentence-transformers' Pooling module config -> the pooling it names (the first set wins)
+_POOLING_MODES = (("pooling_mode_lasttoken", "last"), ("pooling_mode_mean_tokens", "mean"),
+                  ("pooling_mode_cls_token", "cls"), ("pooling_mode_max_tokens", "max"),
+                  ("pooling_mode_weightedmean_tokens", "weightedmean"),
+                  ("pooling_mode_mean_sqrt_len_tokens", "mean_sqrt_len"))
+
+
+def read_pooling(path: Path) -> str | None:
+    """The pooling an embedding model declares for sentence-transformers (modules.json, then
+    its Pooling module's config.json: Qwen3-Embedding says last token), or None where it
+    declares none. A mode qserve does not pool by comes back by name (e.g. "max")."""
+    modules = path / "modules.json"
+    if not modules.is_file():
+        return None
+    try:
+        entries = json.loads(modules.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{modules}: not readable JSON ({e})") from None
+    for entry in entries if isinstance(entries, list) else []:
+        if isinstance(entry, dict) and str(entry.get("type", "")).endswith(".Pooling"):
+            cfg = _read_json(path / str(entry.get("path", "")) / "config.json")
+            return next((name for key, name in _POOLING_MODES if cfg.get(key) is True), None)
+    return None
+
 
 def tensor_index(path: Path) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[Path, str]]]:
     """(name -> shape, name -> (file, stored name)) of every language-model tensor in the

@@ -198,6 +198,27 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: Metrics,
         ids = await asyncio.get_running_loop().run_in_executor(None, chat_prompt, req)
         return await _run(request, req, [ids], "chatcmpl", "chat.completion")
 
+    @v1.post("/embeddings")
+    async def embeddings(request: Request):
+        req = P.parse_embeddings(await _json(request), engine.hidden_size)
+        check_model(req.model)
+        texts = [p for p in req.inputs if isinstance(p, str)]
+        encoded = iter(await asyncio.get_running_loop().run_in_executor(
+            None, _encode, engine.tokenizer, texts, True))
+        prompts = [next(encoded) if isinstance(p, str) else p for p in req.inputs]
+        for i, ids in enumerate(prompts):
+            if not ids:
+                raise P.bad(f"input {i} is empty; give at least one token of text", "input")
+            if len(ids) >= engine.max_model_len:
+                raise P.bad(f"input {i} has {len(ids)} tokens; this model takes at most "
+                            f"{engine.max_model_len - 1}", "input", "context_length_exceeded")
+        gen = Generation(engine, f"embd-{uuid.uuid4().hex[:16]}", prompts, req.params)
+        await _start(gen, "input")
+        finals = await _finals(request, gen)
+        if finals is None:  # the client went away; nobody reads this
+            return Response(status_code=499)
+        return JSONResponse(P.embeddings_response(req, model_name, finals))
+
     # ---- the tokenizer, as vLLM's and llama.cpp's servers offer it ----------------------
     @app.post("/tokenize", dependencies=[Depends(require_key)])
     async def tokenize(request: Request):
@@ -238,14 +259,7 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: Metrics,
         # a stream sends what each step added; a whole response needs only the end
         params = dataclasses.replace(params, output_kind="delta" if req.stream else "final_only")
         gen = Generation(engine, f"{prefix}-{uuid.uuid4().hex[:16]}", prompts, params)
-        try:
-            await gen.start()
-        except QueueFullError as e:
-            raise P.APIError(503, str(e), "server_error", code="queue_full") from None
-        except EngineStopped as e:
-            raise P.APIError(503, str(e), "server_error", code="shutting_down") from None
-        except QServeError as e:
-            raise P.bad(str(e), param) from None
+        await _start(gen, param)
         echo_texts = None
         if req.echo:  # token ids are decoded only now that the engine has checked them
             echo_texts = [p if isinstance(p, str) else engine.tokenizer.decode(ids)
@@ -254,10 +268,7 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: Metrics,
                              echo_texts, grammars.fmt)
         if req.stream:
             return _EventStream(response.stream(gen), on_close=gen.close)
-        try:
-            finals = await _until_done(request, gen)
-        except EngineStopped as e:
-            raise P.APIError(503, str(e), "server_error", code="shutting_down") from None
+        finals = await _finals(request, gen)
         if finals is None:  # the client went away; nobody reads this
             return Response(status_code=499)
         return JSONResponse(response.whole(finals))
@@ -294,6 +305,27 @@ def _encode(tokenizer, texts: list[str], add_special_tokens: bool) -> list[list[
     not stall the event loop, and with it every other request and /health."""
     encodings = tokenizer.backend.encode_batch(texts, add_special_tokens=add_special_tokens)
     return [e.ids for e in encodings]
+
+
+async def _start(gen: Generation, param: str) -> None:
+    """Add the generation's requests to the engine; a refusal is its HTTP error (`param`
+    names the request field a bad prompt came in)."""
+    try:
+        await gen.start()
+    except QueueFullError as e:
+        raise P.APIError(503, str(e), "server_error", code="queue_full") from None
+    except EngineStopped as e:
+        raise P.APIError(503, str(e), "server_error", code="shutting_down") from None
+    except QServeError as e:
+        raise P.bad(str(e), param) from None
+
+
+async def _finals(request: Request, gen: Generation):
+    """_until_done, a server shutting down meanwhile answered 503."""
+    try:
+        return await _until_done(request, gen)
+    except EngineStopped as e:
+        raise P.APIError(503, str(e), "server_error", code="shutting_down") from None
 
 
 async def _until_done(request: Request, gen: Generation):

@@ -32,6 +32,7 @@ from qserve.engine.output_processor import OutputProcessor, engine_params
 from qserve.engine.sampler import checks_after_sampling
 from qserve.errors import QServeError
 from qserve.outputs import RequestOutput
+from qserve.pooling_params import PoolingParams
 from qserve.sampling_params import SamplingParams
 
 log = logging.getLogger("qserve.server")
@@ -125,6 +126,11 @@ class AsyncEngine:
         self._output_thread.start()
 
     @property
+    def hidden_size(self) -> int:
+        """The model's hidden size: an embedding's most dimensions (set at load, read-only)."""
+        return self.engine.arch.hidden_size
+
+    @property
     def alive(self) -> bool:
         return self._running is not None and not self._running.done()
 
@@ -145,8 +151,8 @@ class AsyncEngine:
     def new_request_id(self, prefix: str) -> str:
         return f"{prefix}-{next(self._ids)}"
 
-    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               queue: asyncio.Queue) -> asyncio.Future:
+    def submit(self, request_id: str, prompt_token_ids: list[int],
+               params: SamplingParams | PoolingParams, queue: asyncio.Queue) -> asyncio.Future:
         """Queue a request; its outputs go to `queue`. The returned future resolves when the
         engine has accepted it, or raises the QServeError it was refused with."""
         loop = asyncio.get_running_loop()
@@ -240,7 +246,7 @@ class AsyncEngine:
         groups: dict[int, tuple] = {}
         for out in raw:
             req = self.processor.requests.get(out.request_id)
-            constraint = req.params.constraint if req is not None else None
+            constraint = getattr(req.params, "constraint", None) if req is not None else None
             if (constraint is None or not hasattr(constraint, "prefetch")
                     or checks_after_sampling(req.params)):
                 continue
@@ -310,7 +316,7 @@ class Generation:
     """
 
     def __init__(self, engine: AsyncEngine, prefix: str, prompts: list[list[int]],
-                 params: SamplingParams):
+                 params: SamplingParams | PoolingParams):
         self.engine = engine
         self.prompts = prompts
         self.params = params

@@ -92,8 +92,10 @@ class Metrics:
         """Called on the engine thread with each finished request."""
         m = out.metrics
         reason = out.outputs[0].finish_reason if out.outputs else None
+        if out.embedding is not None:
+            reason = "embedding"
         self.finished.labels(finish_reason=reason or "abort").inc()
-        if m.first_token_time is None:
+        if m.first_token_time is None or not out.outputs:  # (an embedding: no tokens)
             return
         self.ttft.observe(m.first_token_time - m.arrival_time)
         n = max(c.num_tokens for c in out.outputs)

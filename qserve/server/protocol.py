@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 
 from qserve.outputs import CompletionOutput, RequestOutput
+from qserve.pooling_params import PoolingParams
 from qserve.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
 from qserve.server.structured import Structure, StructureError, parse_structure
 from qserve.server.tool_calls import check_tool_history
@@ -71,27 +72,76 @@ def _get(body: dict, name: str, kinds: tuple, what: str, default=None):
     return value
 
 
-def parse_completion(body: dict) -> GenerateRequest:
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        prompts = [prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        prompts = list(prompt)
-    elif isinstance(prompt, list) and prompt and all(_is_ids(p) for p in prompt):
-        prompts = [list(prompt)]
-    elif isinstance(prompt, list) and prompt and all(
-            isinstance(p, list) and p and all(_is_ids(t) for t in p) for p in prompt):
-        prompts = [list(p) for p in prompt]
+def _prompts(value, name: str) -> list[str | list[int]]:
+    """A completion's `prompt` or an embedding's `input`: a string, a list of strings, a list
+    of token ids or a list of token-id lists, as a list of prompts (none of them empty)."""
+    if isinstance(value, str):
+        prompts = [value]
+    elif isinstance(value, list) and value and all(isinstance(p, str) for p in value):
+        prompts = list(value)
+    elif isinstance(value, list) and value and all(_is_ids(p) for p in value):
+        prompts = [list(value)]
+    elif isinstance(value, list) and value and all(
+            isinstance(p, list) and p and all(_is_ids(t) for t in p) for p in value):
+        prompts = [list(p) for p in value]
     else:
-        raise bad("'prompt' must be a string, a list of strings, a list of token ids, or a "
-                  "list of token-id lists", "prompt")
+        raise bad(f"'{name}' must be a string, a list of strings, a list of token ids, or a "
+                  f"list of token-id lists", name)
     if any(p == "" for p in prompts):
-        raise bad("'prompt' is empty; give at least one token of text", "prompt")
+        raise bad(f"'{name}' is empty; give at least one token of text", name)
+    return prompts
+
+
+def parse_completion(body: dict) -> GenerateRequest:
+    prompts = _prompts(body.get("prompt"), "prompt")
     logprobs = _get(body, "logprobs", (int,), "an integer from 0 to 20")
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise bad(f"'logprobs'={logprobs} must be in [0, {MAX_LOGPROBS}]", "logprobs")
     return _common(body, prompts, None, _get(body, "max_tokens", (int,), "an integer", 16),
                    logprobs, echo=_get(body, "echo", (bool,), "a boolean", False))
+
+
+@dataclass
+class EmbeddingRequest:
+    """POST /v1/embeddings, validated: OpenAI's fields and vLLM's `normalize`."""
+
+    model: str | None
+    inputs: list[str | list[int]]
+    params: PoolingParams
+    base64: bool  # encoding_format "base64": little-endian float32 bytes, base64-encoded
+
+
+def parse_embeddings(body: dict, hidden_size: int) -> EmbeddingRequest:
+    inputs = _prompts(body.get("input"), "input")
+    fmt = _get(body, "encoding_format", (str,), "a string", "float")
+    if fmt not in ("float", "base64"):
+        raise bad(f"'encoding_format' {fmt!r} must be float or base64"[:200], "encoding_format")
+    dims = _get(body, "dimensions", (int,), "a positive integer")
+    if dims is not None and not 1 <= dims <= hidden_size:
+        raise bad(f"'dimensions'={dims} must be from 1 to the model's {hidden_size}",
+                  "dimensions")
+    normalize = _get(body, "normalize", (bool,), "a boolean", True)
+    return EmbeddingRequest(_get(body, "model", (str,), "a string"), inputs,
+                            PoolingParams(normalize=normalize, dimensions=dims), fmt == "base64")
+
+
+def embeddings_response(req: EmbeddingRequest, model: str, finals: list[RequestOutput]
+                        ) -> dict:
+    """OpenAI's embeddings list: one entry per input, in order, and the tokens they took."""
+    import base64
+
+    import numpy as np
+
+    def encode(vector: list[float]):
+        if not req.base64:
+            return vector
+        return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
+
+    tokens = sum(len(out.prompt_token_ids) for out in finals)
+    return {"object": "list", "model": model,
+            "data": [{"object": "embedding", "index": i, "embedding": encode(out.embedding)}
+                     for i, out in enumerate(finals)],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 
 def parse_tokenize(body: dict) -> tuple[str | None, str, bool]:
