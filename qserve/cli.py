@@ -321,6 +321,7 @@ def info(model, as_json, engine):
             f"{wrapper}: its language model alone (the vision tower is not loaded; text in, "
             f"text out)")}),
         **({} if pooling is None else {"pooling": pooling}),  # an embedding model's own
+        **({} if arch.generates else {"generates": False}),  # no output layer: embeds only
         "num_layers": arch.num_layers,
         "num_heads": arch.num_heads, "num_kv_heads": arch.num_kv_heads,
         "head_dim": arch.head_dim, "hidden_size": arch.hidden_size,

@@ -55,6 +55,10 @@ class ModelArchConfig:
     rope_scaling: dict | None = None
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
+    # False: a backbone saved without the output layer its config names (an embedding model,
+    # e.g. Qwen3-Embedding-8B): it embeds, and refuses to generate (its tied table stands in
+    # for the missing layer only so that the model builds)
+    generates: bool = True
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
     sliding_window: int | None = None  # Mistral v0.1; None means full attention
     bos_token_id: int | None = None
@@ -69,6 +73,10 @@ class ModelArchConfig:
     query_pre_attn_scalar: float | None = None  # scores scale by its -1/2 power; None: head_dim
     attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
     final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
+    # Llama 4's attention temperature (Ministral 3): after rope, the query of position p is
+    # scaled by 1 + beta * log(1 + floor(p / length)), so 1 below `length`; beta None: off
+    attn_temperature_beta: float | None = None
+    attn_temperature_length: int | None = None
     # Mixture of experts (Mixtral, Qwen3-MoE): each layer's MLP is num_experts gated MLPs of
     # moe_intermediate_size, num_experts_per_tok of them run per token; 0 experts: dense
     num_experts: int = 0
@@ -112,6 +120,15 @@ class ModelArchConfig:
             raise ConfigError(f"partial_rotary_factor={self.partial_rotary_factor} must give an "
                               f"even number of rotated dims out of head_dim={self.head_dim}")
         self._check_rope_scaling()
+        if self.attn_temperature_beta is not None:
+            if not is_positive(self.attn_temperature_beta):
+                raise ConfigError(f"attention temperature beta={self.attn_temperature_beta!r} "
+                                  f"must be a positive number")
+            if not is_count(self.attn_temperature_length):
+                raise ConfigError(f"attention temperature length="
+                                  f"{self.attn_temperature_length!r} must be a positive integer")
+            if rope_type(self.rope_scaling) == "longrope":  # its rope rows are not positions
+                raise ConfigError("attention temperature with longrope scaling is not supported")
 
     def _check_rope_scaling(self) -> None:
         """The scaling's numbers are what its type needs: a positive finite factor, an

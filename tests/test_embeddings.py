@@ -15,6 +15,8 @@ from qserve.errors import ModelLoadError, QServeError
 from qserve.sampling_params import SamplingParamsError
 # the same three prompts (three blocks of 16 tokens, two, none) and fp32 engine
 from test_prompt_logprobs import TEXTS, llm, prompts  # noqa: F401
+import test_families as families
+from test_families import tokenizer_model  # noqa: F401
 
 pytestmark = pytest.mark.slow
 
@@ -202,3 +204,76 @@ def test_gguf_pooling_type_out_of_range_is_one_line(tmp_path):
     with pytest.raises(ModelLoadError, match=r"m\.gguf: metadata key llama\.pooling_type is 9; "
                                              r"llama\.cpp's types are 0-4$"):
         load_model(path)
+
+
+# ---- a backbone saved alone (sentence-transformers' Qwen3-Embedding) -----------------------
+
+@pytest.fixture(scope="module")
+def backbones(tokenizer_model, tmp_path_factory):  # noqa: F811
+    """tied -> a tiny random Qwen3 saved as transformers' Qwen3Model (AutoModel): tensors
+    named without "model.", no lm_head, as Qwen3-Embedding ships (its 0.6B says tied, its
+    4B and 8B untied)."""
+    from transformers import Qwen3Config
+
+    root = tmp_path_factory.mktemp("backbones")
+    return {tied: families.write_checkpoint(
+        Qwen3Config(**families.COMMON, vocab_size=320, num_hidden_layers=2, head_dim=32,
+                    tie_word_embeddings=tied), root / f"tied-{tied}", tokenizer_model,
+        auto="AutoModel") for tied in (False, True)}
+
+
+@torch.no_grad()
+def backbone_hidden(path, ids: list[int]) -> torch.Tensor:
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(path, dtype=torch.float32).eval()
+    return model(input_ids=torch.tensor([ids])).last_hidden_state[0].float()
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_backbone_saved_alone_embeds_as_transformers(backbones, tied):
+    """Its names gain the "model." prefix; without the output layer its config names (the
+    untied case) it embeds and refuses to generate, in one line."""
+    from safetensors import safe_open
+
+    path = backbones[tied]
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        assert "embed_tokens.weight" in f.keys() and not any("lm_head" in k for k in f.keys())
+    ids = list(families.prompt())
+    h = backbone_hidden(path, ids)
+    llm = LLM(str(path), kv_cache_memory="16MiB", max_model_len=256)
+    assert llm.engine.arch.generates is tied
+    for kind in ("last", "mean"):
+        assert_vectors(llm.embed([ids], PoolingParams(pooling=kind)), [h], kind)
+    if tied:  # the tied table is the model's own output layer
+        assert len(llm.generate([ids], SamplingParams(max_tokens=3, ignore_eos=True))[0]
+                   .outputs[0].token_ids) == 3
+    else:
+        with pytest.raises(QServeError, match=r"^this model was saved without its output layer "
+                                              r"\(an embedding model\): it serves embeddings"):
+            llm.generate([ids])
+
+
+def test_a_quantized_backbone_stays_one(backbones, tmp_path):
+    """`qserve quantize` keeps a backbone without its output layer so (its checkpoint reads
+    back untied, without lm_head); a GGUF would read back as a tied model that generates,
+    so that export is refused."""
+    from click.testing import CliRunner
+
+    from qserve.cli import main
+    from qserve.quant.quantize import quantize
+
+    src, out = backbones[False], tmp_path / "w8"
+    quantize(str(src), out, recipe="w8")
+    ids = list(families.prompt())
+    llm = LLM(str(out), kv_cache_memory="16MiB", max_model_len=256)
+    assert not llm.engine.arch.generates
+    [got] = llm.embed([ids])
+    want = pooled(backbone_hidden(src, ids), "last")
+    assert float(torch.tensor(got.embedding) @ want) > 0.999  # int8 weights: cosine
+    info = json.loads(CliRunner().invoke(main, ["info", str(out), "--json"]).output)
+    assert info["generates"] is False
+    with pytest.raises(QServeError, match=r"GGUF export: a backbone without its output layer "
+                                          r"\(an embedding model\)"):
+        quantize(str(src), tmp_path / "x.gguf", recipe="w4g32", fmt="gguf")
+    assert not (tmp_path / "x.gguf").exists()

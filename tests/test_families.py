@@ -36,7 +36,8 @@ PROMPT_LEN, NEW_TOKENS = 24, 12  # 36 tokens: past Phi-3's original context of 3
 
 def configs() -> dict[str, tuple[object, bool]]:
     """name -> (transformers config, whether llama.cpp's GGUF can express it)."""
-    from transformers import Gemma2Config, Gemma3TextConfig, Phi3Config, Qwen3Config
+    from transformers import (Gemma2Config, Gemma3TextConfig, Ministral3Config, Phi3Config,
+                              Qwen3Config)
 
     gemma2 = dict(COMMON, num_hidden_layers=3, head_dim=32, sliding_window=8,
                   attn_logit_softcapping=1.5, final_logit_softcapping=5.0)
@@ -55,6 +56,16 @@ def configs() -> dict[str, tuple[object, bool]]:
         # GGUF has no query_pre_attn_scalar: llama.cpp takes head_dim (as in Gemma 2 2B/9B)
         "gemma2": (Gemma2Config(**gemma2, query_pre_attn_scalar=32), True),
         "gemma2-scalar": (Gemma2Config(**gemma2, query_pre_attn_scalar=24), False),
+        # Ministral 3: YaRN, and Llama 4's query temperature from position 8 on (the test's
+        # 36 positions take scales 1, 1.07, 1.11, 1.14, 1.16)
+        "ministral3": (Ministral3Config(**COMMON, num_hidden_layers=2, head_dim=16,
+                                        rope_parameters={
+                                            "rope_type": "yarn", "factor": 4.0,
+                                            "original_max_position_embeddings": 8,
+                                            "rope_theta": 10000.0, "beta_fast": 32.0,
+                                            "beta_slow": 1.0, "mscale": 1.0,
+                                            "mscale_all_dim": 1.0,
+                                            "llama_4_scaling_beta": 0.1}), True),
         # six layers: five sliding and one global, llama.cpp's fixed Gemma 3 pattern
         "gemma3": (Gemma3TextConfig(
             **COMMON, num_hidden_layers=6, head_dim=32, sliding_window=8,
@@ -238,7 +249,8 @@ def test_unsupported_architecture_is_one_line(tmp_path):
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v3"}))
     with pytest.raises(ModelLoadError, match=r"model_type 'deepseek_v3' is not supported; qserve "
-                                             r"runs llama, mistral, qwen2, qwen3, phi3, gemma2, "
+                                             r"runs llama, mistral, qwen2, ministral3, qwen3, "
+                                             r"phi3, gemma2, "
                                              r"gemma3_text, mixtral, qwen3_moe, and the "
                                              r"language model of gemma3, mistral3, llava, "
                                              r"qwen2_vl, qwen2_5_vl, qwen3_vl checkpoints$"):
@@ -281,3 +293,21 @@ def test_int4_kv_calibrates_for_every_family(name, checkpoints):
     [out] = llm.generate([list(prompt())], SamplingParams(temperature=0, max_tokens=8,
                                                           ignore_eos=True))
     assert len(out.outputs[0].token_ids) == 8
+
+
+def test_ministral3_keeps_its_temperature_through_a_checkpoint_not_a_gguf(checkpoints, tmp_path):
+    """A quantized checkpoint writes the temperature where transformers keeps it (the rope's
+    parameters) and reads it back; GGUF export, which would write a plain llama, refuses."""
+    from qserve.errors import QServeError
+    from qserve.loader import load_arch
+    from qserve.quant.quantize import quantize
+
+    src = checkpoints["ministral3"]
+    quantize(str(src), tmp_path / "w8", recipe="w8")
+    back = load_arch(tmp_path / "w8")
+    assert (back.attn_temperature_beta, back.attn_temperature_length) == (0.1, 8)
+    assert back.rope_scaling["rope_type"] == "yarn"
+    with pytest.raises(QServeError, match=r"GGUF export: an attention temperature \(Ministral "
+                                          r"3's\), which llama.cpp would run differently"):
+        quantize(str(src), tmp_path / "m.gguf", recipe="w4g32", fmt="gguf")
+    assert not (tmp_path / "m.gguf").exists()

@@ -1,6 +1,6 @@
 """Vision-language checkpoints run as their language model, text in and text out: Gemma 3
-4B/12B/27B (Gemma3ForConditionalGeneration), Mistral Small 3.x (Mistral3ForConditionalGeneration),
-LLaVA, Qwen2-VL, Qwen2.5-VL and Qwen3-VL keep the language model's config as text_config (or
+4B/12B/27B (Gemma3ForConditionalGeneration), Mistral Small 3.x and Ministral 3
+(Mistral3ForConditionalGeneration), LLaVA, Qwen2-VL, Qwen2.5-VL and Qwen3-VL keep the language model's config as text_config (or
 flat beside vision_config) and its tensors under a prefix, beside a vision tower qserve does
 not read. Qwen's multimodal rope gives a text token one position on all three of its axes,
 so on text it is the plain rope of Qwen2 / Qwen3.
@@ -28,8 +28,9 @@ from test_families import COMMON, NEW_TOKENS, prompt, tokenizer_model  # noqa: F
 def configs() -> dict[str, object]:
     """name -> transformers config of a vision-language model with a tiny vision tower."""
     from transformers import (CLIPVisionConfig, Gemma3Config, Gemma3TextConfig, LlamaConfig,
-                              LlavaConfig, Mistral3Config, MistralConfig, PixtralVisionConfig,
-                              Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig, SiglipVisionConfig)
+                              LlavaConfig, Ministral3Config, Mistral3Config, MistralConfig,
+                              PixtralVisionConfig, Qwen2_5_VLConfig, Qwen2VLConfig, Qwen3VLConfig,
+                              SiglipVisionConfig)
 
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                   num_attention_heads=2, image_size=28, patch_size=14)
@@ -51,6 +52,17 @@ def configs() -> dict[str, object]:
                                       tie_word_embeddings=False),
             vision_config=PixtralVisionConfig(**vision, head_dim=16), image_token_index=319,
             spatial_merge_size=1, tie_word_embeddings=False),  # its own lm_head
+        # Ministral 3 ships this way: a Mistral3 wrapper around its own language model
+        "ministral3": Mistral3Config(
+            text_config=Ministral3Config(**COMMON, vocab_size=320, num_hidden_layers=2,
+                                         head_dim=16, rope_parameters={
+                                             "rope_type": "yarn", "factor": 4.0,
+                                             "original_max_position_embeddings": 8,
+                                             "rope_theta": 10000.0, "mscale": 1.0,
+                                             "mscale_all_dim": 1.0,
+                                             "llama_4_scaling_beta": 0.1}),
+            vision_config=PixtralVisionConfig(**vision, head_dim=16), image_token_index=319,
+            spatial_merge_size=1, tie_word_embeddings=False),
         "llava": LlavaConfig(
             text_config=LlamaConfig(**COMMON, vocab_size=320, num_hidden_layers=2),
             vision_config=CLIPVisionConfig(**vision), image_token_index=319),
@@ -362,19 +374,25 @@ def test_an_image_in_a_chat_is_a_400_that_says_so(part, what):
         P.parse_chat(body)
 
 
-def test_ministral3_temperature_scaling_is_refused_in_one_line(tmp_path):
-    """llama.cpp writes Ministral 3 as mistral3 too, with queries scaled by a temperature that
-    grows with the position: refused by name, not run as a plain Mistral."""
+def test_mistral3_gguf_metadata(tmp_path):
+    """llama.cpp writes Mistral Small 3.x's language model and Ministral 3 as mistral3; the
+    latter's query temperature takes YaRN's original context as its length, and without one
+    the file is refused in one line. (Ministral 3 against transformers: test_families.py.)"""
     from test_loader import write_tiny_gguf
 
     from qserve.errors import ModelLoadError
     from qserve.loader import load_arch
 
-    plain = write_tiny_gguf(tmp_path / "plain.gguf", arch="mistral3")
-    assert load_arch(plain).architecture == "mistral"
-    scaled = write_tiny_gguf(tmp_path / "scaled.gguf", arch="mistral3",
-                             extra_kv={"mistral3.attention.temperature_scale": 0.1})
-    with pytest.raises(ModelLoadError, match=rf"^{re.escape(str(scaled))}: attention "
-                                             r"temperature scaling \(Ministral 3's\) is not "
-                                             r"supported$"):
-        load_arch(scaled)
+    plain = load_arch(write_tiny_gguf(tmp_path / "plain.gguf", arch="mistral3"))
+    assert (plain.architecture, plain.attn_temperature_beta) == ("mistral", None)
+    yarn = {"mistral3.rope.scaling.type": "yarn", "mistral3.rope.scaling.factor": 16.0,
+            "mistral3.rope.scaling.original_context_length": 16384}
+    scaled = load_arch(write_tiny_gguf(tmp_path / "scaled.gguf", arch="mistral3", extra_kv={
+        "mistral3.attention.temperature_scale": 0.1, **yarn}))
+    assert scaled.attn_temperature_beta == pytest.approx(0.1)
+    assert scaled.attn_temperature_length == 16384
+    bad = write_tiny_gguf(tmp_path / "bad.gguf", arch="mistral3",
+                          extra_kv={"mistral3.attention.temperature_scale": 0.1})
+    with pytest.raises(ModelLoadError, match=rf"^{re.escape(str(bad))}: attention temperature "
+                                             r"length=None must be a positive integer$"):
+        load_arch(bad)

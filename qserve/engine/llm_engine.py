@@ -170,6 +170,10 @@ class LLMEngine:
         if isinstance(params, PoolingParams):
             pooling = self._resolve_pooling(params)
             params = SamplingParams(temperature=0, max_tokens=1, output_kind="final_only")
+        elif not self.arch.generates:
+            raise QServeError("this model was saved without its output layer (an embedding "
+                              "model): it serves embeddings (LLM.embed, POST /v1/embeddings), "
+                              "not generation")
         params = params or SamplingParams()
         if request_id in self.requests:
             raise QServeError(f"request id {request_id!r} is already in use")

@@ -99,6 +99,16 @@ def _layer_problem(layer) -> str | None:
     return None
 
 
+def _rope_scaling(arch: ModelArchConfig) -> dict | None:
+    """config.json's rope_scaling: the arch's, with Ministral 3's attention temperature among
+    its parameters where transformers keeps it."""
+    if arch.attn_temperature_beta is None:
+        return arch.rope_scaling
+    return dict(arch.rope_scaling or {"rope_type": "default"}) | {
+        "llama_4_scaling_beta": arch.attn_temperature_beta,
+        "original_max_position_embeddings": arch.attn_temperature_length}
+
+
 def hf_config(arch: ModelArchConfig) -> dict:
     """config.json fields that hf_loader.read_config reads back into the same arch."""
     cfg = {
@@ -107,9 +117,11 @@ def hf_config(arch: ModelArchConfig) -> dict:
         "intermediate_size": arch.intermediate_size, "num_hidden_layers": arch.num_layers,
         "num_attention_heads": arch.num_heads, "num_key_value_heads": arch.num_kv_heads,
         "head_dim": arch.head_dim, "rms_norm_eps": arch.rms_norm_eps,
-        "rope_theta": arch.rope_theta, "rope_scaling": arch.rope_scaling,
+        "rope_theta": arch.rope_theta, "rope_scaling": _rope_scaling(arch),
         "max_position_embeddings": arch.max_position_embeddings,
-        "tie_word_embeddings": arch.tie_word_embeddings, "attention_bias": arch.attention_bias,
+        # a backbone without its output layer stays one (read back: untied, no lm_head)
+        "tie_word_embeddings": arch.tie_word_embeddings and arch.generates,
+        "attention_bias": arch.attention_bias,
         "bos_token_id": arch.bos_token_id, "eos_token_id": list(arch.eos_token_ids),
         "torch_dtype": "float16", "hidden_act": arch.hidden_act,
         "partial_rotary_factor": arch.partial_rotary_factor,

@@ -128,11 +128,18 @@ def vision_language(path: Path) -> str | None:
     return model_type if model_type in VISION_LANGUAGE else None
 
 
+# A backbone saved alone (transformers' Qwen3Model, not Qwen3ForCausalLM: how
+# sentence-transformers saves Qwen3-Embedding and gte-Qwen2) names its tensors without the
+# "model." prefix
+_BACKBONE = ("embed_tokens.", "layers.", "norm.")
+
+
 def language_names(path: Path) -> Callable[[str], str | None]:
     """A stored tensor name -> the name the language model reads it as (None: not one of its
-    tensors, e.g. a vision tower's): the name itself, but for a VISION_LANGUAGE checkpoint."""
+    tensors, e.g. a vision tower's): the name itself, "model." + a backbone's own names, and
+    for a VISION_LANGUAGE checkpoint the language model's under its prefix."""
     if vision_language(path) is None:
-        return lambda name: name
+        return lambda name: "model." + name if name.startswith(_BACKBONE) else name
 
     def rename(name: str) -> str | None:
         if name.startswith(_VISION_PREFIXES):
@@ -228,11 +235,13 @@ def read_config(path: Path) -> ModelArchConfig:
         raise ModelLoadError(f"{cfg_path}: hidden_size {hidden} is not a multiple of "
                              f"num_attention_heads {heads}, and there is no head_dim")
     window, layer_types = _windows(cfg, family, layers, cfg_path)
-    tied = flag("tie_word_embeddings")
+    tied, generates = flag("tie_word_embeddings"), True
     if wrapped and head_in_files is not None:
         # whether a wrapper's output is tied has been said at either level, with defaults
         # that differ between wrappers and transformers' versions; its weights say it plainly
         tied = not head_in_files
+    elif not tied and head_in_files is False:  # a backbone without its output layer
+        tied, generates = True, False
     gen = _read_json(path / "generation_config.json", required=False)
     eos = (_token_ids(gen.get("eos_token_id"), f"{path / 'generation_config.json'}: eos_token_id")
            + _token_ids(cfg.get("eos_token_id"), f"{cfg_path}: eos_token_id"))
@@ -252,6 +261,7 @@ def read_config(path: Path) -> ModelArchConfig:
             rope_scaling=None if rope_type == "default" else rope,
             max_position_embeddings=max_positions,
             tie_word_embeddings=tied,
+            generates=generates,
             attention_bias=flag("attention_bias"),
             sliding_window=window,
             bos_token_id=bos[0] if bos else None,

@@ -88,6 +88,8 @@ class Attention(nn.Module):
         self.scale = (arch.query_pre_attn_scalar or self.head_dim) ** -0.5
         self.window = arch.layer_window(layer)
         self.softcap = arch.attn_logit_softcapping
+        self.temperature = (None if arch.attn_temperature_beta is None else
+                            (arch.attn_temperature_beta, arch.attn_temperature_length))
         # the soft-capped path sizes each sequence's context from the metadata's host list,
         # which a CUDA graph would fix at its context bucket (engine/cuda_graph.py uncapturable)
         self.cuda_graph_safe = self.softcap is None
@@ -103,6 +105,10 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(positions, q, k)
+        if self.temperature is not None:  # (positions: the rope rows are the positions here)
+            beta, length = self.temperature
+            scale = 1 + beta * torch.log1p(torch.floor(positions.float() / length))  # (T,)
+            q = q * scale.to(q.dtype)[:, None, None]
         if meta.sliding_window != self.window:  # it carries arch.sliding_window; Gemma's
             # global layers have none
             meta = dataclasses.replace(meta, sliding_window=self.window)

@@ -1,11 +1,11 @@
 """The Llama family: Llama 2/3.x (llama3 rope scaling), Mistral (sliding window), Qwen2/2.5
-(q/k/v biases), SmolLM2. The layers are base.py's; this family alone runs its CPU decode steps
+(q/k/v biases), SmolLM2, Ministral 3 (YaRN, and Llama 4's attention temperature: queries
+scaled by 1 + beta log(1 + floor(p / original context)) from the original context on). The layers are base.py's; this family alone runs its CPU decode steps
 through the fused C kernel (kernels/cpu_ops.py CpuDecoder), which implements exactly them."""
 from __future__ import annotations
 
 import torch
 
-from qserve.errors import ConfigError
 from qserve.formats import QuantizedTensor
 from qserve.kernels.cpu_ops import CpuDecoder
 from qserve.kernels.paged_attention import PagedAttentionMetadata
@@ -15,21 +15,35 @@ from qserve.models.base import (CausalLM, DecoderLayer, LayerHooks,  # noqa: F40
 
 
 class LlamaForCausalLM(CausalLM):
-    architectures = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-    model_types = ("llama", "mistral", "qwen2")
-    # llama.cpp converts Mistral as llama, and Mistral Small 3.x's language model as mistral3
+    architectures = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                     "Ministral3ForCausalLM")
+    model_types = ("llama", "mistral", "qwen2", "ministral3")
+    # llama.cpp converts Mistral as llama, and Mistral Small 3.x's and Ministral 3's language
+    # models as mistral3
     gguf_architectures = ("llama", "qwen2", "qwen2vl", "mistral3")
     gguf_model_types = {"qwen2vl": "qwen2",  # Qwen2-VL's and Qwen2.5-VL's language model
                         "mistral3": "mistral"}
-    gguf_permuted_qk = ("llama", "mistral")  # Qwen2 keeps HF's rotate-half order
+    gguf_permuted_qk = ("llama", "mistral", "ministral3")  # Qwen2 keeps HF's rotate-half order
+
+    @classmethod
+    def hf_config(cls, cfg):
+        # Ministral 3: Llama 4's attention temperature, named with the rope's parameters
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        beta = rope.get("llama_4_scaling_beta") if isinstance(rope, dict) else None
+        if beta is None:
+            return {}
+        return {"attn_temperature_beta": beta,
+                "attn_temperature_length": rope.get("original_max_position_embeddings")}
 
     @classmethod
     def gguf_config(cls, arch, key, tensor):
-        # Ministral 3's mistral3 files scale queries by a temperature that grows with the
-        # position (Llama 4's), which these layers do not
-        if key("attention.temperature_scale", 0.0):
-            raise ConfigError("attention temperature scaling (Ministral 3's) is not supported")
-        return {}
+        # llama.cpp's mistral3: the temperature's length is YaRN's original context
+        beta = key("attention.temperature_scale", 0.0)
+        if not beta:
+            return {}
+        scaling = arch["rope_scaling"] or {}
+        return {"attn_temperature_beta": beta,
+                "attn_temperature_length": scaling.get("original_max_position_embeddings")}
 
     @classmethod
     def fill_hf_config(cls, cfg: dict) -> dict:
@@ -52,6 +66,9 @@ class LlamaForCausalLM(CausalLM):
         if (self.device.type != "cpu" or self.arch.layer_types is not None
                 or self.layers[0].self_attn.o_proj.bias is not None):
             return None  # the kernel applies one window to every layer, and no o_proj bias
+        length = self.arch.attn_temperature_length
+        if self.arch.attn_temperature_beta is not None and meta.max_seq_len > length:
+            return None  # nor scales queries (by 1 until a position reaches `length`)
         fused = self._cpu_decoder(caches)
         if fused is None:
             return None

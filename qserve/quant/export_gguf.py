@@ -74,6 +74,10 @@ def check_plans(arch, plans) -> None:
 def _unexpressed(arch) -> str | None:
     """What of `arch` a GGUF of its llama.cpp architecture cannot say (None: nothing)."""
     name = gguf_architecture(arch.architecture)
+    if not arch.generates:  # a GGUF without output.weight is a tied model that generates
+        return "a backbone without its output layer (an embedding model)"
+    if arch.attn_temperature_beta is not None:  # llama.cpp's mistral3 has it; not written
+        return "an attention temperature (Ministral 3's)"
     kind = (arch.rope_scaling or {}).get("rope_type", "default")
     if kind not in ROPE_SCALINGS[name]:
         return (f"rope scaling {kind!r} on {name} (written: "
