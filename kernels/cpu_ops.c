@@ -2902,6 +2902,7 @@ typedef struct {
     const float *norm_in, *norm_post; /* (hidden,) */
     wlinear qkv, o, gate_up, down;
     kv_layer cache;
+    int64_t rope; /* 0: this layer rotates nothing (SmolLM3's every fourth) */
 } dlayer;
 
 /* y (M, N) = x (M, K) W^T, W the linear's segments side by side. */
@@ -2988,6 +2989,8 @@ void decode_layers(const dlayer *layers, int64_t num_layers, float *x, int64_t T
             memcpy(q + t * qs, row, sizeof(float) * qs);
             memcpy(k + t * kvs, row + qs, sizeof(float) * kvs);
             memcpy(v + t * kvs, row + qs + kvs, sizeof(float) * kvs);
+            if (!L->rope)
+                continue;
             const float *c = cos_table + positions[t] * d, *s = sin_table + positions[t] * d;
             rope(q + t * qs, H, d, c, s);
             rope(k + t * kvs, hkv, d, c, s);

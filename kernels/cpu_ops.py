@@ -87,7 +87,8 @@ class DLayer(ctypes.Structure):
     """One decoder layer as decode_layers reads it (dlayer in cpu_ops.c)."""
 
     _fields_ = [("norm_in", _ptr), ("norm_post", _ptr), ("qkv", WLinear), ("o", WLinear),
-                ("gate_up", WLinear), ("down", WLinear), ("cache", _i64 * len(KV_TENSORS))]
+                ("gate_up", WLinear), ("down", WLinear), ("cache", _i64 * len(KV_TENSORS)),
+                ("rope", _i64)]  # 0: the layer applies no rope (SmolLM3's every fourth)
 
 
 _WDESC = ctypes.POINTER(WDesc)
@@ -788,11 +789,13 @@ class CpuDecoder:
             attn, mlp = layer.self_attn, layer.mlp
             lins = [_linear(m) for m in
                     (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-            if any(x is None for x in lins):
+            # the model's own tables, or no rotation at all (a rope without tables)
+            rotates = attn.rope is model.rope
+            if any(x is None for x in lins) or not (rotates or not hasattr(attn.rope, "cos")):
                 return None
             layers.append(DLayer(_p(layer.input_layernorm.weight),
                                  _p(layer.post_attention_layernorm.weight), *lins,
-                                 (_i64 * len(KV_TENSORS))(*_kv_addresses(cache))))
+                                 (_i64 * len(KV_TENSORS))(*_kv_addresses(cache)), int(rotates)))
         if norm_final is not None and not (norm_final.dtype == torch.float32
                                            and norm_final.is_contiguous()
                                            and norm_final.shape == (model.arch.hidden_size,)):

@@ -69,6 +69,8 @@ class ModelArchConfig:
     layer_types: list[str] | None = None
     rope_local_theta: float | None = None  # sliding layers' rope base, unscaled (Gemma 3)
     partial_rotary_factor: float = 1.0  # rope turns the first head_dim * this dims (Phi-4-mini)
+    # layers that apply no rope at all (SmolLM3: every fourth); None: every layer rotates
+    nope_layers: list[int] | None = None
     hidden_act: str = "silu"  # the MLP gate's activation: silu or gelu_pytorch_tanh (Gemma)
     query_pre_attn_scalar: float | None = None  # scores scale by its -1/2 power; None: head_dim
     attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
@@ -120,6 +122,10 @@ class ModelArchConfig:
             raise ConfigError(f"partial_rotary_factor={self.partial_rotary_factor} must give an "
                               f"even number of rotated dims out of head_dim={self.head_dim}")
         self._check_rope_scaling()
+        if self.nope_layers is not None and not all(
+                isinstance(i, int) and 0 <= i < self.num_layers for i in self.nope_layers):
+            raise ConfigError(f"layers without rope {self.nope_layers!r} must be layer "
+                              f"indexes below num_layers={self.num_layers}")
         if self.attn_temperature_beta is not None:
             if not is_positive(self.attn_temperature_beta):
                 raise ConfigError(f"attention temperature beta={self.attn_temperature_beta!r} "

@@ -1,7 +1,8 @@
 """Each model family against transformers, on tiny random checkpoints that transformers itself
 writes, with the family's special features switched on: Qwen3 (q/k norms, head_dim not
 hidden / heads; YaRN rope scaling), Phi-3 (fused checkpoint tensors, longrope crossing the
-original context mid-generation, rope on 3/4 of each head, a sliding window), Gemma 2 (1 + w
+original context mid-generation, rope on 3/4 of each head, a sliding window), Ministral 3
+(YaRN, Llama 4's query temperature), SmolLM3 (layers without rope), Gemma 2 (1 + w
 norms, scaled embedding, gelu-tanh, attention and final soft-capping, query_pre_attn_scalar,
 sliding and global layers) and Gemma 3 (q/k norms, a local rope base, linear scaling on
 global layers).
@@ -37,7 +38,7 @@ PROMPT_LEN, NEW_TOKENS = 24, 12  # 36 tokens: past Phi-3's original context of 3
 def configs() -> dict[str, tuple[object, bool]]:
     """name -> (transformers config, whether llama.cpp's GGUF can express it)."""
     from transformers import (Gemma2Config, Gemma3TextConfig, Ministral3Config, Phi3Config,
-                              Qwen3Config)
+                              Qwen3Config, SmolLM3Config)
 
     gemma2 = dict(COMMON, num_hidden_layers=3, head_dim=32, sliding_window=8,
                   attn_logit_softcapping=1.5, final_logit_softcapping=5.0)
@@ -66,6 +67,8 @@ def configs() -> dict[str, tuple[object, bool]]:
                                             "beta_slow": 1.0, "mscale": 1.0,
                                             "mscale_all_dim": 1.0,
                                             "llama_4_scaling_beta": 0.1}), True),
+        # SmolLM3: layers 3 and 7 apply no rope (transformers' default, llama.cpp's fixed one)
+        "smollm3": (SmolLM3Config(**COMMON, num_hidden_layers=8, rope_theta=10000.0), True),
         # six layers: five sliding and one global, llama.cpp's fixed Gemma 3 pattern
         "gemma3": (Gemma3TextConfig(
             **COMMON, num_hidden_layers=6, head_dim=32, sliding_window=8,

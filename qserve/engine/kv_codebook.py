@@ -147,8 +147,8 @@ def calibrate(model, tokenizer) -> dict[str, torch.Tensor]:
                 unit="layer")
     try:
         for i, layer in enumerate(model.layers):
-            layer.self_attn.rope = _Recorder(own[id(layer.self_attn.rope)], sums, i,
-                                             shown.update)
+            rope = layer.self_attn.rope  # (one that rotates nothing has no table to rebuild)
+            layer.self_attn.rope = _Recorder(own.get(id(rope), rope), sums, i, shown.update)
         for w in windows:
             prefill(model, w)
     finally:

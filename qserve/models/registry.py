@@ -19,10 +19,11 @@ from qserve.models.mixtral import MixtralForCausalLM
 from qserve.models.phi3 import Phi3ForCausalLM
 from qserve.models.qwen3 import Qwen3ForCausalLM
 from qserve.models.qwen3_moe import Qwen3MoeForCausalLM
+from qserve.models.smollm3 import SmolLM3ForCausalLM
 
 FAMILIES: tuple[type[CausalLM], ...] = (
     LlamaForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM,
-    MixtralForCausalLM, Qwen3MoeForCausalLM)
+    MixtralForCausalLM, Qwen3MoeForCausalLM, SmolLM3ForCausalLM)
 
 
 def supported() -> list[str]:

@@ -44,7 +44,7 @@ from qserve.models.registry import gguf_architecture, model_class
 ROPE_SCALINGS = {"llama": ("default", "linear", "llama3"), "qwen2": ("default", "linear"),
                  "qwen3": ("default", "linear"), "qwen3moe": ("default", "linear"),
                  "phi3": ("default", "longrope"), "gemma2": ("default",),
-                 "gemma3": ("default", "linear")}
+                 "gemma3": ("default", "linear"), "smollm3": ("default",)}
 LOSSLESS = {(4, False): "Q4_1", (4, True): "Q4_0", (8, True): "Q8_0"}  # (bits, sym), groups of 32
 LOSSLESS_RECIPES = ("w4g32 (int4 g32 asym -> Q4_1), int4 g32 symmetric (-> Q4_0), int8 with "
                     "group_size 32 (-> Q8_0), gguf-native from a GGUF (every quantized "
@@ -93,6 +93,9 @@ def _unexpressed(arch) -> str | None:
             return "Gemma 2 without a sliding window (llama.cpp then slides 4096)"
         if name == "gemma3" and arch.attn_logit_softcapping:
             return "Gemma 3 with attention soft-capping"
+    if arch.nope_layers is not None and (name != "smollm3" or arch.nope_layers != [
+            i for i in range(arch.num_layers) if (i + 1) % 4 == 0]):
+        return "layers without rope other than every fourth (llama.cpp's fixed SmolLM3 step)"
     if name == "qwen3moe" and not arch.norm_topk_prob:
         return "norm_topk_prob false (llama.cpp always renormalizes the chosen experts)"
     return None
