@@ -2884,7 +2884,9 @@ void argmax_rows(const float *x, int64_t B, int64_t V, int64_t ld, int64_t *out)
  * in one call, so Python is not on the per-layer path:
  *
  *     h = rmsnorm(x) * w_in;  qkv = h Wqkv^T;  rope(q, k);  write k, v;  a = attention(q)
- *     x += a Wo^T;  h = rmsnorm(x) * w_post;  g, u = h Wgu^T;  x += (silu(g) * u) Wdown^T
+ *     x += r a Wo^T;  h = rmsnorm(x) * w_post;  g, u = h Wgu^T;  x += r (silu(g) * u) Wdown^T
+ *
+ * (r: the layer's residual scale, 1 but in Granite; rope skipped in a layer without it.)
  *
  * Each layer is one dlayer (kernels/cpu_ops.py DLayer, built once from the model's tensors by
  * CpuDecoder). A linear's output rows may come in up to MAX_SEGMENTS row blocks of different
@@ -2903,6 +2905,7 @@ typedef struct {
     wlinear qkv, o, gate_up, down;
     kv_layer cache;
     int64_t rope; /* 0: this layer rotates nothing (SmolLM3's every fourth) */
+    float residual; /* each sublayer's output is scaled by it before the add (Granite; else 1) */
 } dlayer;
 
 /* y (M, N) = x (M, K) W^T, W the linear's segments side by side. */
@@ -3000,13 +3003,13 @@ void decode_layers(const dlayer *layers, int64_t num_layers, float *x, int64_t T
                      block_size, scale, window, nthreads);
         linear(&L->o, att, T, qs, o, hidden, i8, nthreads);
         for (int64_t j = 0; j < T * hidden; j++)
-            x[j] += o[j];
+            x[j] += L->residual * o[j];
         rmsnorm(x, L->norm_post, T, hidden, eps, h);
         linear(&L->gate_up, h, T, hidden, gu, 2 * inter, i8, nthreads);
         silu_mul(gu, T, inter, act, nthreads);
         linear(&L->down, act, T, inter, o, hidden, i8, nthreads);
         for (int64_t j = 0; j < T * hidden; j++)
-            x[j] += o[j];
+            x[j] += L->residual * o[j];
     }
     if (norm_final) /* the model's last norm, in place (each row read before it is written) */
         rmsnorm(x, norm_final, T, hidden, eps, x);

@@ -88,7 +88,8 @@ class DLayer(ctypes.Structure):
 
     _fields_ = [("norm_in", _ptr), ("norm_post", _ptr), ("qkv", WLinear), ("o", WLinear),
                 ("gate_up", WLinear), ("down", WLinear), ("cache", _i64 * len(KV_TENSORS)),
-                ("rope", _i64)]  # 0: the layer applies no rope (SmolLM3's every fourth)
+                ("rope", _i64),  # 0: the layer applies no rope (SmolLM3's every fourth)
+                ("residual", ctypes.c_float)]  # scales each output before its add (Granite)
 
 
 _WDESC = ctypes.POINTER(WDesc)
@@ -795,7 +796,8 @@ class CpuDecoder:
                 return None
             layers.append(DLayer(_p(layer.input_layernorm.weight),
                                  _p(layer.post_attention_layernorm.weight), *lins,
-                                 (_i64 * len(KV_TENSORS))(*_kv_addresses(cache)), int(rotates)))
+                                 (_i64 * len(KV_TENSORS))(*_kv_addresses(cache)), int(rotates),
+                                 layer.residual))
         if norm_final is not None and not (norm_final.dtype == torch.float32
                                            and norm_final.is_contiguous()
                                            and norm_final.shape == (model.arch.hidden_size,)):

@@ -71,6 +71,11 @@ class ModelArchConfig:
     partial_rotary_factor: float = 1.0  # rope turns the first head_dim * this dims (Phi-4-mini)
     # layers that apply no rope at all (SmolLM3: every fourth); None: every layer rotates
     nope_layers: list[int] | None = None
+    # Granite's scales: the embedding's output, each layer's attention and MLP output before
+    # its residual add, and the logits (divided by logits_scaling)
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
     hidden_act: str = "silu"  # the MLP gate's activation: silu or gelu_pytorch_tanh (Gemma)
     query_pre_attn_scalar: float | None = None  # scores scale by its -1/2 power; None: head_dim
     attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
@@ -122,6 +127,9 @@ class ModelArchConfig:
             raise ConfigError(f"partial_rotary_factor={self.partial_rotary_factor} must give an "
                               f"even number of rotated dims out of head_dim={self.head_dim}")
         self._check_rope_scaling()
+        for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):
+            if not is_positive(getattr(self, name)):
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be a positive number")
         if self.nope_layers is not None and not all(
                 isinstance(i, int) and 0 <= i < self.num_layers for i in self.nope_layers):
             raise ConfigError(f"layers without rope {self.nope_layers!r} must be layer "

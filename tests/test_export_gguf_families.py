@@ -1,6 +1,6 @@
 """`qserve quantize --format gguf` for the families beyond Llama/Qwen: Phi-3 (fused qkv and
 gate_up), Gemma 2 and 3 (1 + w norms, soft-caps, sliding layers, a local rope base), SmolLM3
-(every fourth layer without rope) and the mixtures Mixtral and Qwen3-MoE (experts stacked into
+(every fourth layer without rope), Granite (four scales) and the mixtures Mixtral and Qwen3-MoE (experts stacked into
 3-D tensors, each in its GGML type).
 
 Each tiny checkpoint is quantized with w4g32 (int4 g32 asym -> Q4_1) and exported; qserve
@@ -34,8 +34,8 @@ pytestmark = pytest.mark.slow  # transformers writes the checkpoints
 
 
 def configs() -> dict[str, object]:
-    from transformers import (Gemma2Config, Gemma3TextConfig, MixtralConfig, Phi3Config,
-                              Qwen3MoeConfig, SmolLM3Config)
+    from transformers import (Gemma2Config, Gemma3TextConfig, GraniteConfig, MixtralConfig,
+                              Phi3Config, Qwen3MoeConfig, SmolLM3Config)
 
     two = dict(COMMON, num_hidden_layers=2)
     gemma = dict(COMMON, head_dim=32, sliding_window=8, query_pre_attn_scalar=32)
@@ -59,6 +59,8 @@ def configs() -> dict[str, object]:
         "qwen3_moe": Qwen3MoeConfig(**two, head_dim=32, moe_intermediate_size=64, num_experts=4,
                                     num_experts_per_tok=2, norm_topk_prob=True),
         "smollm3": SmolLM3Config(**COMMON, num_hidden_layers=8),  # no rope in layers 3, 7
+        "granite": GraniteConfig(**two, embedding_multiplier=6.0, residual_multiplier=0.3,
+                                 attention_multiplier=0.04, logits_scaling=4.0),
         # refused: llama.cpp cannot say these
         "smollm3-layers": SmolLM3Config(**two, no_rope_layers=[0, 1]),
         "gemma2-scalar": Gemma2Config(**gemma | {"query_pre_attn_scalar": 24},
@@ -72,7 +74,7 @@ def configs() -> dict[str, object]:
 
 
 RUN = ["phi3", "gemma2", "gemma3", "gemma3-layers", "mixtral", "qwen3_moe",  # llama.cpp runs
-       "smollm3"]
+       "smollm3", "granite"]
 # these exactly (Phi-3 longrope: it picks long or short factors by context size)
 READ_BACK = RUN + ["phi3-longrope"]
 
@@ -217,7 +219,8 @@ def test_gguf_architecture_comes_from_the_family():
     assert {t: gguf_architecture(t) for t in supported()} == {
         "llama": "llama", "mistral": "llama", "qwen2": "qwen2", "ministral3": "llama",
         "qwen3": "qwen3", "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3",
-        "mixtral": "llama", "qwen3_moe": "qwen3moe", "smollm3": "smollm3"}
+        "mixtral": "llama", "qwen3_moe": "qwen3moe", "smollm3": "smollm3",
+        "granite": "granite"}
     for family in FAMILIES:
         for t in family.model_types:
             got, model_type = gguf_family(gguf_architecture(t), 8 if family.moe else 0)

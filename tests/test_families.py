@@ -2,7 +2,8 @@
 writes, with the family's special features switched on: Qwen3 (q/k norms, head_dim not
 hidden / heads; YaRN rope scaling), Phi-3 (fused checkpoint tensors, longrope crossing the
 original context mid-generation, rope on 3/4 of each head, a sliding window), Ministral 3
-(YaRN, Llama 4's query temperature), SmolLM3 (layers without rope), Gemma 2 (1 + w
+(YaRN, Llama 4's query temperature), SmolLM3 (layers without rope), Granite (scaled
+embedding, residuals, scores and logits), Gemma 2 (1 + w
 norms, scaled embedding, gelu-tanh, attention and final soft-capping, query_pre_attn_scalar,
 sliding and global layers) and Gemma 3 (q/k norms, a local rope base, linear scaling on
 global layers).
@@ -37,8 +38,8 @@ PROMPT_LEN, NEW_TOKENS = 24, 12  # 36 tokens: past Phi-3's original context of 3
 
 def configs() -> dict[str, tuple[object, bool]]:
     """name -> (transformers config, whether llama.cpp's GGUF can express it)."""
-    from transformers import (Gemma2Config, Gemma3TextConfig, Ministral3Config, Phi3Config,
-                              Qwen3Config, SmolLM3Config)
+    from transformers import (Gemma2Config, Gemma3TextConfig, GraniteConfig, Ministral3Config,
+                              Phi3Config, Qwen3Config, SmolLM3Config)
 
     gemma2 = dict(COMMON, num_hidden_layers=3, head_dim=32, sliding_window=8,
                   attn_logit_softcapping=1.5, final_logit_softcapping=5.0)
@@ -69,6 +70,10 @@ def configs() -> dict[str, tuple[object, bool]]:
                                             "llama_4_scaling_beta": 0.1}), True),
         # SmolLM3: layers 3 and 7 apply no rope (transformers' default, llama.cpp's fixed one)
         "smollm3": (SmolLM3Config(**COMMON, num_hidden_layers=8, rope_theta=10000.0), True),
+        # Granite 3: its four scales, each far from 1 (as granite-3.3-8b's 12, 0.22, 1/128, 16)
+        "granite": (GraniteConfig(**COMMON, num_hidden_layers=2, embedding_multiplier=6.0,
+                                  residual_multiplier=0.3, attention_multiplier=0.04,
+                                  logits_scaling=4.0, tie_word_embeddings=False), True),
         # six layers: five sliding and one global, llama.cpp's fixed Gemma 3 pattern
         "gemma3": (Gemma3TextConfig(
             **COMMON, num_hidden_layers=6, head_dim=32, sliding_window=8,
@@ -254,7 +259,7 @@ def test_unsupported_architecture_is_one_line(tmp_path):
     with pytest.raises(ModelLoadError, match=r"model_type 'deepseek_v3' is not supported; qserve "
                                              r"runs llama, mistral, qwen2, ministral3, qwen3, "
                                              r"phi3, gemma2, "
-                                             r"gemma3_text, mixtral, qwen3_moe, and the "
+                                             r"gemma3_text, mixtral, qwen3_moe, smollm3, granite, and the "
                                              r"language model of gemma3, mistral3, llava, "
                                              r"qwen2_vl, qwen2_5_vl, qwen3_vl checkpoints$"):
         load_arch(tmp_path)

@@ -41,7 +41,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 FAMILIES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
             "phi3": "phi3-longrope", "gemma2": "gemma2", "gemma3": "gemma3",
             "mixtral": "mixtral", "qwen3_moe": "qwen3_moe", "ministral3": "ministral3",
-            "smollm3": "smollm3"}
+            "smollm3": "smollm3", "granite": "granite"}
 
 
 def configs() -> dict[str, object]:

@@ -137,6 +137,11 @@ def hf_config(arch: ModelArchConfig) -> dict:
         cfg |= {"sliding_window": None, "use_sliding_window": False}
     if arch.rope_local_theta is not None:
         cfg["rope_local_base_freq"] = arch.rope_local_theta
+    if arch.nope_layers is not None:  # SmolLM3's key: 1 where a layer rotates
+        cfg["no_rope_layers"] = [int(i not in arch.nope_layers) for i in range(arch.num_layers)]
+    for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):  # Granite's
+        if getattr(arch, name) != 1.0:
+            cfg[name] = getattr(arch, name)
     if arch.num_experts:  # the keys every MoE family's hf_config reads
         cfg |= {"num_local_experts": arch.num_experts,
                 "num_experts_per_tok": arch.num_experts_per_tok,

@@ -147,10 +147,13 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(arch, rope, layer, qk_norm, o_bias)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = MLP(arch) if mlp is None else mlp
+        self.residual = arch.residual_multiplier  # Granite scales each output before its add
 
     def forward(self, x, positions, cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        a = self.self_attn(self.input_layernorm(x), positions, cache, meta)
+        x = x + (a if self.residual == 1.0 else a * self.residual)
+        m = self.mlp(self.post_attention_layernorm(x))
+        return x + (m if self.residual == 1.0 else m * self.residual)
 
 
 # GGUF module names (llama.cpp's, gguf-py tensor_mapping) of the Hugging Face modules, for the

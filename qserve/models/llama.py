@@ -72,7 +72,9 @@ class LlamaForCausalLM(CausalLM):
         fused = self._cpu_decoder(caches)
         if fused is None:
             return None
-        x = fused.embed(input_ids)
+        x = fused.embed(input_ids)  # the table's rows (Granite's embed scales them)
+        if x is not None and self.arch.embedding_multiplier != 1.0:
+            x *= self.arch.embedding_multiplier
         out = (fused(self.embed(input_ids), positions, meta) if x is None
                else fused(x, positions, meta, owned=True))
         return out if fused.norm_final is not None else self.norm(out)

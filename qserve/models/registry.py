@@ -14,6 +14,7 @@ from qserve.errors import ConfigError
 from qserve.models.base import CausalLM
 from qserve.models.gemma2 import Gemma2ForCausalLM
 from qserve.models.gemma3 import Gemma3ForCausalLM
+from qserve.models.granite import GraniteForCausalLM
 from qserve.models.llama import LlamaForCausalLM
 from qserve.models.mixtral import MixtralForCausalLM
 from qserve.models.phi3 import Phi3ForCausalLM
@@ -23,7 +24,7 @@ from qserve.models.smollm3 import SmolLM3ForCausalLM
 
 FAMILIES: tuple[type[CausalLM], ...] = (
     LlamaForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM,
-    MixtralForCausalLM, Qwen3MoeForCausalLM, SmolLM3ForCausalLM)
+    MixtralForCausalLM, Qwen3MoeForCausalLM, SmolLM3ForCausalLM, GraniteForCausalLM)
 
 
 def supported() -> list[str]:

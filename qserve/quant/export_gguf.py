@@ -16,6 +16,8 @@ follow llama.cpp's convert_hf_to_gguf.py for each family:
     qwen3_moe               -> qwen3moe     e the e-th (out, in) matrix, in its own GGML type
     phi3                    -> phi3     fused attn_qkv / ffn_up; longrope as rope_factors_*
     gemma2, gemma3_text     -> gemma2, gemma3   norms stored as 1 + w; soft-caps, windows
+    smollm3, granite        -> as named     q/k interleaved as llama's; every fourth layer
+                                            without rope, Granite's four scales
 
 What llama.cpp would run differently is refused, in one line: a Gemma query_pre_attn_scalar
 other than the one it derives, Gemma 2 without a window, Gemma 3 attention soft-capping,
@@ -44,7 +46,8 @@ from qserve.models.registry import gguf_architecture, model_class
 ROPE_SCALINGS = {"llama": ("default", "linear", "llama3"), "qwen2": ("default", "linear"),
                  "qwen3": ("default", "linear"), "qwen3moe": ("default", "linear"),
                  "phi3": ("default", "longrope"), "gemma2": ("default",),
-                 "gemma3": ("default", "linear"), "smollm3": ("default",)}
+                 "gemma3": ("default", "linear"), "smollm3": ("default",),
+                 "granite": ("default", "linear")}
 LOSSLESS = {(4, False): "Q4_1", (4, True): "Q4_0", (8, True): "Q8_0"}  # (bits, sym), groups of 32
 LOSSLESS_RECIPES = ("w4g32 (int4 g32 asym -> Q4_1), int4 g32 symmetric (-> Q4_0), int8 with "
                     "group_size 32 (-> Q8_0), gguf-native from a GGUF (every quantized "
@@ -96,6 +99,8 @@ def _unexpressed(arch) -> str | None:
     if arch.nope_layers is not None and (name != "smollm3" or arch.nope_layers != [
             i for i in range(arch.num_layers) if (i + 1) % 4 == 0]):
         return "layers without rope other than every fourth (llama.cpp's fixed SmolLM3 step)"
+    if name == "granite" and arch.head_dim != arch.hidden_size // arch.num_heads:
+        return f"head_dim {arch.head_dim} (llama.cpp's Granite takes hidden / heads)"
     if name == "qwen3moe" and not arch.norm_topk_prob:
         return "norm_topk_prob false (llama.cpp always renormalizes the chosen experts)"
     return None
@@ -236,7 +241,7 @@ def _metadata(writer, arch, name: str, plans, source: Path) -> None:
     writer.add_layer_norm_rms_eps(arch.rms_norm_eps)
     writer.add_vocab_size(arch.vocab_size)
     rot = int(arch.head_dim * arch.partial_rotary_factor)
-    if name in ("llama", "phi3") or rot != arch.head_dim:
+    if name in ("llama", "phi3", "granite") or rot != arch.head_dim:
         writer.add_rope_dimension_count(rot)
     if arch.head_dim != arch.hidden_size // arch.num_heads or name.startswith("gemma"):
         writer.add_key_length(arch.head_dim)
@@ -254,6 +259,11 @@ def _metadata(writer, arch, name: str, plans, source: Path) -> None:
         writer.add_sliding_window(arch.sliding_window or 0)
     if name.startswith("gemma"):
         _gemma_metadata(writer, arch, name)
+    if name == "granite":  # the converter's names for its four multipliers
+        writer.add_attention_scale((arch.query_pre_attn_scalar or arch.head_dim) ** -0.5)
+        writer.add_embedding_scale(arch.embedding_multiplier)
+        writer.add_residual_scale(arch.residual_multiplier)
+        writer.add_logit_scale(arch.logits_scaling)
     if arch.num_experts:
         writer.add_expert_count(arch.num_experts)
         writer.add_expert_used_count(arch.num_experts_per_tok)
