@@ -175,6 +175,14 @@ def test_sentence_transformers_pooling_is_the_default(hf_dir, tmp_path, prompts,
 
     info = CliRunner().invoke(main, ["info", str(path), "--json"])
     assert json.loads(info.output)["pooling"] == "mean", info.output
+    # a quantized copy and a GGUF export keep it (qserve's quantization_config, the GGUF's
+    # pooling_type as llama.cpp's converter writes it)
+    from qserve.loader import load_model
+    from qserve.quant.quantize import quantize
+
+    quantize(str(path), tmp_path / "w8", recipe="w8")
+    quantize(str(path), tmp_path / "m.gguf", recipe="w4g32", fmt="gguf")
+    assert load_model(tmp_path / "w8").pooling == load_model(tmp_path / "m.gguf").pooling == "mean"
     (path / "1_Pooling" / "config.json").write_text(json.dumps(
         {"pooling_mode_mean_tokens": False, "pooling_mode_max_tokens": True}))
     st = LLM(str(path), kv_cache_memory="32MiB", max_model_len=256)

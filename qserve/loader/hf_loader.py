@@ -377,7 +377,11 @@ _POOLING_MODES = (("pooling_mode_lasttoken", "last"), ("pooling_mode_mean_tokens
 def read_pooling(path: Path) -> str | None:
     """The pooling an embedding model declares for sentence-transformers (modules.json, then
     its Pooling module's config.json: Qwen3-Embedding says last token), or None where it
-    declares none. A mode qserve does not pool by comes back by name (e.g. "max")."""
+    declares none. A mode qserve does not pool by comes back by name (e.g. "max"). A qserve
+    checkpoint keeps its source's in quantization_config["pooling"]."""
+    quant = _read_json(path / "config.json", required=False).get("quantization_config")
+    if isinstance(quant, dict) and isinstance(quant.get("pooling"), str):
+        return quant["pooling"]
     modules = path / "modules.json"
     if not modules.is_file():
         return None

@@ -48,6 +48,8 @@ ROPE_SCALINGS = {"llama": ("default", "linear", "llama3"), "qwen2": ("default", 
                  "phi3": ("default", "longrope"), "gemma2": ("default",),
                  "gemma3": ("default", "linear"), "smollm3": ("default",),
                  "granite": ("default", "linear")}
+# qserve's pooling names -> llama.cpp's enum llama_pooling_type (gguf_loader reads it back)
+POOLING_TYPES = {"mean": 1, "cls": 2, "last": 3}
 LOSSLESS = {(4, False): "Q4_1", (4, True): "Q4_0", (8, True): "Q8_0"}  # (bits, sym), groups of 32
 LOSSLESS_RECIPES = ("w4g32 (int4 g32 asym -> Q4_1), int4 g32 symmetric (-> Q4_0), int8 with "
                     "group_size 32 (-> Q8_0), gguf-native from a GGUF (every quantized "
@@ -183,6 +185,8 @@ def export(out: Path, loaded, tensors: dict, plans, atomic_dir=None) -> None:
     writer = gguf.GGUFWriter(str(tmp), name)
     try:
         _metadata(writer, arch, name, plans, loaded.path)
+        if loaded.pooling in POOLING_TYPES:  # an embedding model's, as llama.cpp's converter
+            writer.add_pooling_type(gguf.PoolingType(POOLING_TYPES[loaded.pooling]))
         _tokenizer(writer, loaded, name)
         if (arch.rope_scaling or {}).get("rope_type") == "llama3":  # as the converter bakes it
             divisors = llama3_rope_divisors(arch.rope_scaling, arch.rope_theta, arch.head_dim)

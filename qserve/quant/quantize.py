@@ -358,6 +358,8 @@ def _exporter(fmt: str):
 def _save(tmp: Path, loaded, tensors, quant) -> None:
     from qserve.loader.checkpoint import save_checkpoint
 
+    if loaded.pooling is not None:  # an embedding model's own pooling stays its default
+        quant = quant | {"pooling": loaded.pooling}
     save_checkpoint(tmp, loaded.arch, loaded.tokenizer, tensors, quant)
 
 
