@@ -735,9 +735,9 @@ def _serve_replicas(cluster: dict, model, engine: dict, model_name: str, config)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
 @click.option("--api-key", envvar="QSERVE_API_KEY", metavar="KEY",
-              help="Require `Authorization: Bearer KEY` on /v1, /tokenize, /detokenize and "
-                   "/metrics (also $QSERVE_API_KEY). Without a key only loopback clients are "
-                   "served.")
+              help="Require `Authorization: Bearer KEY` on /v1, /api, /tokenize, /detokenize "
+                   "and /metrics (also $QSERVE_API_KEY). Without a key only loopback clients "
+                   "are served.")
 @click.option("--allowed-origins", metavar="ORIGIN,...", default="",
               help="Browser origins (e.g. http://localhost:3000, or *) allowed to call the "
                    "server, with CORS  [default: loopback origins, without CORS]")
@@ -755,7 +755,7 @@ def _serve_replicas(cluster: dict, model, engine: dict, model_name: str, config)
 @engine_flags
 def serve(model, host, port, api_key, allowed_origins, max_request_bytes, shutdown_timeout,
           served_model_name, max_waiting, cluster, engine):
-    """An OpenAI-compatible HTTP server for MODEL (Ctrl-C or SIGTERM stops it)."""
+    """An OpenAI- and Ollama-compatible HTTP server for MODEL (Ctrl-C or SIGTERM stops it)."""
     _require_extra("server", "qserve serve", "fastapi", "uvicorn", "prometheus_client")
     from qserve.config import parse_size
     from qserve.loader.registry import DEFAULT_MODEL

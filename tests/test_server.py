@@ -392,6 +392,110 @@ def test_embedding_refusals_are_one_line(server, body, status, param, words):
     assert post(server, "/v1/embeddings", {"input": "x"}, key=None).status_code == 401
 
 
+# ---- Ollama's API, through the unmodified ollama client ---------------------------------------
+@pytest.fixture(scope="module")
+def ollama_client(server):
+    ollama = pytest.importorskip("ollama")
+    return ollama.Client(host=server.url, headers={"Authorization": f"Bearer {KEY}"},
+                         timeout=120)
+
+
+def test_ollama_chat_and_generate_are_the_openai_answers(ollama_client, client):
+    """/api/chat and /api/generate (templated, and raw) give the text the OpenAI routes give
+    the same request (greedy), whole and streamed, with Ollama's counts."""
+    opts = {"temperature": 0, "num_predict": 8}
+    want = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=8,
+                                          temperature=0)
+    got = ollama_client.chat(model=MODEL, messages=HELLO, options=opts)
+    assert got.message.role == "assistant"
+    assert got.message.content == want.choices[0].message.content
+    assert got.done and got.done_reason == want.choices[0].finish_reason
+    assert (got.prompt_eval_count, got.eval_count) == (want.usage.prompt_tokens,
+                                                       want.usage.completion_tokens)
+    assert got.total_duration > 0 and got.eval_duration > 0
+    parts = list(ollama_client.chat(model=MODEL + ":latest", messages=HELLO, options=opts,
+                                    stream=True))
+    assert "".join(p.message.content for p in parts) == got.message.content
+    assert [p.done for p in parts] == [False] * (len(parts) - 1) + [True]
+    assert parts[-1].eval_count == 8
+    # /api/generate: the prompt through the chat template (with `system`), or raw
+    gen = ollama_client.generate(model=MODEL, prompt="Say hello.", system="You are brief.",
+                                 options=opts)
+    assert gen.response == got.message.content
+    raw = ollama_client.generate(model=MODEL, prompt=PROMPT, raw=True, options=opts)
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
+    assert raw.response == plain.choices[0].text
+    # an empty request loads the model (Ollama's preload): done at once
+    assert ollama_client.generate(model=MODEL, prompt="").done_reason == "load"
+
+
+def test_ollama_format_constrains_to_json(ollama_client):
+    """`format`: a JSON schema (the answer is that object), or "json" (any object: checked
+    to be one as far as the tokens allowed it)."""
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}},
+              "required": ["answer"], "additionalProperties": False}
+    r = ollama_client.chat(model=MODEL, format=schema, options={"temperature": 0,
+                                                               "num_predict": 40},
+                           messages=[{"role": "user", "content": "What is 2+2? JSON."}])
+    assert r.done_reason == "stop" and isinstance(json.loads(r.message.content)["answer"], int)
+    r = ollama_client.generate(model=MODEL, prompt="A JSON object:", format="json",
+                               options={"temperature": 0, "num_predict": 12})
+    assert r.response.lstrip().startswith("{")  # (unconstrained, this model writes prose)
+    if r.done_reason == "stop":  # else cut at 12 tokens, inside the object
+        assert isinstance(json.loads(r.response), dict)
+
+
+def test_ollama_embed_is_the_openai_embedding(ollama_client, client):
+    import torch
+
+    texts = [PROMPT, "Once upon a time"]
+    want = client.embeddings.create(model=MODEL, input=texts).data
+    got = ollama_client.embed(model=MODEL, input=texts)
+    assert got.prompt_eval_count == client.embeddings.create(model=MODEL,
+                                                             input=texts).usage.prompt_tokens
+    for w, g in zip(want, got.embeddings):
+        assert g == pytest.approx(w.embedding, abs=1e-5)
+    legacy = ollama_client.embeddings(model=MODEL, prompt=PROMPT).embedding  # as computed
+    unit = torch.nn.functional.normalize(torch.tensor(legacy), dim=0)
+    assert abs(float(torch.tensor(legacy).norm()) - 1) > 1e-3  # not scaled to unit length
+    assert unit.tolist() == pytest.approx(want[0].embedding, abs=1e-5)
+
+
+def test_ollama_model_listing(ollama_client, client):
+    [m] = ollama_client.list().models
+    assert m.model == MODEL and m.size > 0 and m.details.family == "llama"
+    assert m.details.parameter_size == "135M" and m.details.format == "gguf"
+    shown = ollama_client.show(MODEL)
+    assert {"completion", "embedding"} <= set(shown.capabilities)
+    assert shown.modelinfo["llama.context_length"] == client.models.list().data[0].max_model_len
+    assert [p.model for p in ollama_client.ps().models] == [MODEL]
+    assert ollama_client._client.get("/api/version").json()["version"]
+
+
+@pytest.mark.parametrize("path, body, status, words", [
+    ("/api/chat", {"model": "llama3", "messages": HELLO}, 404, "model 'llama3' not found"),
+    ("/api/chat", {"model": MODEL, "messages": [{"role": "user", "content": "?",
+                                                 "images": ["AAAA"]}]}, 400, "images"),
+    ("/api/generate", {"model": MODEL, "prompt": "x", "suffix": "y"}, 400, "'suffix'"),
+    ("/api/generate", {"model": MODEL, "prompt": "x", "format": "xml"}, 400, "'format'"),
+    ("/api/generate", {"model": MODEL, "prompt": "x", "options": {"temperature": "hot"}}, 400,
+     "'temperature'"),
+    ("/api/embed", {"model": MODEL, "input": "hello " * 1100, "truncate": False}, 400,
+     "more than this model's 1023 tokens"),
+    ("/api/embed", {"model": MODEL, "input": [1, 2]}, 400, "'input' must be a string"),
+])
+def test_ollama_refusals_are_its_one_line_errors(server, path, body, status, words):
+    r = post(server, path, body)
+    assert r.status_code == status and set(r.json()) == {"error"}, r.text
+    assert words in r.json()["error"] and "\n" not in r.json()["error"], r.text
+    assert post(server, path, body, key=None).status_code == 401
+
+
+def test_ollama_embed_truncates_by_default(server):
+    r = post(server, "/api/embed", {"model": MODEL, "input": "hello " * 1100})
+    assert r.status_code == 200 and r.json()["prompt_eval_count"] == 1023
+
+
 def test_sixteen_concurrent_streams(client, server):
     prompts = [f"Question {i}: what is {i} plus {i}? Answer:" for i in range(4)]
     expected = {p: client.completions.create(model=MODEL, prompt=p, max_tokens=6,

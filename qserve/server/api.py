@@ -1,4 +1,5 @@
-"""The ASGI app: OpenAI's /v1 routes, /health and /metrics, over one AsyncEngine.
+"""The ASGI app: OpenAI's /v1 routes, Ollama's /api routes (ollama.py), /health and
+/metrics, over one AsyncEngine.
 
 Every HTTP request shares the engine thread's continuous batching. The RequestGuard (guard.py)
 checks its Host, Origin and size first; a handler validates the body (protocol.py), tokenizes
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import datetime
 import hmac
 import json
 import logging
@@ -24,7 +26,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
+from qserve import __version__
 from qserve.errors import QServeError, QueueFullError
+from qserve.models.registry import num_params
+from qserve.pooling_params import PoolingParams
+from qserve.server import ollama as O
 from qserve.server import protocol as P
 from qserve.server.async_engine import AsyncEngine, EngineStopped, EngineThread, Generation
 from qserve.server.config import ServerConfig
@@ -245,9 +251,27 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: Metrics,
 
     async def _run(request: Request, req: P.GenerateRequest, prompts: list[list[int]],
                    prefix: str, kind: str):
+        gen = await generation(req, prompts, prefix, kind == "chat.completion")
+        echo_texts = None
+        if req.echo:  # token ids are decoded only now that the engine has checked them
+            echo_texts = [p if isinstance(p, str) else engine.tokenizer.decode(ids)
+                          for p, ids in zip(req.prompts, prompts)]
+        response = _Response(gen.request_ids[0], kind, model_name, req, gen.params.n, engine,
+                             echo_texts, grammars.fmt)
+        if req.stream:
+            return _EventStream(response.stream(gen), on_close=gen.close)
+        finals = await _finals(request, gen)
+        if finals is None:  # the client went away; nobody reads this
+            return Response(status_code=499)
+        return JSONResponse(response.whole(finals))
+
+    async def generation(req: P.GenerateRequest, prompts: list[list[int]], prefix: str,
+                         chat: bool) -> Generation:
+        """The request's prompts added to the engine: max_tokens fitted to the context, its
+        grammar compiled, deltas for a stream and the final output alone otherwise."""
         if not all(prompts):
             raise P.bad("the prompt is empty; give at least one token of text", "prompt")
-        param = "messages" if kind == "chat.completion" else "prompt"
+        param = "messages" if chat else "prompt"
         params = P.fit_to_context(req, [len(p) for p in prompts], engine.max_model_len, param)
         if req.structure.grammar is not None:  # compiling takes milliseconds: off the loop
             try:
@@ -260,20 +284,148 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: Metrics,
         params = dataclasses.replace(params, output_kind="delta" if req.stream else "final_only")
         gen = Generation(engine, f"{prefix}-{uuid.uuid4().hex[:16]}", prompts, params)
         await _start(gen, param)
-        echo_texts = None
-        if req.echo:  # token ids are decoded only now that the engine has checked them
-            echo_texts = [p if isinstance(p, str) else engine.tokenizer.decode(ids)
-                          for p, ids in zip(req.prompts, prompts)]
-        response = _Response(gen.request_ids[0], kind, model_name, req, params.n, engine,
-                             echo_texts, grammars.fmt)
-        if req.stream:
-            return _EventStream(response.stream(gen), on_close=gen.close)
-        finals = await _finals(request, gen)
-        if finals is None:  # the client went away; nobody reads this
-            return Response(status_code=499)
-        return JSONResponse(response.whole(finals))
+        return gen
 
     app.include_router(v1)
+
+    # ---- Ollama's API (ollama.py) ------------------------------------------------------
+    api = APIRouter(prefix="/api", dependencies=[Depends(require_key)])
+
+    @app.exception_handler(O.OllamaError)
+    async def _ollama_error(request, e: O.OllamaError):
+        return JSONResponse({"error": e.message}, status_code=e.status)
+
+    def ollama_model(name) -> None:
+        if name not in (None, model_name, f"{model_name}:latest"):
+            raise O.OllamaError(404, f"model '{name}' not found")
+
+    def ollama_entry() -> dict:
+        path = engine.model_path
+        files = [f for f in path.rglob("*") if f.is_file()] if path.is_dir() else [path]
+        modified = max(f.stat().st_mtime for f in files)
+        return {"name": model_name, "model": model_name,
+                "modified_at": datetime.datetime.fromtimestamp(
+                    modified, datetime.timezone.utc).isoformat(),
+                "size": sum(f.stat().st_size for f in files),
+                "details": O.model_details(engine.arch, path, engine.weight_summary)}
+
+    @api.get("/version")
+    async def ollama_version():
+        return {"version": __version__}
+
+    @api.get("/tags")
+    async def ollama_tags():
+        return {"models": [ollama_entry()]}
+
+    @api.get("/ps")
+    async def ollama_ps():
+        return {"models": [ollama_entry() | {"expires_at": "2262-04-11T23:47:16Z",
+                                             "size_vram": 0}]}
+
+    @api.post("/show")
+    async def ollama_show(request: Request):
+        body = await _json(request)
+        ollama_model(body.get("model") or body.get("name") or model_name)
+        arch = engine.arch
+        tok = engine.tokenizer
+        return {"modelfile": "", "parameters": "", "template": tok.chat_template or "",
+                "details": ollama_entry()["details"],
+                "model_info": {"general.architecture": arch.architecture,
+                               "general.parameter_count": num_params(arch),
+                               f"{arch.architecture}.context_length": engine.max_model_len,
+                               f"{arch.architecture}.embedding_length": arch.hidden_size,
+                               f"{arch.architecture}.block_count": arch.num_layers},
+                "capabilities": (["completion", "tools"] if arch.generates else [])
+                + ["embedding"]}
+
+    async def ollama_generate(request: Request, chat: bool):
+        body = await _json(request)
+        ollama_model(body.get("model"))
+        if (not body.get("messages") if chat else not body.get("prompt")):
+            # Ollama's way to load a model: an empty request, answered done at once
+            empty = {"role": "assistant", "content": ""} if chat else ""
+            return {"model": model_name, "created_at": O.now(),
+                    ("message" if chat else "response"): empty, "done": True,
+                    "done_reason": "load"}
+        try:
+            oa = O.openai_request(body, chat)
+            templated = "messages" in oa
+            req = P.parse_chat(oa) if templated else P.parse_completion(oa)
+            loop = asyncio.get_running_loop()
+            ids = ([await loop.run_in_executor(None, chat_prompt, req)] if templated else
+                   await loop.run_in_executor(None, _encode, engine.tokenizer, req.prompts,
+                                              True))
+            gen = await generation(req, ids, "ollama", templated)
+        except P.APIError as e:
+            raise O.OllamaError(e.status, e.message) from None
+        response = O.OllamaResponse(model_name, chat, req, grammars.fmt)
+        if req.stream:
+            return _EventStream(response.stream(gen), on_close=gen.close,
+                                media_type="application/x-ndjson")
+        try:
+            finals = await _finals(request, gen)
+        except P.APIError as e:
+            raise O.OllamaError(e.status, e.message) from None
+        if finals is None:  # the client went away; nobody reads this
+            return Response(status_code=499)
+        return response.whole(finals[0])
+
+    @api.post("/chat")
+    async def ollama_chat(request: Request):
+        return await ollama_generate(request, chat=True)
+
+    @api.post("/generate")
+    async def ollama_completion(request: Request):
+        return await ollama_generate(request, chat=False)
+
+    async def ollama_embed(request: Request, inputs, truncate: bool, params) -> list:
+        """The finished outputs of embedding `inputs` (Ollama's text or texts)."""
+        try:
+            texts = P.prompts_of(inputs, "input")
+            if not all(isinstance(t, str) for t in texts):
+                raise P.bad("'input' must be a string or a list of strings", "input")
+            ids = await asyncio.get_running_loop().run_in_executor(
+                None, _encode, engine.tokenizer, texts, True)
+            most = engine.max_model_len - 1
+            if not truncate and any(len(i) > most for i in ids):
+                raise P.bad(f"an input has more than this model's {most} tokens", "input")
+            gen = Generation(engine, f"embd-{uuid.uuid4().hex[:16]}",
+                             [i[:most] for i in ids], params)
+            await _start(gen, "input")
+            finals = await _finals(request, gen)
+        except P.APIError as e:
+            raise O.OllamaError(e.status, e.message) from None
+        if finals is None:
+            raise O.OllamaError(499, "the client went away")
+        return finals
+
+    @api.post("/embed")
+    async def ollama_embed_route(request: Request):
+        body = await _json(request)
+        ollama_model(body.get("model"))
+        dims = body.get("dimensions")
+        if dims is not None and not (isinstance(dims, int) and 1 <= dims <= engine.hidden_size):
+            raise O.OllamaError(400, f"'dimensions' must be from 1 to {engine.hidden_size}")
+        truncate = body.get("truncate", True)
+        finals = await ollama_embed(request, body.get("input"), truncate is not False,
+                                    PoolingParams(dimensions=dims))
+        start = min(o.metrics.arrival_time for o in finals)
+        end = max(o.metrics.finished_time or start for o in finals)
+        return {"model": model_name, "embeddings": [o.embedding for o in finals],
+                "total_duration": int((end - start) * 1e9), "load_duration": 0,
+                "prompt_eval_count": sum(len(o.prompt_token_ids) for o in finals)}
+
+    @api.post("/embeddings")
+    async def ollama_embeddings(request: Request):
+        """The older endpoint: one prompt, its vector as computed (not scaled to unit
+        length, as Ollama's)."""
+        body = await _json(request)
+        ollama_model(body.get("model"))
+        [out] = await ollama_embed(request, body.get("prompt"), True,
+                                   PoolingParams(normalize=False))
+        return {"embedding": out.embedding}
+
+    app.include_router(api)
     if config.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
                            allow_methods=["GET", "POST"], allow_headers=["*"])
@@ -345,11 +497,11 @@ async def _until_done(request: Request, gen: Generation):
 
 
 class _EventStream(StreamingResponse):
-    """SSE that runs `on_close` however the response ends (done, error, or disconnect)."""
+    """SSE (or Ollama's NDJSON) that runs `on_close` however the response ends (done, error,
+    or disconnect)."""
 
-    def __init__(self, chunks, on_close):
-        super().__init__(chunks, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache"})
+    def __init__(self, chunks, on_close, media_type: str = "text/event-stream"):
+        super().__init__(chunks, media_type=media_type, headers={"Cache-Control": "no-cache"})
         self._on_close = on_close
 
     async def __call__(self, scope, receive, send):

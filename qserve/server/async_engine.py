@@ -27,6 +27,7 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 from qserve.engine.output_processor import OutputProcessor, engine_params
 from qserve.engine.sampler import checks_after_sampling
@@ -125,10 +126,27 @@ class AsyncEngine:
                                                daemon=True)
         self._output_thread.start()
 
+    # what the model is, set at load and read-only: handlers read these off the event loop
     @property
     def hidden_size(self) -> int:
-        """The model's hidden size: an embedding's most dimensions (set at load, read-only)."""
+        """The model's hidden size: an embedding's most dimensions."""
         return self.engine.arch.hidden_size
+
+    @property
+    def arch(self):
+        return self.engine.arch
+
+    @property
+    def model_path(self):
+        return Path(str(self.engine.model_path))
+
+    @property
+    def weight_summary(self) -> str | None:
+        """The format most of the weights' bytes are in (Q4_K, INT4, F16, ...), or None."""
+        plan = getattr(self.engine, "memory_plan", None)
+        if plan is None or not plan.weight_formats:
+            return None
+        return max(plan.weight_formats.items(), key=lambda kv: kv[1]["bytes"])[0].upper()
 
     @property
     def alive(self) -> bool:

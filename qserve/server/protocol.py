@@ -72,7 +72,7 @@ def _get(body: dict, name: str, kinds: tuple, what: str, default=None):
     return value
 
 
-def _prompts(value, name: str) -> list[str | list[int]]:
+def prompts_of(value, name: str) -> list[str | list[int]]:
     """A completion's `prompt` or an embedding's `input`: a string, a list of strings, a list
     of token ids or a list of token-id lists, as a list of prompts (none of them empty)."""
     if isinstance(value, str):
@@ -93,7 +93,7 @@ def _prompts(value, name: str) -> list[str | list[int]]:
 
 
 def parse_completion(body: dict) -> GenerateRequest:
-    prompts = _prompts(body.get("prompt"), "prompt")
+    prompts = prompts_of(body.get("prompt"), "prompt")
     logprobs = _get(body, "logprobs", (int,), "an integer from 0 to 20")
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise bad(f"'logprobs'={logprobs} must be in [0, {MAX_LOGPROBS}]", "logprobs")
@@ -112,7 +112,7 @@ class EmbeddingRequest:
 
 
 def parse_embeddings(body: dict, hidden_size: int) -> EmbeddingRequest:
-    inputs = _prompts(body.get("input"), "input")
+    inputs = prompts_of(body.get("input"), "input")
     fmt = _get(body, "encoding_format", (str,), "a string", "float")
     if fmt not in ("float", "base64"):
         raise bad(f"'encoding_format' {fmt!r} must be float or base64"[:200], "encoding_format")
