@@ -11,28 +11,25 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import datetime
 import hmac
 import json
 import logging
-import re
 import signal
 import uuid
 from contextlib import asynccontextmanager
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
-from qserve import __version__
-from qserve.errors import QServeError, QueueFullError
-from qserve.models.registry import num_params
+from qserve.errors import QServeError
 from qserve.pooling_params import PoolingParams
 from qserve.server import ollama as O
 from qserve.server import protocol as P
 from qserve.server.async_engine import AsyncEngine, EngineStopped, EngineThread, Generation
+from qserve.server import http as H
 from qserve.server.config import ServerConfig
 from qserve.server.guard import RequestGuard
 from qserve.server.metrics import CONTENT_TYPE, Metrics
@@ -40,8 +37,6 @@ from qserve.server.structured import Grammars, StructureError, ToolFormat
 from qserve.server.tool_calls import ToolCallParser, render_chat
 
 log = logging.getLogger("qserve.server")
-# A lone UTF-16 surrogate can only come from a \uD800-\uDFFF escape (raw UTF-8 cannot hold one)
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 def serve(engine, model_name: str, config: ServerConfig | None = None,
@@ -179,12 +174,12 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: Metrics,
     # ---- generation --------------------------------------------------------------------
     @v1.post("/completions")
     async def completions(request: Request):
-        req = P.parse_completion(await _json(request))
+        req = P.parse_completion(await H.read_json(request))
         check_model(req.model)
         tok = engine.tokenizer
         texts = [p for p in req.prompts if isinstance(p, str)]
         encoded = iter(await asyncio.get_running_loop().run_in_executor(
-            None, _encode, tok, texts, True))
+            None, H.encode, tok, texts, True))
         prompts = [next(encoded) if isinstance(p, str) else p for p in req.prompts]
         return await _run(request, req, prompts, "cmpl", "text_completion")
 
@@ -195,22 +190,22 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: Metrics,
             text = render_chat(tok, req.messages, req.structure, grammars.fmt)
         except QServeError as e:  # a template that refuses this conversation
             raise P.bad(str(e), "messages") from None
-        return _encode(tok, [text], False)[0]
+        return H.encode(tok, [text], False)[0]
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request):
-        req = P.parse_chat(await _json(request))
+        req = P.parse_chat(await H.read_json(request))
         check_model(req.model)
         ids = await asyncio.get_running_loop().run_in_executor(None, chat_prompt, req)
         return await _run(request, req, [ids], "chatcmpl", "chat.completion")
 
     @v1.post("/embeddings")
     async def embeddings(request: Request):
-        req = P.parse_embeddings(await _json(request), engine.hidden_size)
+        req = P.parse_embeddings(await H.read_json(request), engine.hidden_size)
         check_model(req.model)
         texts = [p for p in req.inputs if isinstance(p, str)]
         encoded = iter(await asyncio.get_running_loop().run_in_executor(
-            None, _encode, engine.tokenizer, texts, True))
+            None, H.encode, engine.tokenizer, texts, True))
         prompts = [next(encoded) if isinstance(p, str) else p for p in req.inputs]
         for i, ids in enumerate(prompts):
             if not ids:
@@ -218,17 +213,22 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: Metrics,
             if len(ids) >= engine.max_model_len:
                 raise P.bad(f"input {i} has {len(ids)} tokens; this model takes at most "
                             f"{engine.max_model_len - 1}", "input", "context_length_exceeded")
-        gen = Generation(engine, f"embd-{uuid.uuid4().hex[:16]}", prompts, req.params)
-        await _start(gen, "input")
-        finals = await _finals(request, gen)
+        finals = await embed(request, prompts, req.params)
         if finals is None:  # the client went away; nobody reads this
             return Response(status_code=499)
         return JSONResponse(P.embeddings_response(req, model_name, finals))
 
+    async def embed(request: Request, prompts: list[list[int]], params: PoolingParams):
+        """The finished embedding outputs of `prompts` (token ids), in order; None where the
+        client went away first."""
+        gen = Generation(engine, f"embd-{uuid.uuid4().hex[:16]}", prompts, params)
+        await H.start(gen, "input")
+        return await H.finals(request, gen)
+
     # ---- the tokenizer, as vLLM's and llama.cpp's servers offer it ----------------------
     @app.post("/tokenize", dependencies=[Depends(require_key)])
     async def tokenize(request: Request):
-        body = await _json(request)
+        body = await H.read_json(request)
         loop = asyncio.get_running_loop()
         if "messages" in body:  # a chat request's prompt, as it would run
             req = P.parse_chat(body)
@@ -237,13 +237,13 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: Metrics,
         else:
             model, text, special = P.parse_tokenize(body)
             check_model(model)
-            ids = (await loop.run_in_executor(None, _encode, engine.tokenizer, [text],
+            ids = (await loop.run_in_executor(None, H.encode, engine.tokenizer, [text],
                                               special))[0]
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
 
     @app.post("/detokenize", dependencies=[Depends(require_key)])
     async def detokenize(request: Request):
-        model, ids = P.parse_detokenize(await _json(request), engine.tokenizer.vocab_size)
+        model, ids = P.parse_detokenize(await H.read_json(request), engine.tokenizer.vocab_size)
         check_model(model)
         text = await asyncio.get_running_loop().run_in_executor(
             None, lambda: engine.tokenizer.decode(ids, skip_special_tokens=False))
@@ -259,8 +259,8 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: Metrics,
         response = _Response(gen.request_ids[0], kind, model_name, req, gen.params.n, engine,
                              echo_texts, grammars.fmt)
         if req.stream:
-            return _EventStream(response.stream(gen), on_close=gen.close)
-        finals = await _finals(request, gen)
+            return H.EventStream(response.stream(gen), on_close=gen.close)
+        finals = await H.finals(request, gen)
         if finals is None:  # the client went away; nobody reads this
             return Response(status_code=499)
         return JSONResponse(response.whole(finals))
@@ -283,232 +283,22 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: Metrics,
         # a stream sends what each step added; a whole response needs only the end
         params = dataclasses.replace(params, output_kind="delta" if req.stream else "final_only")
         gen = Generation(engine, f"{prefix}-{uuid.uuid4().hex[:16]}", prompts, params)
-        await _start(gen, param)
+        await H.start(gen, param)
         return gen
 
     app.include_router(v1)
 
     # ---- Ollama's API (ollama.py) ------------------------------------------------------
-    api = APIRouter(prefix="/api", dependencies=[Depends(require_key)])
+    app.include_router(O.routes(engine, model_name, grammars.fmt, generation, chat_prompt,
+                                embed), dependencies=[Depends(require_key)])
 
     @app.exception_handler(O.OllamaError)
     async def _ollama_error(request, e: O.OllamaError):
         return JSONResponse({"error": e.message}, status_code=e.status)
-
-    def ollama_model(name) -> None:
-        if name not in (None, model_name, f"{model_name}:latest"):
-            raise O.OllamaError(404, f"model '{name}' not found")
-
-    def ollama_entry() -> dict:
-        path = engine.model_path
-        files = [f for f in path.rglob("*") if f.is_file()] if path.is_dir() else [path]
-        modified = max(f.stat().st_mtime for f in files)
-        return {"name": model_name, "model": model_name,
-                "modified_at": datetime.datetime.fromtimestamp(
-                    modified, datetime.timezone.utc).isoformat(),
-                "size": sum(f.stat().st_size for f in files),
-                "details": O.model_details(engine.arch, path, engine.weight_summary)}
-
-    @api.get("/version")
-    async def ollama_version():
-        return {"version": __version__}
-
-    @api.get("/tags")
-    async def ollama_tags():
-        return {"models": [ollama_entry()]}
-
-    @api.get("/ps")
-    async def ollama_ps():
-        return {"models": [ollama_entry() | {"expires_at": "2262-04-11T23:47:16Z",
-                                             "size_vram": 0}]}
-
-    @api.post("/show")
-    async def ollama_show(request: Request):
-        body = await _json(request)
-        ollama_model(body.get("model") or body.get("name") or model_name)
-        arch = engine.arch
-        tok = engine.tokenizer
-        return {"modelfile": "", "parameters": "", "template": tok.chat_template or "",
-                "details": ollama_entry()["details"],
-                "model_info": {"general.architecture": arch.architecture,
-                               "general.parameter_count": num_params(arch),
-                               f"{arch.architecture}.context_length": engine.max_model_len,
-                               f"{arch.architecture}.embedding_length": arch.hidden_size,
-                               f"{arch.architecture}.block_count": arch.num_layers},
-                "capabilities": (["completion", "tools"] if arch.generates else [])
-                + ["embedding"]}
-
-    async def ollama_generate(request: Request, chat: bool):
-        body = await _json(request)
-        ollama_model(body.get("model"))
-        if (not body.get("messages") if chat else not body.get("prompt")):
-            # Ollama's way to load a model: an empty request, answered done at once
-            empty = {"role": "assistant", "content": ""} if chat else ""
-            return {"model": model_name, "created_at": O.now(),
-                    ("message" if chat else "response"): empty, "done": True,
-                    "done_reason": "load"}
-        try:
-            oa = O.openai_request(body, chat)
-            templated = "messages" in oa
-            req = P.parse_chat(oa) if templated else P.parse_completion(oa)
-            loop = asyncio.get_running_loop()
-            ids = ([await loop.run_in_executor(None, chat_prompt, req)] if templated else
-                   await loop.run_in_executor(None, _encode, engine.tokenizer, req.prompts,
-                                              True))
-            gen = await generation(req, ids, "ollama", templated)
-        except P.APIError as e:
-            raise O.OllamaError(e.status, e.message) from None
-        response = O.OllamaResponse(model_name, chat, req, grammars.fmt)
-        if req.stream:
-            return _EventStream(response.stream(gen), on_close=gen.close,
-                                media_type="application/x-ndjson")
-        try:
-            finals = await _finals(request, gen)
-        except P.APIError as e:
-            raise O.OllamaError(e.status, e.message) from None
-        if finals is None:  # the client went away; nobody reads this
-            return Response(status_code=499)
-        return response.whole(finals[0])
-
-    @api.post("/chat")
-    async def ollama_chat(request: Request):
-        return await ollama_generate(request, chat=True)
-
-    @api.post("/generate")
-    async def ollama_completion(request: Request):
-        return await ollama_generate(request, chat=False)
-
-    async def ollama_embed(request: Request, inputs, truncate: bool, params) -> list:
-        """The finished outputs of embedding `inputs` (Ollama's text or texts)."""
-        try:
-            texts = P.prompts_of(inputs, "input")
-            if not all(isinstance(t, str) for t in texts):
-                raise P.bad("'input' must be a string or a list of strings", "input")
-            ids = await asyncio.get_running_loop().run_in_executor(
-                None, _encode, engine.tokenizer, texts, True)
-            most = engine.max_model_len - 1
-            if not truncate and any(len(i) > most for i in ids):
-                raise P.bad(f"an input has more than this model's {most} tokens", "input")
-            gen = Generation(engine, f"embd-{uuid.uuid4().hex[:16]}",
-                             [i[:most] for i in ids], params)
-            await _start(gen, "input")
-            finals = await _finals(request, gen)
-        except P.APIError as e:
-            raise O.OllamaError(e.status, e.message) from None
-        if finals is None:
-            raise O.OllamaError(499, "the client went away")
-        return finals
-
-    @api.post("/embed")
-    async def ollama_embed_route(request: Request):
-        body = await _json(request)
-        ollama_model(body.get("model"))
-        dims = body.get("dimensions")
-        if dims is not None and not (isinstance(dims, int) and 1 <= dims <= engine.hidden_size):
-            raise O.OllamaError(400, f"'dimensions' must be from 1 to {engine.hidden_size}")
-        truncate = body.get("truncate", True)
-        finals = await ollama_embed(request, body.get("input"), truncate is not False,
-                                    PoolingParams(dimensions=dims))
-        start = min(o.metrics.arrival_time for o in finals)
-        end = max(o.metrics.finished_time or start for o in finals)
-        return {"model": model_name, "embeddings": [o.embedding for o in finals],
-                "total_duration": int((end - start) * 1e9), "load_duration": 0,
-                "prompt_eval_count": sum(len(o.prompt_token_ids) for o in finals)}
-
-    @api.post("/embeddings")
-    async def ollama_embeddings(request: Request):
-        """The older endpoint: one prompt, its vector as computed (not scaled to unit
-        length, as Ollama's)."""
-        body = await _json(request)
-        ollama_model(body.get("model"))
-        [out] = await ollama_embed(request, body.get("prompt"), True,
-                                   PoolingParams(normalize=False))
-        return {"embedding": out.embedding}
-
-    app.include_router(api)
     if config.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
                            allow_methods=["GET", "POST"], allow_headers=["*"])
     return RequestGuard(app, config)
-
-
-async def _json(request: Request) -> dict:
-    raw = await request.body()
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise P.bad("the request body is not valid JSON") from None
-    except RecursionError:
-        raise P.bad("the request body nests JSON too deeply") from None
-    if not isinstance(body, dict):
-        raise P.bad("the request body must be a JSON object")
-    if _SURROGATE_ESCAPE.search(raw):  # rare: only then pay for a second pass
-        try:
-            json.dumps(body, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError:
-            raise P.bad("the request body holds a lone UTF-16 surrogate escape (\\uD800-"
-                        "\\uDFFF without its pair), which is not text") from None
-    return body
-
-
-def _encode(tokenizer, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
-    """Tokenizer.encode for several texts, in a worker thread. The backend's encode_batch
-    releases the GIL while it works (encode holds it), so a long prompt being tokenized does
-    not stall the event loop, and with it every other request and /health."""
-    encodings = tokenizer.backend.encode_batch(texts, add_special_tokens=add_special_tokens)
-    return [e.ids for e in encodings]
-
-
-async def _start(gen: Generation, param: str) -> None:
-    """Add the generation's requests to the engine; a refusal is its HTTP error (`param`
-    names the request field a bad prompt came in)."""
-    try:
-        await gen.start()
-    except QueueFullError as e:
-        raise P.APIError(503, str(e), "server_error", code="queue_full") from None
-    except EngineStopped as e:
-        raise P.APIError(503, str(e), "server_error", code="shutting_down") from None
-    except QServeError as e:
-        raise P.bad(str(e), param) from None
-
-
-async def _finals(request: Request, gen: Generation):
-    """_until_done, a server shutting down meanwhile answered 503."""
-    try:
-        return await _until_done(request, gen)
-    except EngineStopped as e:
-        raise P.APIError(503, str(e), "server_error", code="shutting_down") from None
-
-
-async def _until_done(request: Request, gen: Generation):
-    """The final outputs, or None when the client disconnects first (its requests aborted)."""
-    task = asyncio.ensure_future(gen.final_outputs())
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=1.0)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                return None
-    finally:
-        if not task.done():
-            task.cancel()
-        gen.close()
-
-
-class _EventStream(StreamingResponse):
-    """SSE (or Ollama's NDJSON) that runs `on_close` however the response ends (done, error,
-    or disconnect)."""
-
-    def __init__(self, chunks, on_close, media_type: str = "text/event-stream"):
-        super().__init__(chunks, media_type=media_type, headers={"Cache-Control": "no-cache"})
-        self._on_close = on_close
-
-    async def __call__(self, scope, receive, send):
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._on_close()
 
 
 class _Response:

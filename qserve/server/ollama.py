@@ -10,13 +10,23 @@ both APIs run the same sampling, structured outputs and tools; only the shapes d
 
 `stream` defaults to true, as in Ollama: newline-delimited JSON objects, the last with
 `done: true`, `done_reason` and the counts and durations (nanoseconds) Ollama reports.
-Errors are Ollama's `{"error": "..."}` with the HTTP status.
+Errors are Ollama's `{"error": "..."}` with the HTTP status. `routes` builds the router that
+api.py mounts beside /v1, with its own steps (adding a generation, rendering a chat prompt,
+embedding) handed in.
 """
 from __future__ import annotations
 
+import asyncio
 import datetime
 import json
 
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from qserve import __version__
+from qserve.models.registry import num_params
+from qserve.pooling_params import PoolingParams
+from qserve.server import http as H
 from qserve.server import protocol as P
 from qserve.server.tool_calls import ToolCallParser
 
@@ -192,10 +202,145 @@ def _line(obj: dict) -> str:
 
 def model_details(arch, path, quant_level: str | None) -> dict:
     """/api/tags' and /api/show's `details` of the served model."""
-    from qserve.models.registry import num_params
-
     n = num_params(arch)
     size = f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
     return {"parent_model": "", "format": "gguf" if path.suffix == ".gguf" else "safetensors",
             "family": arch.architecture, "families": [arch.architecture],
             "parameter_size": size, "quantization_level": quant_level or ""}
+
+
+# ---- the routes --------------------------------------------------------------------------
+def routes(engine, model_name: str, tool_format, generation, chat_prompt, embed) -> APIRouter:
+    """Ollama's /api routes over `engine` (an AsyncEngine serving `model_name`), with api.py's
+    own steps: `generation(req, prompts, prefix, chat)` adds a validated request's prompts,
+    `chat_prompt(req)` renders a chat request's ids, `embed(request, prompts, params)` runs
+    embedding requests to their finished outputs."""
+    api = APIRouter(prefix="/api")
+
+    def check_model(name) -> None:
+        if name not in (None, model_name, f"{model_name}:latest"):
+            raise OllamaError(404, f"model '{name}' not found")
+
+    def entry() -> dict:
+        path = engine.model_path
+        files = [f for f in path.rglob("*") if f.is_file()] if path.is_dir() else [path]
+        modified = max(f.stat().st_mtime for f in files)
+        return {"name": model_name, "model": model_name,
+                "modified_at": datetime.datetime.fromtimestamp(
+                    modified, datetime.timezone.utc).isoformat(),
+                "size": sum(f.stat().st_size for f in files),
+                "details": model_details(engine.arch, path, engine.weight_summary)}
+
+    @api.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @api.get("/tags")
+    async def tags():
+        return {"models": [entry()]}
+
+    @api.get("/ps")
+    async def running():  # loaded for as long as the server runs
+        return {"models": [entry() | {"expires_at": "2262-04-11T23:47:16Z", "size_vram": 0}]}
+
+    @api.post("/show")
+    async def show(request: Request):
+        body = await H.read_json(request)
+        check_model(body.get("model") or body.get("name") or model_name)
+        arch = engine.arch
+        return {"modelfile": "", "parameters": "",
+                "template": engine.tokenizer.chat_template or "", "details": entry()["details"],
+                "model_info": {"general.architecture": arch.architecture,
+                               "general.parameter_count": num_params(arch),
+                               f"{arch.architecture}.context_length": engine.max_model_len,
+                               f"{arch.architecture}.embedding_length": arch.hidden_size,
+                               f"{arch.architecture}.block_count": arch.num_layers},
+                "capabilities": (["completion", "tools"] if arch.generates else [])
+                + ["embedding"]}
+
+    async def answer(request: Request, chat: bool):
+        body = await H.read_json(request)
+        check_model(body.get("model"))
+        if not body.get("messages") if chat else not body.get("prompt"):
+            # Ollama's way to load a model: an empty request, answered done at once
+            empty = {"role": "assistant", "content": ""} if chat else ""
+            return {"model": model_name, "created_at": now(),
+                    ("message" if chat else "response"): empty, "done": True,
+                    "done_reason": "load"}
+        try:
+            oa = openai_request(body, chat)
+            templated = "messages" in oa
+            req = P.parse_chat(oa) if templated else P.parse_completion(oa)
+            loop = asyncio.get_running_loop()
+            ids = ([await loop.run_in_executor(None, chat_prompt, req)] if templated else
+                   await loop.run_in_executor(None, H.encode, engine.tokenizer, req.prompts,
+                                              True))
+            gen = await generation(req, ids, "ollama", templated)
+        except P.APIError as e:
+            raise OllamaError(e.status, e.message) from None
+        response = OllamaResponse(model_name, chat, req, tool_format)
+        if req.stream:
+            return H.EventStream(response.stream(gen), on_close=gen.close,
+                                 media_type="application/x-ndjson")
+        try:
+            finals = await H.finals(request, gen)
+        except P.APIError as e:
+            raise OllamaError(e.status, e.message) from None
+        if finals is None:  # the client went away; nobody reads this
+            return Response(status_code=499)
+        return response.whole(finals[0])
+
+    @api.post("/chat")
+    async def chat(request: Request):
+        return await answer(request, chat=True)
+
+    @api.post("/generate")
+    async def generate(request: Request):
+        return await answer(request, chat=False)
+
+    async def embeddings_of(request: Request, inputs, truncate: bool, params) -> list:
+        """The finished outputs of embedding `inputs` (Ollama's text or texts); an input
+        past the context keeps its first tokens where `truncate`, as Ollama does."""
+        try:
+            texts = P.prompts_of(inputs, "input")
+            if not all(isinstance(t, str) for t in texts):
+                raise P.bad("'input' must be a string or a list of strings", "input")
+            ids = await asyncio.get_running_loop().run_in_executor(
+                None, H.encode, engine.tokenizer, texts, True)
+            most = engine.max_model_len - 1
+            if not truncate and any(len(i) > most for i in ids):
+                raise P.bad(f"an input has more than this model's {most} tokens", "input")
+            finals = await embed(request, [i[:most] for i in ids], params)
+        except P.APIError as e:
+            raise OllamaError(e.status, e.message) from None
+        if finals is None:
+            raise OllamaError(499, "the client went away")
+        return finals
+
+    @api.post("/embed")
+    async def embed_texts(request: Request):
+        body = await H.read_json(request)
+        check_model(body.get("model"))
+        dims = body.get("dimensions")
+        if dims is not None and not (isinstance(dims, int) and 1 <= dims <= engine.hidden_size):
+            raise OllamaError(400, f"'dimensions' must be from 1 to {engine.hidden_size}")
+        finals = await embeddings_of(request, body.get("input"),
+                                     body.get("truncate", True) is not False,
+                                     PoolingParams(dimensions=dims))
+        start = min(o.metrics.arrival_time for o in finals)
+        end = max(o.metrics.finished_time or start for o in finals)
+        return {"model": model_name, "embeddings": [o.embedding for o in finals],
+                "total_duration": int((end - start) * 1e9), "load_duration": 0,
+                "prompt_eval_count": sum(len(o.prompt_token_ids) for o in finals)}
+
+    @api.post("/embeddings")
+    async def embed_prompt(request: Request):
+        """The older endpoint: one prompt, its vector as computed (not scaled to unit
+        length, as Ollama's)."""
+        body = await H.read_json(request)
+        check_model(body.get("model"))
+        [out] = await embeddings_of(request, body.get("prompt"), True,
+                                    PoolingParams(normalize=False))
+        return {"embedding": out.embedding}
+
+    return api
