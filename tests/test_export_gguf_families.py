@@ -1,7 +1,7 @@
 """`qserve quantize --format gguf` for the families beyond Llama/Qwen: Phi-3 (fused qkv and
 gate_up), Gemma 2 and 3 (1 + w norms, soft-caps, sliding layers, a local rope base), SmolLM3
-(every fourth layer without rope), Granite (four scales) and the mixtures Mixtral and Qwen3-MoE (experts stacked into
-3-D tensors, each in its GGML type).
+(every fourth layer without rope), Granite (four scales) and the mixtures Mixtral and Qwen3-MoE
+(experts stacked into 3-D tensors, each in its GGML type).
 
 Each tiny checkpoint is quantized with w4g32 (int4 g32 asym -> Q4_1) and exported; qserve
 reads the export back with the same architecture and, bit for bit, the same codes, scales

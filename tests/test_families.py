@@ -259,7 +259,8 @@ def test_unsupported_architecture_is_one_line(tmp_path):
     with pytest.raises(ModelLoadError, match=r"model_type 'deepseek_v3' is not supported; qserve "
                                              r"runs llama, mistral, qwen2, ministral3, qwen3, "
                                              r"phi3, gemma2, "
-                                             r"gemma3_text, mixtral, qwen3_moe, smollm3, granite, and the "
+                                             r"gemma3_text, mixtral, qwen3_moe, smollm3, "
+                                             r"granite, and the "
                                              r"language model of gemma3, mistral3, llava, "
                                              r"qwen2_vl, qwen2_5_vl, qwen3_vl checkpoints$"):
         load_arch(tmp_path)

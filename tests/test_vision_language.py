@@ -1,9 +1,9 @@
 """Vision-language checkpoints run as their language model, text in and text out: Gemma 3
 4B/12B/27B (Gemma3ForConditionalGeneration), Mistral Small 3.x and Ministral 3
-(Mistral3ForConditionalGeneration), LLaVA, Qwen2-VL, Qwen2.5-VL and Qwen3-VL keep the language model's config as text_config (or
-flat beside vision_config) and its tensors under a prefix, beside a vision tower qserve does
-not read. Qwen's multimodal rope gives a text token one position on all three of its axes,
-so on text it is the plain rope of Qwen2 / Qwen3.
+(Mistral3ForConditionalGeneration), LLaVA, Qwen2-VL, Qwen2.5-VL and Qwen3-VL keep the language
+model's config as text_config (or flat beside vision_config) and its tensors under a prefix,
+beside a vision tower qserve does not read. Qwen's multimodal rope gives a text token one
+position on all three of its axes, so on text it is the plain rope of Qwen2 / Qwen3.
 
 Tiny random checkpoints that transformers itself writes (with a vision tower), greedy through
 the paged engine against transformers' own model of the whole checkpoint fed text alone, token

@@ -1,7 +1,8 @@
 """The Llama family: Llama 2/3.x (llama3 rope scaling), Mistral (sliding window), Qwen2/2.5
-(q/k/v biases), SmolLM2, Ministral 3 (YaRN, and Llama 4's attention temperature: queries
-scaled by 1 + beta log(1 + floor(p / original context)) from the original context on). The layers are base.py's; this family alone runs its CPU decode steps
-through the fused C kernel (kernels/cpu_ops.py CpuDecoder), which implements exactly them."""
+(q/k/v biases), SmolLM2, Ministral 3 (YaRN, and Llama 4's attention temperature: queries scaled
+by 1 + beta log(1 + floor(p / original context)) from the original context on). The layers are
+base.py's; this family alone runs its CPU decode steps through the fused C kernel
+(kernels/cpu_ops.py CpuDecoder), which implements exactly them."""
 from __future__ import annotations
 
 import torch

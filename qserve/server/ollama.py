@@ -120,7 +120,9 @@ def now() -> str:
 def stats(out) -> dict:
     """Ollama's closing counts and durations (ns) of one finished request."""
     m = out.metrics
-    ns = lambda a, b: max(0, int((b - a) * 1e9)) if a is not None and b is not None else 0  # noqa: E731
+
+    def ns(a, b) -> int:
+        return max(0, int((b - a) * 1e9)) if a is not None and b is not None else 0
     end = m.finished_time
     return {"total_duration": ns(m.arrival_time, end), "load_duration": 0,
             "prompt_eval_count": len(out.prompt_token_ids),
