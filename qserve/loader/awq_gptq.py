@@ -37,7 +37,7 @@ import torch
 from qserve.config import ModelArchConfig
 from qserve.errors import ModelLoadError
 from qserve.formats import QuantizedTensor, pack_int4
-from qserve.loader.weights import LazyWeights
+from qserve.loader.weights import LazyWeights, read_safetensor
 from qserve.models.registry import checkpoint_shapes, fused_groups
 
 METHODS = ("awq", "gptq")
@@ -166,8 +166,6 @@ def read_weights(path: Path, arch: ModelArchConfig, quant: dict,
     QuantizedTensor under `<name>.weight`, the rest as stored. `where` / `shapes`: every
     tensor in the directory's safetensors files -> (its file, stored name) / shape (from the
     headers: hf_loader.tensor_index)."""
-    from qserve.loader.hf_loader import read_tensor
-
     spec = _Spec(quant, path / "config.json")
     expected = checkpoint_shapes(arch)
     parts: dict[str, dict[str, tuple[tuple, torch.dtype | None]]] = {}
@@ -196,7 +194,7 @@ def read_weights(path: Path, arch: ModelArchConfig, quant: dict,
                                  f"{', '.join(packed)} are quantized")
 
     def load(key: str, dtype) -> torch.Tensor:
-        t = read_tensor(where, key)
+        t = read_safetensor(where, key)
         if dtype is not None and t.dtype != dtype:
             file, stored = where[key]
             raise ModelLoadError(f"{file}: tensor {stored} has dtype {t.dtype}, expected "

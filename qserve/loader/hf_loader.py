@@ -20,12 +20,11 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
 from tokenizers import AddedToken
 
 from qserve.config import ModelArchConfig, is_count, is_positive
 from qserve.errors import ConfigError, ModelLoadError
-from qserve.loader.weights import LazyWeights
+from qserve.loader.weights import LazyWeights, read_safetensor
 from qserve.loader.tokenizer import BYTE, CONTROL, NORMAL, UNKNOWN, UNUSED, Tokenizer, sentencepiece_bpe
 from qserve.models import registry
 
@@ -348,21 +347,7 @@ def read_weights(path: Path, arch: ModelArchConfig) -> LazyWeights:
     wanted = expected_shapes(arch)
     shapes = {k: s for k, s in shapes.items() if k in wanted}  # tied: lm_head.weight may stay
     check_shapes(shapes, arch, path)
-    return LazyWeights(shapes, lambda key: read_tensor(where, key))
-
-
-def read_tensor(where: dict[str, tuple[Path, str]], key: str) -> torch.Tensor:
-    """The tensor the model knows as `key`, from the file and under the name tensor_index
-    found it."""
-    from safetensors import safe_open
-
-    file, stored = where[key]
-    try:
-        with safe_open(str(file), framework="pt") as f:
-            return f.get_tensor(stored)
-    except Exception as e:
-        raise ModelLoadError(f"{file}: tensor {stored} cannot be read "
-                             f"({type(e).__name__}: {e})".splitlines()[0]) from None
+    return LazyWeights(shapes, lambda key: read_safetensor(where, key))
 
 
 IMPORTED_QUANT_METHODS = ("awq", "gptq")  # quantization_config.quant_method read here

@@ -106,3 +106,17 @@ class LazyWeights(Mapping):
 
     def __len__(self) -> int:
         return len(self.shapes)
+
+
+def read_safetensor(where: dict[str, tuple[Path, str]], key: str) -> torch.Tensor:
+    """The tensor the model knows as `key`, from the safetensors file and under the name
+    `where` gives (hf_loader.tensor_index: key -> (file, stored name))."""
+    from safetensors import safe_open
+
+    file, stored = where[key]
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            return f.get_tensor(stored)
+    except Exception as e:
+        raise ModelLoadError(f"{file}: tensor {stored} cannot be read "
+                             f"({type(e).__name__}: {e})".splitlines()[0]) from None
