@@ -1,5 +1,5 @@
 /* Weight formats beyond qserve's int4/int8: GGML blocks read in place (q5_0, q5_1, q2_k .. q6_k,
- * iq4_nl, iq4_xs) and dense fp16/bf16. #included by cpu_ops.c after its int4/int8 kernels,
+ * iq4_nl, iq4_xs, mxfp4) and dense fp16/bf16. #included by cpu_ops.c after its int4/int8 kernels,
  * whose helpers (hsum, lane, qacts, quantize_activations, FOR_EACH_*) these share; wmatmul and
  * wdequant there switch on the kind and land here.
  *
@@ -15,6 +15,7 @@
  *   q6_k  256,       210 B  ql[128] | qh[64] | sc[16] | d      w = d sc_s (q - 32)
  *   iq4_nl  32,       18 B  d | qs[16]                         w = d v[q]
  *   iq4_xs  256,     136 B  d | sh (uint16) | sl[4] | qs[128]  w = d (ls_j - 32) v[q]
+ *   mxfp4   32,       17 B  e (E8M0) | qs[16]                  w = 2^(e - 128) v4[q]
  *
  * s = i / 16 and j = i / 32 index sub-blocks of a super-block; q2_k's byte sm[s] holds sc_s (low
  * nibble) and m_s (high); q3_k's 12 bytes hold 16 6-bit scales biased by 32 (k3_words), q4_k's
@@ -30,6 +31,8 @@
  *   iq4_*      an index into the table v of 16 int8 values (IQ4_VALUES): nibble (i % 32 >= 16)
  *              of qs[16 j + i % 16]; iq4_xs's 6-bit ls_j: nibble j % 2 of sl[j / 2], bits 2j,
  *              2j + 1 of sh above it
+ *   mxfp4      as iq4_nl's, into v4 (MXFP4_VALUES: E2M1's values doubled, so the scale is
+ *              halved: 2^(e - 127) / 2)
  *
  * Every type has a block decoder, used by wdequant, by the fp32-activation path (decode a block
  * into floats, then dot it with every activation row) and on machines without AVX2. It does the
@@ -216,9 +219,20 @@ static void deq_q6_k(const uint8_t *b, float *y)
 static void deq_q6_k(const uint8_t *b, float *y) { deq_q6_k_scalar(b, y); }
 #endif
 
-/* iq4_nl / iq4_xs: the table, and each 32 inputs' values from their 16 bytes */
+/* iq4_nl / iq4_xs / mxfp4: the tables, and each 32 inputs' values from their 16 bytes */
 static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                       1, 13, 25, 38, 53, 69, 89, 113};
+static const int8_t MXFP4_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+/* mxfp4's E8M0 byte e -> 2^(e - 128), as gguf-py and ggml_e8m0_to_fp32_half build it: e < 2
+ * the subnormals 2^-128, 2^-127; e = 255 is 2^127 (no NaN) */
+static inline float e8m0_half(uint8_t e)
+{
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
 
 static inline int iq4_xs_scale(const uint8_t *b, int j) /* ls_j - 32 */
 {
@@ -226,46 +240,52 @@ static inline int iq4_xs_scale(const uint8_t *b, int j) /* ls_j - 32 */
     return (((b[4 + j / 2] >> (4 * (j % 2))) & 15) | ((sh >> (2 * j)) & 3) << 4) - 32;
 }
 
-/* the 32 inputs' table values, low nibbles then high (one vpshufb) */
+/* the 32 inputs' values in table v, low nibbles then high (one vpshufb) */
 #ifdef HAVE_I8_PATH
-static inline __m256i iq4_values_y(const uint8_t *qs)
+static inline __m256i table_values_y(const int8_t *v, const uint8_t *qs)
 {
     const __m128i q = _mm_loadu_si128((const __m128i *)qs), m4 = _mm_set1_epi8(15);
     const __m256i idx = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m4),
                                          _mm_and_si128(q, m4));
-    return _mm256_shuffle_epi8(
-        _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_VALUES)), idx);
+    return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)v)),
+                               idx);
 }
 #endif
 
-static void deq_iq4_32(const uint8_t *qs, float dl, float *y)
+static void deq_table_32(const int8_t *v, const uint8_t *qs, float dl, float *y)
 {
 #ifdef HAVE_I8_PATH
-    const __m256i v = iq4_values_y(qs);
+    const __m256i vals = table_values_y(v, qs);
     const __m256 d = _mm256_set1_ps(dl);
     for (int k = 0; k < 4; k++) { /* dl v: one product, as the reference's */
-        const __m128i part = k < 2 ? _mm256_castsi256_si128(v) : _mm256_extracti128_si256(v, 1);
+        const __m128i part = k < 2 ? _mm256_castsi256_si128(vals)
+                                   : _mm256_extracti128_si256(vals, 1);
         const __m256i w = _mm256_cvtepi8_epi32(k % 2 ? _mm_srli_si128(part, 8) : part);
         _mm256_storeu_ps(y + 8 * k, _mm256_mul_ps(d, _mm256_cvtepi32_ps(w)));
     }
 #else
     for (int l = 0; l < 16; l++) {
-        y[l] = dl * (float)IQ4_VALUES[qs[l] & 15];
-        y[l + 16] = dl * (float)IQ4_VALUES[qs[l] >> 4];
+        y[l] = dl * (float)v[qs[l] & 15];
+        y[l + 16] = dl * (float)v[qs[l] >> 4];
     }
 #endif
 }
 
 static void deq_iq4_nl(const uint8_t *b, float *y)
 {
-    deq_iq4_32(b + 2, ld_half(b), y);
+    deq_table_32(IQ4_VALUES, b + 2, ld_half(b), y);
 }
 
 static void deq_iq4_xs(const uint8_t *b, float *y)
 {
     const float d = ld_half(b);
     for (int j = 0; j < QK_K / 32; j++) /* d (ls - 32): exact in fp32, as gguf-py's dl */
-        deq_iq4_32(b + 8 + 16 * j, d * (float)iq4_xs_scale(b, j), y + 32 * j);
+        deq_table_32(IQ4_VALUES, b + 8 + 16 * j, d * (float)iq4_xs_scale(b, j), y + 32 * j);
+}
+
+static void deq_mxfp4(const uint8_t *b, float *y)
+{
+    deq_table_32(MXFP4_VALUES, b + 1, e8m0_half(b[0]), y);
 }
 
 /* ---- block codes: one block -> its unsigned codes and per-16 scales, for the int8 GEMM -------
@@ -416,7 +436,7 @@ static void codes_q6_k(const uint8_t *b, uint8_t *u, float *s, float *o)
 static void codes_iq4_32(const uint8_t *qs, uint8_t *u)
 {
 #ifdef HAVE_I8_PATH
-    _mm256_storeu_si256((__m256i *)u, _mm256_xor_si256(iq4_values_y(qs), /* + 128 */
+    _mm256_storeu_si256((__m256i *)u, _mm256_xor_si256(table_values_y(IQ4_VALUES, qs), /* + 128 */
                                                        _mm256_set1_epi8((char)0x80)));
 #else
     for (int l = 0; l < 16; l++) {
@@ -441,6 +461,23 @@ static void codes_iq4_xs(const uint8_t *b, uint8_t *u, float *s, float *o)
         s[2 * j] = s[2 * j + 1] = d * (float)iq4_xs_scale(b, j);
         o[2 * j] = o[2 * j + 1] = 0.f;
     }
+}
+
+/* mxfp4: the table values v4 + 12 as codes (z = 12, 0 .. 24: a 5-bit code's range, which the
+ * AVX2 GEMM multiplies whole), 2^(e - 128) as the scale: s (u - z) = 2^(e - 128) v4 exactly */
+static void codes_mxfp4(const uint8_t *b, uint8_t *u, float *s, float *o)
+{
+#ifdef HAVE_I8_PATH
+    _mm256_storeu_si256((__m256i *)u, _mm256_add_epi8(table_values_y(MXFP4_VALUES, b + 1),
+                                                      _mm256_set1_epi8(12)));
+#else
+    for (int l = 0; l < 16; l++) {
+        u[l] = (uint8_t)(MXFP4_VALUES[b[1 + l] & 15] + 12);
+        u[l + 16] = (uint8_t)(MXFP4_VALUES[b[1 + l] >> 4] + 12);
+    }
+#endif
+    s[0] = s[1] = e8m0_half(b[0]);
+    o[0] = o[1] = 0.f;
 }
 
 /* ---- int8-activation row kernels -------------------------------------------------------------
@@ -730,9 +767,28 @@ iq4_row_i8(const uint8_t *row, int64_t nb, const qacts *a, int64_t m0, int64_t K
         for (int j = 0; j < subs; j++) {
             const __m256i sc = _mm256_set1_epi16((short)(xs ? iq4_xs_scale(blk, j) : 1));
             const int64_t c = (int64_t)subs * b + j;
-            chunk_dot_signed(acc, iq4_values_y(qs + 16 * j), sc, chunk_step(d, a, m0, c), a, m0,
-                             K, c, mt);
+            chunk_dot_signed(acc, table_values_y(IQ4_VALUES, qs + 16 * j), sc,
+                             chunk_step(d, a, m0, c), a, m0, K, c, mt);
         }
+    }
+    finish_rows(acc, _mm256_setzero_ps(), mt, res);
+}
+
+/* mxfp4: as iq4_nl, its table's values (|v| <= 12) signed, the block's 2^(e - 128) times the
+ * rows' steps scaling each chunk (llama.cpp's vec_dot_mxfp4_q8_0, with a step per 32 inputs) */
+static inline __attribute__((always_inline)) void
+mxfp4_row_i8(const uint8_t *row, int64_t nb, const qacts *a, int64_t m0, int64_t K, const int mt,
+             float *res)
+{
+    __m256 acc[MTI];
+    for (int i = 0; i < mt; i++)
+        acc[i] = _mm256_setzero_ps();
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = row + b * 17;
+        prefetch_ahead(blk, 17);
+        chunk_dot_signed(acc, table_values_y(MXFP4_VALUES, blk + 1), ones,
+                         chunk_step(e8m0_half(blk[0]), a, m0, b), a, m0, K, b, mt);
     }
     finish_rows(acc, _mm256_setzero_ps(), mt, res);
 }
@@ -833,6 +889,7 @@ typedef void (*rows_i8_fn)(const uint8_t *row, int64_t nb, const qacts *a, int64
 #define Q6_K(k) q6k_row_i8(row, nb, a, m0, K, k, res)
 #define IQ4_NL(k) iq4_row_i8(row, nb, a, m0, K, 0, k, res)
 #define IQ4_XS(k) iq4_row_i8(row, nb, a, m0, K, 1, k, res)
+#define MXFP4(k) mxfp4_row_i8(row, nb, a, m0, K, k, res)
 ROWS_I8(q5_0_rows_i8, Q5_0)
 ROWS_I8(q5_1_rows_i8, Q5_1)
 ROWS_I8(q2_k_rows_i8, Q2_K)
@@ -842,6 +899,7 @@ ROWS_I8(q5_k_rows_i8, Q5_K)
 ROWS_I8(q6_k_rows_i8, Q6_K)
 ROWS_I8(iq4_nl_rows_i8, IQ4_NL)
 ROWS_I8(iq4_xs_rows_i8, IQ4_XS)
+ROWS_I8(mxfp4_rows_i8, MXFP4)
 #undef Q5_0
 #undef Q5_1
 #undef Q2_K
@@ -851,6 +909,7 @@ ROWS_I8(iq4_xs_rows_i8, IQ4_XS)
 #undef Q6_K
 #undef IQ4_NL
 #undef IQ4_XS
+#undef MXFP4
 #undef ROWS_I8
 #define I8(fn) , fn
 #else
@@ -884,6 +943,7 @@ static const ggml_type GGML_TYPES[] = {
     {KIND_Q6_K, QK_K, 210, 0, deq_q6_k, codes_q6_k, 32, 2, 0, 63 I8(q6_k_rows_i8)},
     {KIND_IQ4_NL, 32, 18, 0, deq_iq4_nl, codes_iq4_nl, 128, 1, 0, 241 I8(iq4_nl_rows_i8)},
     {KIND_IQ4_XS, QK_K, 136, 0, deq_iq4_xs, codes_iq4_xs, 128, 1, 0, 241 I8(iq4_xs_rows_i8)},
+    {KIND_MXFP4, 32, 17, 0, deq_mxfp4, codes_mxfp4, 12, 1, 0, 24 I8(mxfp4_rows_i8)},
 };
 #undef I8
 

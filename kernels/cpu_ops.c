@@ -47,7 +47,7 @@ enum {
                                            * AVX2 but q6_k_x16) */
     KIND_Q5_0 = 16 + 6, KIND_Q5_1 = 16 + 7, KIND_Q2_K = 16 + 10, KIND_Q3_K = 16 + 11,
     KIND_Q4_K = 16 + 12, KIND_Q5_K = 16 + 13, KIND_Q6_K = 16 + 14, KIND_IQ4_NL = 16 + 20,
-    KIND_IQ4_XS = 16 + 23,
+    KIND_IQ4_XS = 16 + 23, KIND_MXFP4 = 16 + 39,
 };
 
 /* One weight matrix W (N, K), y = x W^T + bias (kernels/cpu_ops.py WDesc, same field order). */

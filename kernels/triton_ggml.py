@@ -1,5 +1,5 @@
 """Fused dequant-GEMM in Triton for the GGML formats read in place (Q5_0, Q5_1, Q2_K ... Q6_K,
-IQ4_NL, IQ4_XS):
+IQ4_NL, IQ4_XS, MXFP4):
 y = x @ W^T (+ bias) with W's GGUF blocks read as the file has them and dequantized in
 registers. The reference is `F.linear(x, qt.dequantize().to(x.dtype), bias)`
 (qserve/formats/ggml.py has the layouts and the pure-torch dequantization).
@@ -16,7 +16,7 @@ it gathers the bytes holding the chunk's codes and scales, forms each weight in 
 gguf-py's order ((d * sc) * q - dmin * mn, ...), rounds it to x's dtype (so a weight is the
 very value F.linear sees; bf16 under the interpreter stays fp32, see dot_dtype) and adds
 x_chunk (BM, 32) . W_chunk (32, BN) to an fp32 accumulator.
-32 inputs is one sub-block of Q4_K/Q5_K/IQ4_XS, one block of Q5_0/Q5_1/IQ4_NL and two of
+32 inputs is one sub-block of Q4_K/Q5_K/IQ4_XS, one block of Q5_0/Q5_1/IQ4_NL/MXFP4 and two of
 Q2_K/Q3_K/Q6_K (their scales are gathered per input); the chunk index is a compile-time
 constant, so its byte offsets and shifts fold. The launch turns off fp fusion, so no
 multiply-add contracts into an fma and the fp32 weights are gguf-py's bit for bit on the GPU too.
@@ -180,6 +180,25 @@ def _iq4_xs(blk, j, c: tl.constexpr, mask_n):
     return dl[None, :] * _iq4_value(q)
 
 
+# MXFP4's table (ggml.MXFP4_VALUES) is sign and magnitude: bit 3 of a code the sign, bits 0-2
+# pick a magnitude 0, 1, 2, 3 (a byte of _MXFP4_LO) or 4, 6, 8, 12 (_MXFP4_HI)
+_MXFP4_LO: tl.constexpr = tl.constexpr(0x03020100)
+_MXFP4_HI: tl.constexpr = tl.constexpr(0x0C080604)
+
+
+@triton.jit
+def _mxfp4(blk, j, mask_n):
+    # 0 e (E8M0) | 1 qs[16]: input j nibble j // 16 of qs[j % 16].  w = 2^(e - 128) * v[q],
+    # the scale's bits as ggml.py's _e8m0_half builds them (e < 2: the subnormals 2^-128,
+    # 2^-127, bits 0x00200000 (e + 1))
+    e = _byte(blk, 0, mask_n)
+    scale = tl.where(e < 2, (e + 1) * 0x00200000, (e - 1) << 23).to(tl.float32, bitcast=True)
+    q = (_bytes(blk, 1 + j % 16, mask_n) >> (4 * (j // 16))[:, None]) & 15
+    m = q & 7
+    mag = (tl.where(m < 4, _MXFP4_LO, _MXFP4_HI) >> (8 * (m & 3))) & 0xFF
+    return scale[None, :] * tl.where(q < 8, mag, -mag).to(tl.float32)
+
+
 @triton.jit
 def _dequant_chunk(blk, j, c: tl.constexpr, mask_n, FORMAT: tl.constexpr):
     """Inputs 32c + j of each row's block -> W chunk (32, BN) fp32, bit for bit ggml.py's."""
@@ -199,6 +218,8 @@ def _dequant_chunk(blk, j, c: tl.constexpr, mask_n, FORMAT: tl.constexpr):
         w = _iq4_nl(blk, j, mask_n)
     elif FORMAT == "iq4_xs":
         w = _iq4_xs(blk, j, c, mask_n)
+    elif FORMAT == "mxfp4":
+        w = _mxfp4(blk, j, mask_n)
     else:
         tl.static_assert(FORMAT == "q6_k")
         w = _q6_k(blk, j, c, mask_n)
@@ -254,7 +275,7 @@ def _ggml_matmul_kernel(
 def ggml_matmul(x: torch.Tensor, qt: QuantizedTensor, bias: torch.Tensor | None = None,
                 split_k: int | None = None) -> torch.Tensor:
     """x (M, K) fp16/bf16/fp32, qt an (N, K) GGML in-place weight (q5_0 ... q6_k, iq4_nl,
-    iq4_xs) with its rows (N, K / block * block_bytes) uint8 -> (M, N) in x's dtype.
+    iq4_xs, mxfp4) with its rows (N, K / block * block_bytes) uint8 -> (M, N) in x's dtype.
 
     split_k: programs along K, in whole GGML blocks (None picks one from N and K: enough to
     fill the GPU).

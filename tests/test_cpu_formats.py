@@ -4,12 +4,15 @@ QuantizedTensor.dequantize, over awkward shapes, with fp32 and int8 activations,
 fused row path (M <= FUSED_MAX_ROWS) and the dequantize-then-GEMM path (M above it).
 
 Random GGML blocks: codes and sub-block scales are random bytes (every bit pattern occurs), the
-fp16 super-scales d / dmin / m finite values of a checkpoint's size. The fused decode step over
-linears made of several formats is in tests/test_cpu_ops.py (it reuses `random_weight`).
+fp16 super-scales d / dmin / m finite values of a checkpoint's size, MXFP4's E8M0 exponents
+likewise (every exponent: test_mxfp4_every_exponent_decodes_bit_for_bit). The fused decode
+step over linears made of several formats is in tests/test_cpu_ops.py (it reuses
+`random_weight`).
 """
 from __future__ import annotations
 
 import functools
+import math
 import os
 import subprocess
 import sys
@@ -27,7 +30,7 @@ if cpu_ops.lib() is None and os.environ.get("QSERVE_REQUIRE_KERNELS") != "1":
     pytest.skip("the CPU kernels did not build here (see the logged reason)",
                 allow_module_level=True)
 
-GGML = list(ggml.IN_PLACE)  # q5_0 q5_1 q2_k q3_k q4_k q5_k q6_k iq4_nl iq4_xs
+GGML = list(ggml.IN_PLACE)  # q5_0 q5_1 q2_k q3_k q4_k q5_k q6_k iq4_nl iq4_xs mxfp4
 DENSE = ["f16", "bf16"]
 U = 2.0 ** -24  # fp32 unit roundoff
 
@@ -35,9 +38,10 @@ U = 2.0 ** -24  # fp32 unit roundoff
 def random_weight(fmt: str, N: int, K: int, seed: int = 0, std: float | None = None
                   ) -> QuantizedTensor:
     """A random (N, K) matrix in `fmt` (a GGML in-place type, f16 or bf16). GGML blocks are
-    random bytes with fp16 fields 0.01 * randn; `std` rescales those fields (w is linear in
-    them) so that the weights have about that standard deviation, for models that must stay
-    numerically tame."""
+    random bytes with fp16 fields 0.01 * randn and E8M0 fields (MXFP4's exponents) in
+    ggml.RANDOM_E8M0; `std` rescales those fields (w is linear in them; an exponent moves by
+    the nearest power of two) so that the weights have about that standard deviation, for
+    models that must stay numerically tame."""
     if fmt.startswith("int4_x16"):  # int4 g32 asymmetric (Q4_1's repack), or -sym: g64 sym
         from qserve.quant.schemes import WeightScheme, quantize
 
@@ -56,11 +60,16 @@ def random_weight(fmt: str, N: int, K: int, seed: int = 0, std: float | None = N
     blocks = torch.randint(0, 256, (n, t.block_bytes), dtype=torch.uint8, generator=g)
     fields = {off: torch.randn(n, 1, generator=g) * 0.01
               for off in ggml.TYPES[fmt].fp16_fields}
+    for off in t.e8m0_fields:
+        blocks[:, off] = torch.randint(*ggml.RANDOM_E8M0, (n,), dtype=torch.uint8, generator=g)
     if std is not None:
         for off, d in fields.items():
             blocks[:, off:off + 2] = d.half().view(torch.uint8)
         w = QuantizedTensor(fmt, blocks.view(N, -1), None, None, K).dequantize()
         fields = {off: d * (std / w.std().item()) for off, d in fields.items()}
+        for off in t.e8m0_fields:
+            e = blocks[:, off].int() + round(math.log2(std / w.std().item()))
+            blocks[:, off] = e.to(torch.uint8)
     for off, d in fields.items():
         blocks[:, off:off + 2] = d.half().view(torch.uint8)
     return QuantizedTensor(fmt, blocks.view(N, -1), None, None, K)
@@ -281,15 +290,17 @@ def test_int8_gemm_qserve_formats(fmt, N, K, M, gemm_prefill):
 @pytest.mark.skipif(not GEMM, reason=NO_GEMM)
 @pytest.mark.parametrize("fmt,N,K", [("int4-sym", 28, 2080), ("int4-sym-x16", 48, 512),
                                      ("q5_0", 20, 512), ("q4_k", 24, 512), ("int4", 28, 96),
-                                     ("int8", 20, 2080), ("iq4_nl", 20, 512)])
+                                     ("int8", 20, 2080), ("iq4_nl", 20, 512),
+                                     ("mxfp4", 28, 512)])
 def test_int8_gemm_rows_do_not_depend_on_their_neighbours(fmt, N, K, gemm_prefill):
     """Each output of the int8 GEMM is the same bits whether its weight row runs in an 8-row
     slice of W alone or beside the others: the AVX2 build runs two 8-row tiles at once for codes
     without offsets (gemm_tile2_i8; int4-sym and q5_0 here: whole pairs and a partial one), and
     that must be gemm_tile_i8's arithmetic exactly, so a row's result never depends on how N
-    falls into tiles; q4_k and int4 (offsets) run one tile at a time, as do int8 and iq4_nl
-    (8-bit codes, which AVX2 splits into two 4-bit planes). int4_x16 (Q4_0's repack)
-    packs its tiles from the interleaved layout, its slices from plain int4: the same codes."""
+    falls into tiles (mxfp4 too: codes 0 .. 24 without offsets); q4_k and int4 (offsets) run
+    one tile at a time, as do int8 and iq4_nl (8-bit codes, which AVX2 splits into two 4-bit
+    planes). int4_x16 (Q4_0's repack) packs its tiles from the interleaved layout, its slices
+    from plain int4: the same codes."""
     M = 24
     base = fmt.removesuffix("-x16")
     if base in GGML:
@@ -322,7 +333,7 @@ def test_int8_gemm_rows_do_not_depend_on_their_neighbours(fmt, N, K, gemm_prefil
                                        ("int4z-g128", 16, 4224, 45), ("int8", 24, 2081, 45),
                                        ("int8-channel", 9, 2081, 33), ("q4_k", 24, 256, 2061),
                                        ("int4", 17, 96, 2061), ("int8", 17, 544, 1100),
-                                       ("iq4_xs", 24, 512, 600)])
+                                       ("iq4_xs", 24, 512, 600), ("mxfp4", 17, 2080, 600)])
 def test_int8_gemm_blocks(fmt, N, K, M, gemm_prefill):
     """The int8 GEMM in blocks of 2048 inputs and 2048 rows (GEMM_KC, GEMM_MB in cpu_ops.c; the
     AVX2 build's split 8-bit tiles 512 rows, SPLIT_MB): more than one block of inputs (whole
@@ -351,6 +362,31 @@ def test_weights_decode_bit_for_bit(fmt, M):
     (q - z) s exactly)."""
     qt = _decode_case(fmt, M)
     assert torch.equal(_read_back(qt, M), qt.dequantize())
+
+
+def test_mxfp4_every_exponent_decodes_bit_for_bit():
+    """MXFP4's E8M0 byte over all 256 values, as gguf-py reads it (ggml.py's _e8m0_half: e = 0
+    and 1 the subnormal scales 2^-128 and 2^-127, e = 255 2^127, where a code of 12 overflows
+    to inf): the C block decoder's weights are the reference's as bits, through the row
+    decoders (wdequant_rows) infinities included, and through the identity read back (the
+    fused path's decoder, M = 32, and wdequant's, M = 40) for exponents up to 252 (an inf
+    weight times a zero input would be NaN there)."""
+    g = torch.Generator().manual_seed(39)
+    blocks = torch.randint(0, 256, (256, 17), dtype=torch.uint8, generator=g)
+    blocks[:, 0] = torch.randperm(256, generator=g).to(torch.uint8)
+    qt = QuantizedTensor("mxfp4", blocks.view(16, -1), None, None, 512)
+    ref = qt.dequantize()
+    assert ref.isinf().any() and not ref.isnan().any()
+    got = cpu_ops.weight_rows(qt, torch.arange(16))
+    assert torch.equal(got.view(torch.int32), ref.view(torch.int32))
+    finite = blocks.clone()
+    finite[:, 0] %= 253  # 0 .. 252, every one
+    qt = QuantizedTensor("mxfp4", finite.view(16, -1), None, None, 512)
+    ref = qt.dequantize()
+    tiny = torch.finfo(torch.float32).tiny
+    assert ((ref != 0) & (ref.abs() < tiny)).any() and ref.isfinite().all()
+    for M in (32, 40):
+        assert torch.equal(_read_back(qt, M).view(torch.int32), ref.view(torch.int32)), M
 
 
 def _decode_case(fmt: str, seed: int) -> QuantizedTensor:

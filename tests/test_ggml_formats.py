@@ -3,8 +3,9 @@
 block by block, and (Q4_0 / Q4_1 / Q8_0) through the lossless repack to int4/int8.
 
 Blocks are random bytes (every code and sub-block scale pattern occurs), except the fp16
-super-scales, drawn as finite values of a checkpoint's magnitude so that no NaN/inf appears
-(NaN != NaN would hide a mismatch).
+super-scales (and MXFP4's E8M0 exponents), drawn as finite values of a checkpoint's magnitude
+so that no NaN/inf appears (NaN != NaN would hide a mismatch); MXFP4's every exponent has a
+test of its own.
 """
 from __future__ import annotations
 
@@ -46,6 +47,24 @@ def test_dequantize_matches_gguf(name, out, n_blocks):
         qt = ggml.repack(name, rows, in_features)
         assert qt.format == ggml.REPACKED[name] and qt.validate() is None
         assert torch.equal(qt.dequantize(), ref)
+
+
+def test_mxfp4_every_exponent_matches_gguf():
+    """MXFP4's E8M0 scale byte e over all 256 values, gguf-py's edges included (llama.cpp's
+    ggml_e8m0_to_fp32_half builds the same bits): e = 0 and 1 scale by the subnormals 2^-128
+    and 2^-127, e = 255 by 2^127 (not the OCP spec's NaN), so from e = 253 on a code of 12
+    overflows to inf, in gguf-py as here. Compared as bits: subnormals and infinities too (no
+    NaN can arise, since no value is inf times 0)."""
+    g = torch.Generator().manual_seed(39)
+    blocks = torch.randint(0, 256, (4 * 256, 17), dtype=torch.uint8, generator=g)
+    blocks[:, 0] = torch.arange(256, dtype=torch.uint8).repeat(4)
+    with np.errstate(over="ignore"):  # gguf-py's own overflow to inf
+        ref = gguf_dequantize("mxfp4", blocks)  # (1024, 32)
+    tiny = torch.finfo(torch.float32).tiny
+    assert ref.isinf().any() and ((ref != 0) & (ref.abs() < tiny)).any()
+    assert not ref.isnan().any()
+    got = ggml.dequantize_blocks("mxfp4", blocks)
+    assert torch.equal(got.view(torch.int32), ref.view(torch.int32))
 
 
 def test_dequantize_reads_a_strided_view():

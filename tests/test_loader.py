@@ -107,9 +107,11 @@ def _k_quant_blocks(rows: int, cols: int, qtype, rng) -> np.ndarray:
     return raw.reshape(rows, -1)
 
 
-def write_tiny_gguf(path, arch="llama", skip=(), rope_freqs=None, extra_kv=None, types=None):
+def write_tiny_gguf(path, arch="llama", skip=(), rope_freqs=None, extra_kv=None, types=None,
+                    quantized=None):
     """A 2-layer model using every supported tensor type; q/k stored as llama.cpp stores them.
-    types: tensor name -> a GGML type its random blocks take instead."""
+    types: tensor name -> a GGML type its random blocks take instead; quantized: tensor name
+    -> a type gguf-py's quantizer (gguf.quants.quantize) writes its random values in."""
     rng = np.random.default_rng(0)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(L)
@@ -134,6 +136,7 @@ def write_tiny_gguf(path, arch="llama", skip=(), rope_freqs=None, extra_kv=None,
     def tensor(name, arr, qtype):
         if name in skip:
             return
+        qtype = (quantized or {}).get(name, qtype)
         if name in (types or {}):  # random blocks, finite scales where qserve reads them
             qtype, kind = types[name], types[name].name.lower()
             if kind in ggml.TYPES:
@@ -418,14 +421,14 @@ def test_gguf_missing_tensor_unknown_arch_and_type(tmp_path):
 def test_gguf_types_qserve_cannot_run_are_one_line(tmp_path):
     """A tensor of a type without kernels (IQ2_XXS) is refused in one line naming the tensor
     and the type, by `qserve generate` too; IQ4_NL and IQ4_XS, which have them, load in their
-    own format, bit for bit gguf-py's weights."""
+    own format, bit for bit gguf-py's weights (MXFP4: the test below)."""
     from click.testing import CliRunner
 
     from qserve import cli
 
     path = write_tiny_gguf(tmp_path / "iq2.gguf", types={"blk.1.ffn_up.weight": Q.IQ2_XXS})
     problem = (r": tensor blk\.1\.ffn_up\.weight has type IQ2_XXS, which qserve cannot run "
-               r"\(supported: F32, .*IQ4_NL, IQ4_XS\)$")
+               r"\(supported: F32, .*IQ4_NL, IQ4_XS, MXFP4\)$")
     with pytest.raises(ModelLoadError, match=problem):
         load_model(path).weights["model.layers.1.mlp.up_proj.weight"]
     r = CliRunner().invoke(cli.main, ["generate", "-m", str(path), "--max-tokens", "1", "hi"])
@@ -441,6 +444,37 @@ def test_gguf_types_qserve_cannot_run_are_one_line(tmp_path):
         assert qt.format == qtype.name.lower()
         raw = next(t for t in reader.tensors if t.name == gguf_name).data
         assert torch.equal(qt.dequantize(), torch.from_numpy(gguf.quants.dequantize(raw, qtype)))
+
+
+def test_gguf_mxfp4_runs_natively(tmp_path, monkeypatch):
+    """MXFP4 (gpt-oss's expert type) quantized by gguf-py: the planner counts each tensor at
+    its file's 17 bytes per 32 inputs, the loader keeps the blocks byte for byte as format
+    mxfp4 (gguf-py's weights bit for bit), and greedy decoding through the C kernels equals
+    the dequantized model's (fp32 activations: the kernels decode the same fp32 weights)."""
+    from qserve import LLM, SamplingParams
+    from qserve.engine.memory_plan import resident_weights
+
+    quantized = {"blk.0.ffn_gate.weight": Q.MXFP4, "blk.1.ffn_down.weight": Q.MXFP4}
+    path = write_tiny_gguf(tmp_path / "mxfp4.gguf", quantized=quantized)
+    planned = resident_weights(path, load_arch(path), torch.float32, native=True)
+    assert planned["mxfp4"] == {"tensors": 2, "bytes": 2 * I * H // 32 * 17}
+    weights, reader = load_model(path).weights, gguf.GGUFReader(str(path))
+    for gguf_name, name in (("blk.0.ffn_gate.weight", "model.layers.0.mlp.gate_proj.weight"),
+                            ("blk.1.ffn_down.weight", "model.layers.1.mlp.down_proj.weight")):
+        qt, raw = weights[name], next(t for t in reader.tensors if t.name == gguf_name).data
+        assert qt.format == "mxfp4" and qt.validate() is None
+        assert torch.equal(qt.qweight, torch.from_numpy(np.array(raw)))
+        assert torch.equal(qt.dequantize(), torch.from_numpy(gguf.quants.dequantize(raw, Q.MXFP4)))
+    monkeypatch.setenv("QSERVE_CPU_ACTIVATIONS", "fp32")
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    runs = []
+    for kept in ("native", "dense"):
+        llm = LLM(model=str(path), weights=kept, kv_dtype="fp32", kv_cache_memory="8MiB",
+                  max_model_len=64)
+        formats = {f for m in llm.engine.model.modules() for f in getattr(m, "formats", [])}
+        assert ("mxfp4" in formats) == (kept == "native"), formats
+        runs.append(llm.generate([[0, 2, 3, 4]], greedy)[0].outputs[0].token_ids)
+    assert runs[0] == runs[1]
 
 
 def _patch_metadata(path, key, value):

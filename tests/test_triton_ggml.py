@@ -115,3 +115,19 @@ def test_ggml_matmul_split_k_strided_rows_no_bias(name):
     _check(one, x, qt, None)
     for s in (2, 3):
         torch.testing.assert_close(ggml_matmul(x, qt, split_k=s), one, rtol=1e-5, atol=1e-5)
+
+
+def test_mxfp4_every_exponent_reads_back_bit_for_bit():
+    """MXFP4's E8M0 byte e from 0 to 252, each in a block of random codes: e = 0, 1 scale by
+    the subnormals 2^-128, 2^-127 (from e = 253 a code of 12 overflows to inf, which an identity
+    would turn into NaN: tests/test_ggml_formats.py has those against gguf-py). fp32 identity
+    rows read the kernel's weights back, one product by 1.0 each (no tf32, fp32 sums of exact
+    zeros), so they are ggml.py's weights bit for bit."""
+    g = torch.Generator().manual_seed(39)
+    blocks = torch.randint(0, 256, (256, 17), dtype=torch.uint8, generator=g)  # 64 rows x 4
+    blocks[:, 0] = torch.randperm(256, generator=g).to(torch.uint8) % 253
+    qt = QuantizedTensor("mxfp4", blocks.view(64, -1).to(DEVICE), None, None, 128)
+    want = qt.dequantize()
+    assert ((want != 0) & (want.abs() < torch.finfo(F32).tiny)).any()
+    got = ggml_matmul(torch.eye(128, device=DEVICE), qt).T
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))

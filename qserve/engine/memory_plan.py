@@ -159,7 +159,7 @@ def embedding_in_file(path: Path, arch: ModelArchConfig, device: torch.device) -
 # packed one (the AVX2 build multiplies 8-bit codes as two 4-bit planes); the dense ones keep
 # their float GEMM.
 INT8_GEMM_FORMATS = frozenset({"int4", "int4z", "int8", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k",
-                               "q5_k", "q6_k", "iq4_nl", "iq4_xs"})
+                               "q5_k", "q6_k", "iq4_nl", "iq4_xs", "mxfp4"})
 
 
 def scratch_bytes(tensors: list[tuple[str, str, int, tuple[int, ...]]], arch: ModelArchConfig,

@@ -26,6 +26,7 @@ class GGMLType:
     block: int  # inputs per block
     block_bytes: int
     fp16_fields: tuple[int, ...]  # byte offsets of a block's fp16 scales (d, and dmin / m)
+    e8m0_fields: tuple[int, ...] = ()  # byte offsets of its E8M0 scales (MXFP4's exponent e)
 
 
 TYPES = {
@@ -36,6 +37,7 @@ TYPES = {
     "q4_k": GGMLType(12, 256, 144, (0, 2)), "q5_k": GGMLType(13, 256, 176, (0, 2)),
     "q6_k": GGMLType(14, 256, 210, (208,)),
     "iq4_nl": GGMLType(20, 32, 18, (0,)), "iq4_xs": GGMLType(23, 256, 136, (0,)),
+    "mxfp4": GGMLType(39, 32, 17, (), (0,)),
 }
 # Every GGML type a GGUF file may name: id -> (name, inputs per block, bytes per block), so a
 # file's header is read (and a type qserve cannot run is named) without the gguf package.
@@ -62,18 +64,26 @@ class GGMLTypeId(int):
 
 
 REPACKED = {"q4_0": "int4", "q4_1": "int4", "q8_0": "int8"}  # GGML type -> qserve format
-IN_PLACE = ("q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs")
+IN_PLACE = ("q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs",
+            "mxfp4")
 # IQ4_NL / IQ4_XS: 4-bit indices into one fixed table of 16 int8 values (a non-uniform grid
 # denser near zero), not integer codes; w = d * IQ4_VALUES[q] (IQ4_NL, 32-input blocks) or
 # (d * (ls - 32)) * IQ4_VALUES[q] (IQ4_XS: super-blocks of 256, a 6-bit scale ls per 32).
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+# MXFP4 (OCP microscaling FP4, gpt-oss's experts): as IQ4_NL, but the table is E2M1's values
+# doubled (a sign bit over 0, 0.5, 1, 1.5, 2, 3, 4, 6) and the block's scale an E8M0 byte e:
+# w = 2^(e - 128) * MXFP4_VALUES[q] (2^(e - 127) halved for the doubling), exact in fp32.
+MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+# random_rows' E8M0 exponents, [lo, hi): scales 2^-10 .. 2^-3, weights of a checkpoint's size
+RANDOM_E8M0 = (118, 126)
 
 
 def random_rows(name: str, out: int, in_features: int, generator: torch.Generator | None = None,
                 device: torch.device | str | None = None) -> torch.Tensor:
     """(out, in_features / block * block_bytes) uint8 rows of random type-`name` blocks whose
-    fp16 fields hold randn * 0.01 (a checkpoint's size: no NaN, inf or subnormal arithmetic),
-    for tests and benchmarks: every code and sub-block scale pattern occurs."""
+    fp16 fields hold randn * 0.01 and E8M0 fields exponents in RANDOM_E8M0 (a checkpoint's
+    size: no NaN, inf or subnormal arithmetic), for tests and benchmarks: every code and
+    sub-block scale pattern occurs."""
     t = TYPES[name]
     n = out * in_features // t.block
     blocks = torch.randint(0, 256, (n, t.block_bytes), dtype=torch.uint8, generator=generator,
@@ -81,6 +91,9 @@ def random_rows(name: str, out: int, in_features: int, generator: torch.Generato
     for off in t.fp16_fields:
         d = (torch.randn(n, 1, generator=generator, device=device) * 0.01).half()
         blocks[:, off:off + 2] = d.view(torch.uint8)
+    for off in t.e8m0_fields:
+        blocks[:, off] = torch.randint(*RANDOM_E8M0, (n,), dtype=torch.uint8,
+                                       generator=generator, device=device)
     return blocks.view(out, -1)
 
 
@@ -493,6 +506,22 @@ def _dequantize_iq4_xs(b: torch.Tensor) -> torch.Tensor:
     dl = (_f16(b[:, 0:2]) * (ls - 32).float()).view(n, 8, 1)
     q = _nibbles32(b[:, 8:136].reshape(n * 8, 16)).view(n, 8, 32)
     return (dl * _iq4_values(q)).view(n, 256)
+
+
+def _e8m0_half(e: torch.Tensor) -> torch.Tensor:
+    """E8M0 bytes e (uint8) -> 2^(e - 128) fp32, gguf-py's e8m0_to_fp32_half (llama.cpp's
+    ggml_e8m0_to_fp32_half) bit for bit: e = 0, 1 the subnormals 2^-128, 2^-127; e = 255 is
+    2^127, not the OCP spec's NaN."""
+    e = e.int()
+    return torch.where(e < 2, 0x00200000 << e, (e - 1) << 23).view(torch.float32)
+
+
+def _dequantize_mxfp4(b: torch.Tensor) -> torch.Tensor:
+    # 0 e | 1 qs[16]: input j byte j's low nibble, j + 16 its high one (IQ4_NL's order).
+    # w = 2^(e - 128) * v[q]: a power of two times a small integer, exact, or inf where it
+    # overflows (from e = 253 for |v| = 12), as gguf-py's
+    v = torch.tensor(MXFP4_VALUES, dtype=torch.float32, device=b.device)
+    return _e8m0_half(b[:, 0:1]) * v[_nibbles32(b[:, 1:17]).long()]
 
 
 _DEQUANTIZE = {name: globals()[f"_dequantize_{name}"] for name in TYPES}
