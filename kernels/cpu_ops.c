@@ -1414,7 +1414,8 @@ static inline int64_t att_part_len(int64_t n, int64_t parts)
 
 /* Decode attention: one query per sequence against its paged context.
  *   q (B, H, d) fp32; out (B, H, d) fp32; tables (B, max_blocks); seq_lens (B,); c: the
- *   layer's cache (kv_layer).
+ *   layer's cache (kv_layer); sinks (H,) or NULL: each head's sink logit, a softmax term
+ *   with a zero value (gpt-oss), merged with the parts.
  * FlashDecoding-style: each task is one part of one sequence's context (att_part_len) and hg
  * of its kv heads: all hkv where the batch has parts enough to keep every thread busy (a position's
  * whole slot, so a block's rows are read in order), fewer where not (one short sequence still
@@ -1432,7 +1433,7 @@ static inline int64_t att_part_len(int64_t n, int64_t parts)
 void paged_decode(int kind, const float *q, float *out, int64_t B, int64_t H, int64_t hkv, int d,
                   const kv_layer *c, const int64_t *tables, int64_t max_blocks,
                   const int64_t *seq_lens, int64_t block_size, float scale, int64_t window,
-                  int nthreads)
+                  const float *sinks, int nthreads)
 {
     const int64_t g = H / hkv;
     const int rotate_q = kind == KV_INT8, rotate_out = kind == KV_INT8 || kind == KV_INT4;
@@ -1548,9 +1549,11 @@ void paged_decode(int kind, const float *q, float *out, int64_t B, int64_t H, in
 #pragma omp for schedule(static)
         for (int64_t bq = 0; bq < B * H; bq++) {
             const int64_t b = bq / H, qh = bq % H;
-            float mx = -INFINITY, l = 0.f;
+            float mx = sinks ? sinks[qh] : -INFINITY;
             for (int64_t p = first[b]; p < first[b + 1]; p++)
                 mx = fmaxf(mx, pm[p * H + qh]);
+            /* a sink is one more term of the softmax, with a zero value: its exp joins l */
+            float l = sinks ? expf(sinks[qh] - mx) : 0.f;
             float *o = out + bq * d;
             memset(o, 0, sizeof(float) * d);
             for (int64_t p = first[b]; p < first[b + 1]; p++) {
@@ -3000,7 +3003,7 @@ void decode_layers(const dlayer *layers, int64_t num_layers, float *x, int64_t T
         }
         kv_write(kv_kind, k, v, slots, T, hkv, d, &L->cache, nthreads);
         paged_decode(kv_kind, q, att, T, H, hkv, d, &L->cache, tables, max_blocks, seq_lens,
-                     block_size, scale, window, nthreads);
+                     block_size, scale, window, NULL, nthreads);
         linear(&L->o, att, T, qs, o, hidden, i8, nthreads);
         for (int64_t j = 0; j < T * hidden; j++)
             x[j] += L->residual * o[j];

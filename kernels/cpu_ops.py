@@ -115,7 +115,7 @@ _SIGNATURES = {  # name: (argtypes, restype)
     "copy_rows": ([_ptr, _ptr, _ptr, _ptr, _i64, _i64], None),
     "x16_interleave": ([_WDESC, _WDESC, _i64, _int], _int),
     "paged_decode": ([_int, _ptr, _ptr, _i64, _i64, _i64, _int, _ptr, _ptr, _i64, _ptr, _i64,
-                      _flt, _i64, _int], None),
+                      _flt, _i64, _ptr, _int], None),
 }
 
 
@@ -711,21 +711,24 @@ def f32_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def paged_decode(q: torch.Tensor, cache: dict[str, torch.Tensor], block_tables: torch.Tensor,
-                 seq_lens: torch.Tensor, scale: float, sliding_window: int | None
-                 ) -> torch.Tensor:
-    """One query per sequence against its paged context: q (B, H, d) -> (B, H, d) fp32.
-    The reference is kernels/paged_attention.py _decode_attention."""
+                 seq_lens: torch.Tensor, scale: float, sliding_window: int | None,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """One query per sequence against its paged context: q (B, H, d) -> (B, H, d) fp32;
+    sinks (H,): each head's sink logit (gpt-oss). The reference is
+    kernels/paged_attention.py _decode_attention."""
     B, H, d = q.shape
     kc = cache["k"]
     bs, hkv = kc.shape[1:3]
     assert H % hkv == 0 and d <= MAX_HEAD_DIM
     assert block_tables.dtype == torch.int64 and seq_lens.dtype == torch.int64
+    assert sinks is None or sinks.shape == (H,)
     q = q.float().contiguous()
     tables, lens = block_tables.contiguous(), seq_lens.contiguous()
+    sinks = None if sinks is None else sinks.float().contiguous()
     out = torch.empty(B, H, d, dtype=torch.float32)
     lib().paged_decode(KV_KINDS[kc.dtype], _p(q), _p(out), B, H, hkv, d, _kv_layer(cache),
                        _p(tables), tables.shape[1], _p(lens), bs, scale, sliding_window or 0,
-                       _threads())
+                       _p(sinks), _threads())
     return out
 
 

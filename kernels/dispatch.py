@@ -99,18 +99,22 @@ def output_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: dict[str, torch.Tensor],
-              meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
+              meta: PagedAttentionMetadata, scale: float, softcap: float | None = None,
+              sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend.
 
-    q (T, H, d), k and v (T, Hkv, d), packed as PagedAttentionMetadata describes.
-    Returns (T, H, d) in q's dtype.
+    q (T, H, d), k and v (T, Hkv, d), packed as PagedAttentionMetadata describes. `softcap`
+    and `sinks` (H,): as paged_attention takes them. Returns (T, H, d) in q's dtype.
+
+    No fast kernel caps scores (Gemma 2): the reference does. Sinks (gpt-oss) run in the CPU
+    decode kernel and the reference, not yet in the Triton kernels.
     """
-    if meta.decode_only and _cpu_fast(q) and cpu_ops.supports_cache(cache):
+    if meta.decode_only and softcap is None and _cpu_fast(q) and cpu_ops.supports_cache(cache):
         cpu_ops.write_kv(k, v, cache, meta.slot_mapping)
         out = cpu_ops.paged_decode(q, cache, meta.block_tables, meta.seq_lens, scale,
-                                   meta.sliding_window)
+                                   meta.sliding_window, sinks)
         return out.to(q.dtype)
-    if _triton(q):
+    if softcap is None and sinks is None and _triton(q):
         from qserve.kernels import triton_kv_write, triton_paged_attention, triton_prefill_attention
 
         triton_kv_write.write_kv(k, v, cache, meta.slot_mapping)
@@ -118,4 +122,5 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: dict[str
             return triton_paged_attention.decode_attention(q, cache, meta, scale)
         return triton_prefill_attention.prefill_attention(q, cache, meta, scale)
     k, v = write_kv(k, v, cache, meta.slot_mapping)  # as the cache holds them
-    return paged_attention(q, cache, meta, scale, k_new=k, v_new=v)
+    return paged_attention(q, cache, meta, scale, k_new=k, v_new=v, softcap=softcap,
+                           sinks=sinks)

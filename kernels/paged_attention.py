@@ -78,16 +78,20 @@ def _gather(cache: dict[str, torch.Tensor], which: str, block_table: torch.Tenso
 
 def paged_attention(q: torch.Tensor, cache: dict[str, torch.Tensor],
                     meta: PagedAttentionMetadata, scale: float,
-                    k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None
+                    k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
+                    softcap: float | None = None, sinks: torch.Tensor | None = None
                     ) -> torch.Tensor:
     """Causal attention of packed queries against each sequence's cached context.
 
     q: (T, num_heads, head_dim). The cache already holds this step's K/V. `k_new`/`v_new`
     (T, num_kv_heads, head_dim), as write_kv returns them, let a sequence whose whole context
-    is new this step (a fresh prefill) skip the gather. Returns (T, num_heads, head_dim).
+    is new this step (a fresh prefill) skip the gather. `softcap`: scores -> softcap *
+    tanh(scores / softcap) before the mask (Gemma 2). `sinks` (num_heads,): each head's sink
+    logit, one more term of every softmax with a zero value (gpt-oss). Returns (T, num_heads,
+    head_dim).
     """
     if meta.decode_only:
-        return _decode_attention(q, cache, meta, scale)
+        return _decode_attention(q, cache, meta, scale, softcap, sinks)
     _check_devices(q, cache, meta)
     out = torch.empty_like(q)
     e = 0
@@ -98,7 +102,12 @@ def paged_attention(q: torch.Tensor, cache: dict[str, torch.Tensor],
         else:
             k = _gather(cache, "k", meta.block_tables[i], slen, q.dtype)
             v = _gather(cache, "v", meta.block_tables[i], slen, q.dtype)
-        out[s:e] = _attend(q[s:e], k, v, scale, meta.sliding_window)
+        if softcap is None and sinks is None:
+            out[s:e] = _attend(q[s:e], k, v, scale, meta.sliding_window)
+        elif softcap is None and q.device.type == "cpu" and _FLASH_CPU is not None:
+            out[s:e] = _attend_sinks(q[s:e], k, v, scale, meta.sliding_window, sinks)
+        else:
+            out[s:e] = _attend_scored(q[s:e], k, v, scale, meta.sliding_window, softcap, sinks)
     return out
 
 
@@ -136,8 +145,82 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     return out[0].transpose(0, 1)
 
 
+# torch's CPU flash attention, which returns each row's log-sum-exp beside its output
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _attend_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                  window: int | None, sinks: torch.Tensor) -> torch.Tensor:
+    """_attend with sinks (H,), on a CPU, in torch's flash kernel (no scores materialized):
+    a row's softmax over its context sums to Z = exp(lse); a sink is one more term with a zero
+    value, so the output is out * Z / (Z + exp(sink)) = out * sigmoid(lse - sink)."""
+    n, H, d = q.shape
+    L, hkv = k.shape[:2]
+    g = H // hkv
+    qh = q.transpose(0, 1).reshape(hkv, g, n, d)  # a batch entry per kv head: its g heads
+    kh = k.transpose(0, 1).unsqueeze(1).expand(hkv, g, L, d)  # (views, no copies)
+    vh = v.transpose(0, 1).unsqueeze(1).expand(hkv, g, L, d)
+    mask = None
+    if window is not None or (n != L and n > 1):
+        qpos = torch.arange(L - n, L).unsqueeze(1)
+        kpos = torch.arange(L).unsqueeze(0)
+        keep = kpos <= qpos  # (n, L)
+        if window is not None:
+            keep &= kpos > qpos - window
+        mask = torch.zeros(n, L, dtype=q.dtype).masked_fill_(~keep, float("-inf"))
+    out, lse = _FLASH_CPU(qh, kh, vh, 0.0, mask is None and n > 1, attn_mask=mask,
+                          scale=scale)  # (hkv, g, n, d), (hkv, g, n) fp32
+    share = torch.sigmoid(lse - sinks.float().view(hkv, g, 1)).unsqueeze(-1)
+    return (out * share.to(out.dtype)).reshape(H, n, d).transpose(0, 1)
+
+
+# Query rows a pass of _attend_scored: the scores it materializes are (heads, rows, context)
+# fp32, so a long prompt's are computed a block of rows at a time (engine/memory_plan.py
+# counts one)
+QUERY_BLOCK = 256
+
+
+def _attend_scored(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                   window: int | None, softcap: float | None, sinks: torch.Tensor | None
+                   ) -> torch.Tensor:
+    """_attend with what SDPA cannot do, soft-capped scores (and sinks, off a CPU): the scores
+    computed explicitly, QUERY_BLOCK query rows at a time (each row's scores are its own)."""
+    n, H, _ = q.shape
+    L, hkv = k.shape[:2]
+    g = H // hkv
+    kh = k.transpose(0, 1).repeat_interleave(g, dim=0)  # (H, L, d): head h reads kv head h // g
+    vh = v.transpose(0, 1).repeat_interleave(g, dim=0)
+    kpos = torch.arange(L, device=q.device).unsqueeze(0)
+    out = torch.empty_like(q)
+    for r0 in range(0, n, QUERY_BLOCK):
+        r1 = min(n, r0 + QUERY_BLOCK)
+        qh = q[r0:r1].transpose(0, 1)  # (H, rows, d)
+        scores = torch.matmul(qh, kh.transpose(1, 2)) * scale  # (H, rows, L)
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        qpos = torch.arange(L - n + r0, L - n + r1, device=q.device).unsqueeze(1)
+        mask = kpos <= qpos  # (rows, L)
+        if window is not None:
+            mask &= kpos > qpos - window
+        scores = scores.masked_fill(~mask, float("-inf"))
+        probs = _softmax(scores, sinks).to(v.dtype)
+        out[r0:r1] = torch.matmul(probs, vh).transpose(0, 1)  # (rows, H, d)
+    return out
+
+
+def _softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """fp32 softmax over the last dim of scores (H, ..., L); with sinks (H,), each head's sink
+    joins its denominator and is dropped: exp(s) / (exp(sink) + sum exp(s))."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1, dtype=torch.float32)
+    sink = sinks.float().view(-1, *[1] * (scores.dim() - 1)).expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores.float(), sink], dim=-1), dim=-1)[..., :-1]
+
+
 def _decode_attention(q: torch.Tensor, cache: dict[str, torch.Tensor],
-                      meta: PagedAttentionMetadata, scale: float) -> torch.Tensor:
+                      meta: PagedAttentionMetadata, scale: float,
+                      softcap: float | None = None, sinks: torch.Tensor | None = None
+                      ) -> torch.Tensor:
     """One query per sequence, batched: gather every context padded to the longest, mask."""
     _check_devices(q, cache, meta)
     B, H, d = q.shape
@@ -153,10 +236,14 @@ def _decode_attention(q: torch.Tensor, cache: dict[str, torch.Tensor],
     k = gather("k").permute(0, 2, 3, 1)  # (B, hkv, d, L)
     v = gather("v").transpose(1, 2)  # (B, hkv, L, d)
     scores = torch.matmul(q.view(B, hkv, g, d), k) * scale  # (B, hkv, g, L)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     pos = torch.arange(nblk * bs, device=q.device)
     valid = pos.unsqueeze(0) < meta.seq_lens.unsqueeze(1)  # (B, L)
     if meta.sliding_window is not None:
         valid &= pos.unsqueeze(0) >= (meta.seq_lens - meta.sliding_window).unsqueeze(1)
     scores.masked_fill_(~valid.view(B, 1, 1, -1), float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+    # heads first for _softmax: (H, B, L), query head h = kv head h // g, h % g
+    heads = scores.view(B, H, -1).transpose(0, 1)
+    probs = _softmax(heads, sinks).transpose(0, 1).view(scores.shape).to(v.dtype)
     return torch.matmul(probs, v).reshape(B, H, d)  # (B, H, d)

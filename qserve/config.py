@@ -90,6 +90,13 @@ class ModelArchConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int | None = None
     norm_topk_prob: bool = True  # the chosen experts' weights are rescaled to sum to 1
+    # gpt-oss: each attention head has a learned sink, a logit that joins every query's
+    # softmax with a zero value (it takes probability from the context's scores)
+    attention_sinks: bool = False
+    # gpt-oss's clamped SwiGLU: gate clamped above and up on both sides at the limit, then
+    # (up + 1) * gate * sigmoid(alpha * gate); None: the plain gated MLP
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.0
 
     def __post_init__(self):
         # A corrupt file's metadata (a count of 0, a string, NaN) fails here in one line, not
@@ -143,6 +150,10 @@ class ModelArchConfig:
                                   f"{self.attn_temperature_length!r} must be a positive integer")
             if rope_type(self.rope_scaling) == "longrope":  # its rope rows are not positions
                 raise ConfigError("attention temperature with longrope scaling is not supported")
+        if self.swiglu_limit is not None:
+            for name in ("swiglu_limit", "swiglu_alpha"):
+                if not is_positive(getattr(self, name)):
+                    raise ConfigError(f"{name}={getattr(self, name)!r} must be a positive number")
 
     def _check_rope_scaling(self) -> None:
         """The scaling's numbers are what its type needs: a positive finite factor, an

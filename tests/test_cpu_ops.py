@@ -278,6 +278,30 @@ def test_paged_decode_matches_reference(name, group, bs, window, d):
 
 
 @pytest.mark.parametrize("name", KV)
+@pytest.mark.parametrize("window", [None, 5])
+def test_paged_decode_with_sinks_matches_reference(name, window):
+    """gpt-oss's sinks: each head's logit joins the softmax, merged with the kernel's parts
+    (contexts of 1 to 300 positions: one to three parts). Sinks from far below the scores
+    (no effect) to far above (the output shrinks toward zero), one per query head of GQA
+    4 / 2 x 4."""
+    bs, d, hkv, group = 16, 64, 2, 4
+    seq_lens = [1, 15, 129, 300]
+    g = torch.Generator().manual_seed(9)
+    nb, tables = _shuffled_tables(seq_lens, bs, 2, g)
+    cache = _cache(name, nb, bs, hkv, d)
+    _write_contexts([cache], seq_lens, tables, bs, hkv, d, g)
+    q = torch.randn(len(seq_lens), hkv * group, d, generator=g)
+    sinks = torch.tensor([-30.0, -2.0, -0.5, 0.0, 0.5, 1.0, 3.0, 30.0])
+    meta = _decode_meta(seq_lens, tables, bs, window)
+    ref = _decode_attention(q, cache, meta, d ** -0.5, sinks=sinks)
+    out = cpu_ops.paged_decode(q, cache, meta.block_tables, meta.seq_lens, d ** -0.5, window,
+                               sinks)
+    without = cpu_ops.paged_decode(q, cache, meta.block_tables, meta.seq_lens, d ** -0.5, window)
+    assert not torch.allclose(out, without)  # the sinks took their share
+    torch.testing.assert_close(out, ref.float(), rtol=1e-4, atol=1e-5)  # as the test above
+
+
+@pytest.mark.parametrize("name", KV)
 @pytest.mark.parametrize("hkv,group", [(8, 4), (3, 3)])
 def test_paged_decode_alone_equals_batched(name, hkv, group):
     """A sequence's attention does not depend on what else is in the batch, bit for bit: its

@@ -260,7 +260,7 @@ def test_unsupported_architecture_is_one_line(tmp_path):
                                              r"runs llama, mistral, qwen2, ministral3, qwen3, "
                                              r"phi3, gemma2, "
                                              r"gemma3_text, mixtral, qwen3_moe, smollm3, "
-                                             r"granite, and the "
+                                             r"granite, gpt_oss, and the "
                                              r"language model of gemma3, mistral3, llava, "
                                              r"qwen2_vl, qwen2_5_vl, qwen3_vl checkpoints$"):
         load_arch(tmp_path)

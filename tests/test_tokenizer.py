@@ -232,6 +232,29 @@ def test_llama3_and_qwen2_pre_tokenizers_match_transformers(default_model_path, 
         assert ours.encode(text) == ref.encode(text), repr(text[:80])
 
 
+# o200k's split (gpt-oss's tokenizer.json, llama.cpp's "gpt-4o"), as written there
+O200K = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+         r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+"
+         r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+"
+         r"[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+@pytest.mark.parametrize("pre", ["gpt-4o", "llama4"])
+def test_o200k_pre_tokenizer_splits_as_its_regex(pre):
+    """A GGUF that says gpt-4o (gpt-oss) or llama4 splits text as o200k's regex does (Python's
+    `regex`, not the tokenizers library's engine), then maps bytes as GPT-2 does: camelCase
+    and contractions, 1-3 digit runs, "/" after punctuation with the newlines."""
+    import regex
+    from tokenizers import decoders
+
+    from qserve.loader.tokenizer import _byte_level_pre_tokenizer
+
+    split, to_text = _byte_level_pre_tokenizer(pre), decoders.ByteLevel()
+    for text in corpus() + ["HelloWorld's CAPSLock don'T 1234567 a//\n\nb\r\n  x"]:
+        pieces = [to_text.decode([p]) for p, _ in split.pre_tokenize_str(text)]
+        assert pieces == regex.findall(O200K, text), repr(text[:80])
+
+
 # --- sentencepiece vocabularies (Llama 2 / Mistral style), against sentencepiece itself -------
 
 @pytest.fixture(scope="module")

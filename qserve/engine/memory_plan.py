@@ -38,7 +38,7 @@ from qserve.config import EngineConfig, ModelArchConfig, is_count
 from qserve.engine.cache_engine import DTYPES, kv_torch_dtype
 from qserve.errors import ConfigError, ModelLoadError
 from qserve.kernels import cpu_ops
-from qserve.models.softcap_attention import QUERY_BLOCK
+from qserve.kernels.paged_attention import QUERY_BLOCK
 
 GiB = 1 << 30
 # The interpreter, torch (215 MiB of it), qserve and its kernel library before any model, and
@@ -222,16 +222,17 @@ def activation_bytes(arch: ModelArchConfig, tokens: int, context: int, logit_row
     measured on the 1B and 8B shapes. The MLP: its fused gate/up product in fp32, with the
     bf16 and fp32 GEMM results it is copied from, and the activation. The attention: q, its
     output and K/V; on a CPU, torch's flash kernel works in blocks (kernels/paged_attention.py
-    _attend), with a chunk's mask as fp32 (tokens x context); soft-capped scores
-    (models/softcap_attention.py) are materialized, fp32 scores and probabilities (heads,
-    QUERY_BLOCK rows, context): 9 bytes a score, as measured for torch's math path at
-    500-2,000 tokens."""
+    _attend; with sinks, _attend_sinks), with a chunk's mask as fp32 (tokens x context);
+    soft-capped scores, and sinks off a CPU (_attend_scored), are materialized, fp32 scores
+    and probabilities (heads, QUERY_BLOCK rows, context): 9 bytes a score, as measured for
+    torch's math path at 500-2,000 tokens."""
     h, i, H, d = arch.hidden_size, arch.intermediate_size, arch.num_heads, arch.head_dim
     live = tokens * (6 * h + 3 * i) * 4
     attention = tokens * 3 * H * d * 4
-    if cpu:
-        attention += (9 * H * min(tokens, QUERY_BLOCK) * context if arch.attn_logit_softcapping
-                      else 4 * tokens * context)
+    if arch.attn_logit_softcapping or (arch.attention_sinks and not cpu):
+        attention += 9 * H * min(tokens, QUERY_BLOCK) * context
+    elif cpu:
+        attention += 4 * tokens * context
     mlp = tokens * (2 * i * (4 + 2 + 4) + 2 * h + i * 4)
     logits = 2 * min(logit_rows, tokens) * arch.vocab_size * 4
     return live + max(attention, mlp) + logits
@@ -289,7 +290,7 @@ def resident_tensors(path: Path, arch: ModelArchConfig, dtype: torch.dtype, nati
     keeps, from the file's headers alone; a packed linear is one entry: a qserve checkpoint's
     qweight, scales and offsets (int4z: zero points) together, an AWQ / GPTQ one's as the
     importer keeps them (awq_gptq.resident_layout)."""
-    from qserve.loader.hf_loader import expected_shapes, language_names
+    from qserve.loader.hf_loader import expected_shapes
 
     wanted = expected_shapes(arch)
     dense_name = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}[dtype]
@@ -321,9 +322,9 @@ def resident_tensors(path: Path, arch: ModelArchConfig, dtype: torch.dtype, nati
     quant = quantization_config(path)
     imported = resident_layout(path) if quant is None else None  # (format, suffix -> bytes)
     packed: dict[str, list] = {}  # base name -> [format, bytes]
-    rename = language_names(path)  # a vision-language checkpoint's text half alone
-    for stored, dt, shape in _safetensors_tensors(path):
-        if (name := rename(stored)) is None:
+    for name, dt, shape in _model_tensors(path, arch):
+        if dt == "MXFP4":  # a family's own quantized tensors (gpt-oss's experts)
+            yield name, "mxfp4", _numel(shape) // 32 * 17, tuple(shape)
             continue
         base, _, leaf = name.rpartition(".")
         if quant is not None and leaf in ("qweight", "scales", "offsets"):
@@ -347,6 +348,28 @@ def resident_tensors(path: Path, arch: ModelArchConfig, dtype: torch.dtype, nati
             yield name, dense_name, dtype.itemsize * _numel(shape), tuple(shape)
     for base, (fmt, nbytes) in packed.items():
         yield base + ".weight", fmt, nbytes, tuple(wanted.get(base + ".weight", ()))
+
+
+def _model_tensors(path: Path, arch: ModelArchConfig):
+    """(name, dtype string, shape) of the tensors the model reads from a directory's
+    safetensors files, from their headers: under the names it reads them by (a
+    vision-language checkpoint's text half alone), and as its family splits stored ones up
+    (stacked experts; a part of a quantized format has that format for its dtype)."""
+    from qserve.loader.hf_loader import language_names
+    from qserve.models.registry import model_class
+
+    rename = language_names(path)
+    entries = {name: (dt, tuple(shape)) for stored, dt, shape in _safetensors_tensors(path)
+               if (name := rename(stored)) is not None}
+    shapes = {name: shape for name, (_, shape) in entries.items()}
+    split = model_class(arch.architecture).stored_tensors
+    for name, (dt, shape) in entries.items():
+        parts = split(name, shape, shapes)
+        if parts is None:
+            yield name, dt, shape
+            continue
+        for part, part_shape, _, _, fmt in parts:
+            yield part, fmt.upper() if fmt else dt, part_shape
 
 
 def _numel(shape) -> int:

@@ -525,3 +525,19 @@ def _dequantize_mxfp4(b: torch.Tensor) -> torch.Tensor:
 
 
 _DEQUANTIZE = {name: globals()[f"_dequantize_{name}"] for name in TYPES}
+
+
+def mxfp4_from_ocp(blocks: torch.Tensor, scales: torch.Tensor) -> QuantizedTensor:
+    """OpenAI's MXFP4 (gpt-oss's safetensors, OCP microscaling: blocks (out, G, 16) uint8,
+    byte j holding inputs 2j (low nibble) and 2j + 1; scales (out, G) uint8 E8M0 exponents
+    e, w = E2M1[q] * 2^(e - 127)) -> GGML MXFP4 rows (out, G * 17), losslessly: the same
+    codes (MXFP4_VALUES is E2M1 doubled, its scale 2^(e - 128) halved) and exponents, only
+    the nibbles move to GGML's order (input j low, j + 16 high) behind each block's e."""
+    out, G, _ = blocks.shape
+    assert blocks.dtype == scales.dtype == torch.uint8 and tuple(scales.shape) == (out, G)
+    codes = torch.stack([blocks & 15, blocks >> 4], dim=-1).view(out, G, 32)  # inputs in order
+    qs = codes[..., :16] | (codes[..., 16:] << 4)
+    rows = weight_buffer((out, G * 17), torch.uint8)
+    rows.view(out, G, 17)[..., 0] = scales
+    rows.view(out, G, 17)[..., 1:] = qs
+    return QuantizedTensor("mxfp4", rows, None, None, G * 32)

@@ -37,7 +37,7 @@ import torch
 from qserve.config import ModelArchConfig
 from qserve.errors import ModelLoadError
 from qserve.formats import QuantizedTensor, pack_int4
-from qserve.loader.weights import LazyWeights, read_safetensor
+from qserve.loader.weights import LazyWeights, Stored, read_safetensor
 from qserve.models.registry import checkpoint_shapes, fused_groups
 
 METHODS = ("awq", "gptq")
@@ -161,7 +161,7 @@ def resident_layout(path: Path) -> tuple[str, dict[str, int]] | None:
 
 
 def read_weights(path: Path, arch: ModelArchConfig, quant: dict,
-                 where: dict[str, tuple[Path, str]], shapes: dict[str, tuple]) -> LazyWeights:
+                 where: dict[str, Stored], shapes: dict[str, tuple]) -> LazyWeights:
     """The model's weights from an AWQ/GPTQ directory: each packed linear as an int4 / int4z
     QuantizedTensor under `<name>.weight`, the rest as stored. `where` / `shapes`: every
     tensor in the directory's safetensors files -> (its file, stored name) / shape (from the
@@ -196,9 +196,8 @@ def read_weights(path: Path, arch: ModelArchConfig, quant: dict,
     def load(key: str, dtype) -> torch.Tensor:
         t = read_safetensor(where, key)
         if dtype is not None and t.dtype != dtype:
-            file, stored = where[key]
-            raise ModelLoadError(f"{file}: tensor {stored} has dtype {t.dtype}, expected "
-                                 f"{dtype}")
+            raise ModelLoadError(f"{where[key].file}: tensor {where[key].name} has dtype "
+                                 f"{t.dtype}, expected {dtype}")
         return t
 
     def read(name: str):

@@ -142,6 +142,8 @@ def hf_config(arch: ModelArchConfig) -> dict:
     for name in ("embedding_multiplier", "residual_multiplier", "logits_scaling"):  # Granite's
         if getattr(arch, name) != 1.0:
             cfg[name] = getattr(arch, name)
+    if arch.swiglu_limit is not None:  # gpt-oss's clamped SwiGLU
+        cfg |= {"swiglu_limit": arch.swiglu_limit, "swiglu_alpha": arch.swiglu_alpha}
     if arch.num_experts:  # the keys every MoE family's hf_config reads
         cfg |= {"num_local_experts": arch.num_experts,
                 "num_experts_per_tok": arch.num_experts_per_tok,

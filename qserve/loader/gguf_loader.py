@@ -9,7 +9,8 @@ A GGUF file is typed key/value metadata, a table of tensors, then the tensor dat
 
 `dims` lists the fastest-varying axis first, so (ne0=in, ne1=out) is an HF (out, in) matrix.
 A 3-D tensor (ne0=in, ne1=out, ne2=E) stacks E matrices, a mixture's experts (ffn_*_exps):
-matrix e is the e-th contiguous run of its bytes, listed as its own tensor `<name>[e]`.
+matrix e is the e-th contiguous run of its bytes, listed as its own tensor `<name>[e]`; so is
+row e of a 2-D ffn_*_exps.bias (ne0=out, ne1=E), expert e's bias (gpt-oss).
 The header is parsed here rather than with gguf.GGUFReader, which builds a numpy view per string
 and takes seconds on a 49k-token vocabulary; dequantization is the `gguf` package's. A long
 string array (a vocabulary, its merges) is checked at parse time but kept in the file's map
@@ -168,7 +169,8 @@ class GGUFFile:
                 raise self.error(f"is truncated: tensor {name} ends at byte {info.offset + nbytes} "
                                  f"but the file has {len(self._mm)}")
             self.tensors[name] = info
-            if len(info.shape) == 3:  # stacked experts: each a (out, in) tensor of its own
+            # stacked experts: each a (out, in) matrix, or a bias (gpt-oss), of its own
+            if len(info.shape) == 3 or (len(info.shape) == 2 and name.endswith("_exps.bias")):
                 per = nbytes // info.shape[0]
                 for e in range(info.shape[0]):
                     self.tensors[f"{name}[{e}]"] = GGUFTensorInfo(
@@ -490,9 +492,12 @@ def hf_names(arch: ModelArchConfig) -> dict[str, str]:
         expert = re.search(r"\.experts\.(\d+)\.", module)
         if expert:  # mlp.experts.3.gate_proj -> mlp.experts.gate_proj, slice [3]
             module = module[:expert.start()] + ".experts." + module[expert.end():]
-        assert module in gguf_names, f"no GGUF name for {module}"
         prefix = f"blk.{layer[1]}." if layer else ""
         suffix = f"[{expert[1]}]" if expert else ""
+        if f"{module}.{param}" in gguf_names:  # a parameter of its own name (attn_sinks.weight)
+            names[f"{prefix}{gguf_names[f'{module}.{param}']}{suffix}"] = hf
+            continue
+        assert module in gguf_names, f"no GGUF name for {module}"
         names[f"{prefix}{gguf_names[module]}.{param}{suffix}"] = hf
     return names
 

@@ -24,7 +24,7 @@ from tokenizers import AddedToken
 
 from qserve.config import ModelArchConfig, is_count, is_positive
 from qserve.errors import ConfigError, ModelLoadError
-from qserve.loader.weights import LazyWeights, read_safetensor
+from qserve.loader.weights import LazyWeights, Stored, read_safetensor
 from qserve.loader.tokenizer import BYTE, CONTROL, NORMAL, UNKNOWN, UNUSED, Tokenizer, sentencepiece_bpe
 from qserve.models import registry
 
@@ -335,6 +335,8 @@ def read_weights(path: Path, arch: ModelArchConfig) -> LazyWeights:
     An AWQ or GPTQ checkpoint (config.json quantization_config) is read by awq_gptq.py."""
     quant = _read_json(path / "config.json").get("quantization_config")
     method = quant.get("quant_method") if isinstance(quant, dict) else None
+    if method in registry.model_class(arch.architecture).stored_quant_methods:
+        quant = None  # the family reads it (stored_tensors: gpt-oss's MXFP4 experts)
     if quant is not None and method not in IMPORTED_QUANT_METHODS:
         raise ModelLoadError(f"{path / 'config.json'}: quantization_config quant_method "
                              f"{method!r} is not supported; qserve reads "
@@ -381,14 +383,28 @@ def read_pooling(path: Path) -> str | None:
     return None
 
 
+def _stored_tensors(path: Path) -> Callable:
+    """The family's stored_tensors (models/base.py) for the checkpoint at `path`: how a
+    stored tensor holds several of the model's; a no-op where config.json names no family
+    (reading the config says why)."""
+    cfg_path = path / "config.json"
+    try:
+        family = registry.model_class(language_config(_read_json(cfg_path), cfg_path)
+                                      .get("model_type"))
+    except (ConfigError, ModelLoadError):
+        return lambda name, shape: None
+    return family.stored_tensors
+
+
 def tensor_index(path: Path) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[Path, str]]]:
-    """(name -> shape, name -> (file, stored name)) of every language-model tensor in the
-    directory's safetensors files (model.safetensors, or the shards
+    """(name -> shape, name -> (file, stored name, take)) of every language-model tensor in
+    the directory's safetensors files (model.safetensors, or the shards
     model.safetensors.index.json lists), from the headers, under the names the model reads
-    (language_names)."""
+    (language_names), a Stored each; where the family's stored_tensors splits a stored
+    tensor up, the parts it names instead."""
     from safetensors import safe_open
 
-    rename = language_names(path)
+    rename, split = language_names(path), _stored_tensors(path)
 
     index = path / "model.safetensors.index.json"
     if index.exists():
@@ -397,21 +413,31 @@ def tensor_index(path: Path) -> tuple[dict[str, tuple[int, ...]], dict[str, tupl
         files = ["model.safetensors"]
     else:
         raise ModelLoadError(f"{path}: no model.safetensors or model.safetensors.index.json")
-    shapes, where = {}, {}
+    shapes, where, split_up = {}, {}, {}
     for name in files:
         file = path / name
         try:
             with safe_open(str(file), framework="pt") as f:
                 for stored in f.keys():
-                    if (key := rename(stored)) is not None:
-                        shapes[key] = tuple(f.get_slice(stored).get_shape())
-                        where[key] = file, stored
+                    if (key := rename(stored)) is None:
+                        continue
+                    shapes[key] = tuple(f.get_slice(stored).get_shape())
+                    where[key] = Stored(((file, stored),))
         except FileNotFoundError:
             raise ModelLoadError(f"{file}: listed in {index.name} but missing") from None
         except Exception as e:  # safetensors raises its own SafetensorError, not an OSError
             raise ModelLoadError(f"{file}: not a readable safetensors file "
                                  f"({type(e).__name__}: {e})".splitlines()[0]) from None
-    return shapes, where
+    stored = dict(where)
+    for key in list(shapes):  # (all headers read: a part may read tensors of other shards)
+        parts = split(key, shapes[key], shapes)
+        if parts is None:
+            continue
+        del shapes[key], where[key]
+        for part, part_shape, take, reads, _ in parts:
+            shapes[part] = part_shape
+            split_up[part] = Stored(tuple(stored[r].sources[0] for r in reads), take)
+    return shapes, where | split_up
 
 
 def read_tokenizer(path: Path) -> Tokenizer:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -108,15 +110,41 @@ class LazyWeights(Mapping):
         return len(self.shapes)
 
 
-def read_safetensor(where: dict[str, tuple[Path, str]], key: str) -> torch.Tensor:
-    """The tensor the model knows as `key`, from the safetensors file and under the name
-    `where` gives (hf_loader.tensor_index: key -> (file, stored name))."""
+@dataclass(frozen=True)
+class Stored:
+    """Where a tensor the model reads lies in a safetensors checkpoint: the stored tensors it
+    is read from, (file, stored name) each, and take(their slices) -> it; take None: it is
+    the first, whole. A family's stored_tensors (models/base.py) says when one stored tensor
+    holds several of the model's (stacked experts: only a slice is read) or one of the model's
+    takes several (MXFP4 blocks and their scales)."""
+
+    sources: tuple[tuple[Path, str], ...]
+    take: Callable | None = None
+
+    @property
+    def file(self) -> Path:
+        return self.sources[0][0]
+
+    @property
+    def name(self) -> str:
+        return self.sources[0][1]
+
+
+def read_safetensor(where: dict[str, Stored], key: str) -> torch.Tensor:
+    """The tensor the model knows as `key`, read as `where` says (hf_loader.tensor_index)."""
     from safetensors import safe_open
 
-    file, stored = where[key]
+    stored = where[key]
     try:
-        with safe_open(str(file), framework="pt") as f:
-            return f.get_tensor(stored)
+        if stored.take is None:
+            with safe_open(str(stored.file), framework="pt") as f:
+                return f.get_tensor(stored.name)
+        with ExitStack() as stack:
+            files = {file: stack.enter_context(safe_open(str(file), framework="pt"))
+                     for file, _ in stored.sources}
+            return stored.take(*(files[file].get_slice(name) for file, name in stored.sources))
+    except ModelLoadError:
+        raise
     except Exception as e:
-        raise ModelLoadError(f"{file}: tensor {stored} cannot be read "
+        raise ModelLoadError(f"{stored.file}: tensor {stored.name} cannot be read "
                              f"({type(e).__name__}: {e})".splitlines()[0]) from None

@@ -28,7 +28,6 @@ from qserve.kernels.dispatch import attention, output_logits
 from qserve.kernels.paged_attention import PagedAttentionMetadata
 from qserve.layers.quant_linear import FileEmbedding, QuantEmbedding, QuantLinear
 from qserve.models.rope import RotaryEmbedding
-from qserve.models.softcap_attention import softcap_attention
 
 
 class LayerHooks(Protocol):
@@ -68,7 +67,8 @@ _ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approxi
 
 class Attention(nn.Module):
     """Fused q/k/v, optional per-head q/k norms (Qwen3, Gemma 3), rope, paged attention with
-    this layer's own window, and the output projection."""
+    this layer's own window (soft-capped scores: Gemma 2; sinks: gpt-oss), and the output
+    projection."""
 
     def __init__(self, arch: ModelArchConfig, rope: RotaryEmbedding, layer: int,
                  qk_norm: type[nn.Module] | None = None, o_bias: bool = False):
@@ -90,9 +90,13 @@ class Attention(nn.Module):
         self.softcap = arch.attn_logit_softcapping
         self.temperature = (None if arch.attn_temperature_beta is None else
                             (arch.attn_temperature_beta, arch.attn_temperature_length))
-        # the soft-capped path sizes each sequence's context from the metadata's host list,
-        # which a CUDA graph would fix at its context bucket (engine/cuda_graph.py uncapturable)
-        self.cuda_graph_safe = self.softcap is None
+        # gpt-oss: each head's sink logit (H,), one more softmax term with a zero value
+        self.sinks = (nn.Parameter(torch.empty(arch.num_heads), requires_grad=False)
+                      if arch.attention_sinks else None)
+        # soft-capped scores and sinks take the reference path (kernels/dispatch.py attention),
+        # which sizes each sequence's context from the metadata's host list, which a CUDA
+        # graph would fix at its context bucket (engine/cuda_graph.py uncapturable)
+        self.cuda_graph_safe = self.softcap is None and self.sinks is None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: dict[str, torch.Tensor],
                 meta: PagedAttentionMetadata) -> torch.Tensor:
@@ -112,10 +116,7 @@ class Attention(nn.Module):
         if meta.sliding_window != self.window:  # it carries arch.sliding_window; Gemma's
             # global layers have none
             meta = dataclasses.replace(meta, sliding_window=self.window)
-        if self.softcap is not None:  # no kernel caps scores: the reference path
-            out = softcap_attention(q, k, v, cache, meta, self.scale, self.softcap)
-        else:
-            out = attention(q, k, v, cache, meta, self.scale)
+        out = attention(q, k, v, cache, meta, self.scale, self.softcap, self.sinks)
         return self.o_proj(out.reshape(T, self.q_size))
 
 
@@ -215,6 +216,24 @@ class CausalLM(nn.Module):
         """ModelArchConfig fields the family reads from GGUF metadata beyond the common ones in
         `arch` (key(name, default) reads `{arch}.name`; tensor(name) reads a tensor)."""
         return {}
+
+    @classmethod
+    def stored_tensors(cls, name: str, shape: tuple[int, ...],
+                       shapes: dict[str, tuple[int, ...]]
+                       ) -> list[tuple[str, tuple[int, ...], Callable, tuple[str, ...],
+                                       str | None]] | None:
+        """A checkpoint tensor (`name`, `shape`; `shapes`: all of the checkpoint's) that is
+        not one of the model's as it is stored -> the model's tensors read from it, each
+        (name, shape, take, reads, format): take(the safetensors slices of the stored tensors
+        named `reads`, this one first) gives it, a tensor of the stored dtype (format None) or
+        a QuantizedTensor of that format. gpt-oss stacks its experts (each read from one
+        slice) and stores MXFP4 matrices as blocks and scales (read from both; the scales'
+        own entry is then []). None: the tensor is the model's as it is."""
+        return None
+
+    # quantization_config quant_methods of checkpoints that stored_tensors reads natively
+    # (gpt-oss: OpenAI's MXFP4 experts)
+    stored_quant_methods: ClassVar[tuple[str, ...]] = ()
 
     # --- the model ----------------------------------------------------------------------
     def __init__(self, arch: ModelArchConfig, max_positions: int, dtype: torch.dtype,

@@ -3,7 +3,8 @@ before each, the embedding scaled by sqrt(hidden), a gelu-tanh gated MLP, scores
 query_pre_attn_scalar^-1/2 and soft-capped (cap * tanh(s / cap)), soft-capped final logits,
 and layers that alternate between a sliding window (even layers) and global attention.
 
-Soft-capped scores take the pure-torch attention path (models/softcap_attention.py).
+Soft-capped scores take the pure-torch attention path (kernels/paged_attention.py
+_attend_scored).
 """
 from __future__ import annotations
 

@@ -14,6 +14,7 @@ from qserve.errors import ConfigError
 from qserve.models.base import CausalLM
 from qserve.models.gemma2 import Gemma2ForCausalLM
 from qserve.models.gemma3 import Gemma3ForCausalLM
+from qserve.models.gpt_oss import GptOssForCausalLM
 from qserve.models.granite import GraniteForCausalLM
 from qserve.models.llama import LlamaForCausalLM
 from qserve.models.mixtral import MixtralForCausalLM
@@ -24,7 +25,8 @@ from qserve.models.smollm3 import SmolLM3ForCausalLM
 
 FAMILIES: tuple[type[CausalLM], ...] = (
     LlamaForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM,
-    MixtralForCausalLM, Qwen3MoeForCausalLM, SmolLM3ForCausalLM, GraniteForCausalLM)
+    MixtralForCausalLM, Qwen3MoeForCausalLM, SmolLM3ForCausalLM, GraniteForCausalLM,
+    GptOssForCausalLM)
 
 
 def supported() -> list[str]:

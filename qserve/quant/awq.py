@@ -19,7 +19,9 @@ is folded into whatever produces x, so the runtime module is unchanged. Per deco
     gate_up   gate/up (Phi-3: gate_up_proj);     the norm before the MLP: post_attention_layernorm,
               a mixture: the router and every    Gemma's pre_feedforward_layernorm (its
               expert's gate/up                   post_attention_layernorm scales attention's output)
-    down      down_proj (each expert's own)      up's output rows: act(g) * u / s = act(g) * (u / s)
+    down      down_proj (each expert's own)      up's output rows: act(g) * u / s = act(g) * (u / s);
+                                                 none for gpt-oss's clamped SwiGLU, whose
+                                                 (clamp(u) + 1) act(g) is not linear in u
 
 A mixture's router and experts all read the norm's output, so they share one s, taken from
 the statistics of every token; the loss sums each expert's error on the tokens routed to it
@@ -36,6 +38,7 @@ import torch
 from qserve.layers.moe import SparseMoE
 from qserve.models.base import MLP, Attention, DecoderLayer, RMSNorm
 from qserve.models.gemma2 import GemmaDecoderLayer, GemmaRMSNorm
+from qserve.models.gpt_oss import ClampedSwiGLUExpert
 
 FakeQuant = Callable[[str, torch.Tensor], torch.Tensor]  # (HF linear name, W) -> Q(W) dequantized
 
@@ -123,13 +126,16 @@ def groups(model, i: int) -> list[Group] | None:
     if type(layer.mlp) is MLP:
         mlps = {"": layer.mlp}
         gate_up = [p + "mlp.gate_up_proj"]
-    elif type(layer.mlp) is SparseMoE and all(type(e) is MLP for e in layer.mlp.experts):
+    elif type(layer.mlp) is SparseMoE and all(type(e) in (MLP, ClampedSwiGLUExpert)
+                                               for e in layer.mlp.experts):
         mlps = {f"experts.{e}.": m for e, m in enumerate(layer.mlp.experts)}
         gate_up = [p + "mlp.gate"] + [f"{p}mlp.{e}gate_up_proj" for e in mlps]
     else:
         return None
     out.append(Group("gate_up", gate_up, p + norms[1]))
     for e, mlp in mlps.items():
+        if type(mlp) is not MLP:  # (table above: no down group)
+            continue
         up = slice(mlp.intermediate, 2 * mlp.intermediate)  # gate_up_proj's rows: gate | up
         out.append(Group(e + "down", [f"{p}mlp.{e}down_proj"], f"{p}mlp.{e}gate_up_proj", up))
     return out
