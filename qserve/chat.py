@@ -6,6 +6,10 @@ message per line and prints one reply per message, so it can be scripted. Lines 
 `/` are commands (see HELP). The engine runs on this thread: one request at a time, stepped
 until it finishes or Ctrl-C sets a flag that is checked between steps, so an interrupted step
 never leaves the engine half-updated.
+
+A reasoning model's thinking (server/reasoning.py) is shown as Ollama's CLI shows it, between
+`Thinking...` and `...done thinking.` (dimmed on a terminal), or not at all (--hide-thinking);
+the history keeps the answer alone, as chat templates drop earlier turns' thinking.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from pathlib import Path
 
 from qserve.errors import QServeError
 from qserve.sampling_params import SamplingParams
+from qserve.server.reasoning import Reasoning
 
 HELP = """\
 /help                 this list
@@ -32,6 +37,7 @@ HELP = """\
 SETTABLE = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
             "frequency_penalty", "seed", "max_tokens")
 PROMPT = ">>> "
+DIM, RESET = "\x1b[2m", "\x1b[0m"  # the thinking's style on a terminal
 
 
 class ChatSession:
@@ -39,7 +45,10 @@ class ChatSession:
     slash command and returns False when the session should end."""
 
     def __init__(self, engine, params: SamplingParams, system: str | None = None,
-                 model_name: str = "", out=None, err=None):
+                 model_name: str = "", out=None, err=None, reasoning: Reasoning | None = None,
+                 show_thinking: bool = True):
+        """reasoning: how the model writes its thinking (reasoning_format), or None to print
+        the reply as generated."""
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.params = params
@@ -49,8 +58,12 @@ class ChatSession:
         self.last_stats: dict | None = None
         self.out = out or sys.stdout
         self.err = err or sys.stderr
+        self.reasoning = reasoning
+        self.show_thinking = show_thinking
         self._ids = itertools.count()
         self._interrupted = False
+        self._dim = self.out.isatty() if hasattr(self.out, "isatty") else False
+        self._shown: str | None = None  # what the reply has printed last: "thinking", "answer"
 
     # ---- the conversation --------------------------------------------------------------
     def messages(self) -> list[dict]:
@@ -94,8 +107,13 @@ class ChatSession:
         params = dataclasses.replace(
             self.params, max_tokens=min(self.params.max_tokens,
                                         self.engine.max_model_len - len(ids)))
+        parser = None
+        if self.reasoning is not None:
+            parser = self.reasoning.for_prompt(self.tokenizer, ids).parser()
+            if self.reasoning.special:  # its markers are special tokens: the parser needs them
+                params = dataclasses.replace(params, skip_special_tokens=False)
         rid = f"chat-{next(self._ids)}"
-        self._interrupted = False
+        self._interrupted, self._shown = False, None
         previous = signal.signal(signal.SIGINT, self._on_sigint)
         peak_blocks, out = 0, None
         try:
@@ -104,14 +122,20 @@ class ChatSession:
                 outputs = self.engine.step()
                 peak_blocks = max(peak_blocks, self.engine.stats()["kv_blocks_used"])
                 for out in outputs:
-                    self.out.write(out.outputs[0].delta_text)
-                    self.out.flush()
+                    delta = out.outputs[0].delta_text
+                    self._show(*(parser.feed(delta) if parser else ("", delta)))
                 if out is not None and out.finished:
                     break
         finally:
             self.engine.abort(rid)  # a no-op when it finished
             signal.signal(signal.SIGINT, previous)
-        answer = out.outputs[0].text if out is not None else ""
+        if parser is not None:
+            self._show(*parser.finish())
+            answer = parser.message()[1]
+        else:
+            answer = out.outputs[0].text if out is not None else ""
+        if self._shown == "thinking":  # no answer after it (cut short)
+            self.out.write("\n...done thinking." + (RESET if self._dim else ""))
         self.out.write("\n")
         if self._interrupted:
             self._note("(interrupted)")
@@ -119,6 +143,20 @@ class ChatSession:
         if out is not None:
             self.last_stats = _reply_stats(out, peak_blocks, self.engine.stats())
         return answer
+
+    def _show(self, thinking: str, answer: str) -> None:
+        """Print a piece of the reply: thinking (unless hidden) then answer text."""
+        if thinking and self.show_thinking:
+            if self._shown is None:
+                self.out.write((DIM if self._dim else "") + "Thinking...\n")
+            self._shown = "thinking"
+            self.out.write(thinking)
+        if answer:
+            if self._shown == "thinking":
+                self.out.write("\n...done thinking.\n\n" + (RESET if self._dim else ""))
+            self._shown = "answer"
+            self.out.write(answer)
+        self.out.flush()
 
     def _on_sigint(self, signum, frame) -> None:
         self._interrupted = True

@@ -17,6 +17,7 @@ import click
 
 from qserve import __version__
 from qserve.errors import QServeError
+from qserve.server.reasoning import PARSERS as REASONING_PARSERS
 
 USER_ERROR, INTERRUPTED = 2, 130
 
@@ -750,11 +751,16 @@ def _serve_replicas(cluster: dict, model, engine: dict, model_name: str, config)
               help="The model id clients send  [default: MODEL, or the default model's alias]")
 @click.option("--max-waiting", type=click.IntRange(min=1), default=1024, show_default=True,
               help="Queued requests beyond this are refused with 503.")
+@click.option("--reasoning-parser", type=click.Choice(REASONING_PARSERS), default="auto",
+              show_default=True,
+              help="How a chat answer's thinking is read off into reasoning_content (Ollama: "
+                   "thinking): think (<think>...</think>), harmony (gpt-oss), none (left in "
+                   "the content), auto (from the model's chat template and vocabulary).")
 @cluster_flags
 @speculative_flags
 @engine_flags
 def serve(model, host, port, api_key, allowed_origins, max_request_bytes, shutdown_timeout,
-          served_model_name, max_waiting, cluster, engine):
+          served_model_name, max_waiting, reasoning_parser, cluster, engine):
     """An OpenAI- and Ollama-compatible HTTP server for MODEL (Ctrl-C or SIGTERM stops it)."""
     _require_extra("server", "qserve serve", "fastapi", "uvicorn", "prometheus_client")
     from qserve.config import parse_size
@@ -766,7 +772,7 @@ def serve(model, host, port, api_key, allowed_origins, max_request_bytes, shutdo
     config = ServerConfig(host, port, api_key,
                           tuple(o.strip() for o in allowed_origins.split(",") if o.strip()),
                           parse_size(max_request_bytes, "--max-request-bytes"),
-                          shutdown_timeout)
+                          shutdown_timeout, reasoning_parser=reasoning_parser)
     if cluster["replicas"] is None and any(
             cluster[k] is not None for k in ("ray_address", "min_replicas", "max_replicas",
                                              "target_ongoing_requests")):
@@ -835,20 +841,30 @@ def _chat_sampling_flags(f):
 @main.command()
 @model_argument
 @click.option("--system", help="System prompt.")
+@click.option("--reasoning-parser", type=click.Choice(REASONING_PARSERS), default="auto",
+              show_default=True,
+              help="How a reply's thinking is told from its answer: think (<think>...</think>), "
+                   "harmony (gpt-oss), none (printed as generated), auto (from the model).")
+@click.option("--hide-thinking", is_flag=True,
+              help="Print only the answer of a model that thinks first.")
 @_chat_sampling_flags
 @speculative_flags
 @engine_flags
-def chat(model, system, engine, **sampling):
+def chat(model, system, reasoning_parser, hide_thinking, engine, **sampling):
     """Talk with MODEL in the terminal; replies stream as they are generated. Piped, each
     input line is one message and gets one reply. /help lists the commands."""
     from qserve.chat import ChatSession, run
     from qserve.loader.registry import DEFAULT_MODEL
     from qserve.sampling_params import SamplingParams
+    from qserve.server.reasoning import reasoning_format
 
     params = SamplingParams(**sampling)
     if engine.get("max_num_seqs") is None:  # one conversation: a KV pool for one sequence
         engine["max_num_seqs"] = 1
-    run(ChatSession(_build_engine(model, engine), params, system, model or DEFAULT_MODEL))
+    eng = _build_engine(model, engine)
+    run(ChatSession(eng, params, system, model or DEFAULT_MODEL,
+                    reasoning=reasoning_format(reasoning_parser, eng.tokenizer),
+                    show_thinking=not hide_thinking))
 
 
 # ---- quantize ----------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 meets it, with stdin piped. Both run `python -m qserve chat` on the default model, greedy."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -106,3 +107,32 @@ def test_piped_answers_each_line_and_drops_old_turns(tmp_path):
     replies = r.stdout.split("\n")
     assert len([line for line in replies if line]) >= len(questions)
     assert r.stdout.endswith(messages[-1]["content"] + "\n")
+
+
+@pytest.mark.parametrize("show", [True, False])
+def test_thinking_is_shown_apart_and_left_out_of_the_history(native_model, show):
+    """A reasoning model's reply (the default model made to write one, see test_reasoning.py):
+    its thinking between Ollama's `Thinking...` lines, or hidden; the history keeps the
+    answer alone, as the template would render it."""
+    import io
+
+    from test_reasoning import ANSWER, QWEN3_LIKE, THINK, THOUGHT, Forcing, _with_template
+    from test_structured_outputs import make_served_engine
+
+    from qserve.chat import ChatSession
+    from qserve.sampling_params import SamplingParams
+    from qserve.server.reasoning import reasoning_format
+
+    model = dataclasses.replace(native_model,
+                                tokenizer=_with_template(native_model.tokenizer, QWEN3_LIKE))
+    engine = make_served_engine(model, max_model_len=512, kv_cache_memory="16MiB")
+    Forcing(engine).text = THINK
+    out, err = io.StringIO(), io.StringIO()
+    session = ChatSession(engine, SamplingParams(max_tokens=60), out=out, err=err,
+                          reasoning=reasoning_format("auto", engine.tokenizer),
+                          show_thinking=show)
+    assert session.reply("Hi!") == ANSWER
+    shown = f"Thinking...\n{THOUGHT}\n...done thinking.\n\n" if show else ""
+    assert out.getvalue() == shown + ANSWER + "\n"
+    assert session.turns == [{"role": "user", "content": "Hi!"},
+                             {"role": "assistant", "content": ANSWER}]

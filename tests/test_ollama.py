@@ -51,7 +51,23 @@ def test_tool_calls_both_ways():
     assert O._calls(answer) == [{"function": {"name": "f", "arguments": {"x": 2}}}]
 
 
+def test_think_reaches_the_template():
+    """`think` becomes the template's enable_thinking (Qwen3's switch), an effort gpt-oss's
+    reasoning_effort; a raw prompt has no template to tell."""
+    ask = {"messages": [{"role": "user", "content": "hi"}]}
+    assert "chat_template_kwargs" not in O.openai_request(ask, chat=True)
+    assert O.openai_request(ask | {"think": False}, chat=True)["chat_template_kwargs"] == {
+        "enable_thinking": False}
+    high = O.openai_request(ask | {"think": "high"}, chat=True)
+    assert P.parse_chat(high).template_kwargs == {"enable_thinking": True,
+                                                  "reasoning_effort": "high"}
+    raw = O.openai_request({"prompt": "x", "raw": True, "think": True}, chat=False)
+    assert "chat_template_kwargs" not in raw
+
+
 @pytest.mark.parametrize("body, words", [
+    ({"prompt": "x", "think": "yes"}, "'think' must be true, false, \"low\""),
+    ({"prompt": "x", "think": 1}, "not 1"),
     ({"prompt": "x", "images": ["AAAA"]}, "images are not served"),
     ({"prompt": "x", "suffix": "}"}, "'suffix' is not supported"),
     ({"prompt": "x", "template": "{{ .Prompt }}"}, "'template' is not supported"),

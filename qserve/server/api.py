@@ -33,8 +33,9 @@ from qserve.server import http as H
 from qserve.server.config import ServerConfig
 from qserve.server.guard import RequestGuard
 from qserve.server.metrics import CONTENT_TYPE, Metrics
+from qserve.server.reasoning import reasoning_format
 from qserve.server.structured import Grammars, StructureError, ToolFormat
-from qserve.server.tool_calls import ToolCallParser, render_chat
+from qserve.server.tool_calls import AnswerParser, render_chat
 
 log = logging.getLogger("qserve.server")
 
@@ -111,6 +112,7 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: Metrics,
                   openapi_url=None)
     created = P.now()
     grammars = Grammars(engine.tokenizer)
+    reasoning = reasoning_format(config.reasoning_parser, engine.tokenizer)
 
     # ---- errors and auth ---------------------------------------------------------------
     @app.exception_handler(P.APIError)
@@ -187,7 +189,8 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: Metrics,
         """A chat request's prompt ids, through the model's template (in a worker thread)."""
         tok = engine.tokenizer
         try:
-            text = render_chat(tok, req.messages, req.structure, grammars.fmt)
+            text = render_chat(tok, req.messages, req.structure, grammars.fmt,
+                               req.template_kwargs)
         except QServeError as e:  # a template that refuses this conversation
             raise P.bad(str(e), "messages") from None
         return H.encode(tok, [text], False)[0]
@@ -268,15 +271,26 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: Metrics,
     async def generation(req: P.GenerateRequest, prompts: list[list[int]], prefix: str,
                          chat: bool) -> Generation:
         """The request's prompts added to the engine: max_tokens fitted to the context, its
-        grammar compiled, deltas for a stream and the final output alone otherwise."""
+        grammar compiled, a chat's way of thinking set (req.reasoning), deltas for a stream
+        and the final output alone otherwise."""
         if not all(prompts):
             raise P.bad("the prompt is empty; give at least one token of text", "prompt")
         param = "messages" if chat else "prompt"
         params = P.fit_to_context(req, [len(p) for p in prompts], engine.max_model_len, param)
-        if req.structure.grammar is not None:  # compiling takes milliseconds: off the loop
+        structure = req.structure
+        # harmony writes tool calls its own way (read back by its parser), not the grammar's
+        harmony_tools = reasoning is not None and reasoning.kind == "harmony" and (
+            structure.parses_tools)
+        if chat and reasoning is not None and (harmony_tools or not structure.forces_text):
+            req.reasoning = reasoning.for_prompt(engine.tokenizer, prompts[0])
+            if reasoning.special:  # its markers are special tokens: the parser needs them
+                params = dataclasses.replace(params, skip_special_tokens=False)
+            if harmony_tools:
+                structure = dataclasses.replace(structure, grammar=None)
+        if structure.grammar is not None:  # compiling takes milliseconds: off the loop
             try:
                 constraint = await asyncio.get_running_loop().run_in_executor(
-                    None, grammars.constraint, req.structure)
+                    None, grammars.constraint, structure)
             except StructureError as e:
                 raise P.bad(str(e), e.param) from None
             params = dataclasses.replace(params, constraint=constraint)
@@ -289,8 +303,8 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: Metrics,
     app.include_router(v1)
 
     # ---- Ollama's API (ollama.py) ------------------------------------------------------
-    app.include_router(O.routes(engine, model_name, grammars.fmt, generation, chat_prompt,
-                                embed), dependencies=[Depends(require_key)])
+    app.include_router(O.routes(engine, model_name, grammars.fmt, reasoning, generation,
+                                chat_prompt, embed), dependencies=[Depends(require_key)])
 
     @app.exception_handler(O.OllamaError)
     async def _ollama_error(request, e: O.OllamaError):
@@ -310,6 +324,8 @@ class _Response:
         self.chat = kind == "chat.completion"
         self.tools = req.structure  # parses_tools: chat text holds tool calls
         self.tool_format = tool_format  # how this model's text writes them
+        # chat text read into thinking, content and calls (AnswerParser)
+        self.parses = self.chat and (req.reasoning is not None or req.structure.parses_tools)
         self.created = P.now()
         self.echo = echo_texts
         self.lp = (P.LogprobFormatter(engine.tokenizer, req.logprobs)
@@ -330,22 +346,27 @@ class _Response:
             return made
         return self.lp.join(self.lp.prompt(out.prompt_token_ids, out.prompt_logprobs), made)
 
+    def _parser(self) -> AnswerParser:
+        return AnswerParser(self.req.reasoning, self.tools, self.tool_format)
+
     def whole(self, finals) -> dict:
         choices = []
         for i, out in enumerate(finals):
             for c in out.outputs:
                 head = self.echo[i] if self.echo else ""
-                content, calls = c.text, []
-                if self.tools.parses_tools:
-                    parser = ToolCallParser(self.tools, self.tool_format)
+                thinking, content, calls = None, c.text, []
+                if self.parses:
+                    parser = self._parser()
                     parser.feed(c.text)
                     parser.finish()
-                    content, calls = parser.message()
+                    thinking, content, calls = parser.message()
                 choice = {"index": i * self.n + c.index,
                           "logprobs": self._logprobs(c, len(head), out if self.echo else None),
                           "finish_reason": P.finish_reason(c, bool(calls))}
                 if self.chat:
                     choice["message"] = {"role": "assistant", "content": content}
+                    if thinking is not None:
+                        choice["message"]["reasoning_content"] = thinking
                     if calls:
                         choice["message"]["tool_calls"] = calls
                 else:
@@ -362,26 +383,29 @@ class _Response:
         offsets: dict[int, int] = {}  # choice index -> characters sent (completions' offsets)
         finished: set[int] = set()
         last: dict[int, object] = {}
-        parsers: dict[int, ToolCallParser] = {}  # choice index -> its calls read so far
+        parsers: dict[int, AnswerParser] = {}  # choice index -> its text read so far
         try:
             async for i, out in gen:
                 last[i] = out
                 choices = []
                 for c in out.outputs:
                     index = i * self.n + c.index
-                    text, calls = c.delta_text, []
-                    if self.tools.parses_tools and index not in finished:
-                        parser = parsers.setdefault(
-                            index, ToolCallParser(self.tools, self.tool_format))
-                        text, calls = parser.feed(text)
+                    thinking, text, calls = "", c.delta_text, []
+                    if self.parses and index not in finished:
+                        if index not in parsers:
+                            parsers[index] = self._parser()
+                        parser = parsers[index]
+                        thinking, text, calls = parser.feed(text)
                         if c.finish_reason is not None:
-                            rest, more = parser.finish()
-                            text, calls = text + rest, calls + more
+                            more = parser.finish()
+                            thinking, text = thinking + more[0], text + more[1]
+                            calls = calls + more[2]
                     reason = P.finish_reason(c, index in parsers and bool(parsers[index].calls))
                     first = index not in started
                     if self.prompt_only:  # one chunk: the prompt, cut at length
                         text, reason = "", "length" if first else None
-                    if not (first or text or calls or (reason and index not in finished)):
+                    if not (first or thinking or text or calls
+                            or (reason and index not in finished)):
                         continue
                     if first and self.echo:
                         text = self.echo[i] + text
@@ -393,7 +417,9 @@ class _Response:
                               "finish_reason": reason}
                     if self.chat:
                         delta = {"role": "assistant"} if first else {}
-                        if text or (first and not calls):
+                        if thinking:  # vLLM's and llama.cpp's field
+                            delta["reasoning_content"] = thinking
+                        if text or (first and not calls and not thinking):
                             delta["content"] = text
                         if calls:  # a call's start (index, id, name), then its arguments
                             delta["tool_calls"] = calls

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from qserve.errors import ConfigError
+from qserve.server.reasoning import PARSERS
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20  # a 1M-token prompt is about 4 MB of text
@@ -26,6 +27,9 @@ class ServerConfig:
     # error (an error event for a stream, 503 otherwise).
     shutdown_timeout_s: float = 30.0
     log_level: str = "info"
+    # How chat answers' thinking is read off (reasoning.py): auto (from the model's template
+    # and vocabulary), none (left in the content), think or harmony.
+    reasoning_parser: str = "auto"
 
     def __post_init__(self):
         if self.api_key is not None and not self.api_key.strip():
@@ -44,6 +48,9 @@ class ServerConfig:
         if not self.shutdown_timeout_s >= 0:
             raise ConfigError(f"--shutdown-timeout={self.shutdown_timeout_s} must be >= 0 "
                               f"seconds")
+        if self.reasoning_parser not in PARSERS:
+            raise ConfigError(f"--reasoning-parser {self.reasoning_parser!r} is not one of "
+                              f"{', '.join(PARSERS)}")
 
 
 def listen_socket(host: str, port: int) -> socket.socket:

@@ -9,7 +9,11 @@ both APIs run the same sampling, structured outputs and tools; only the shapes d
     /api/tags, /api/ps, /api/show, /api/version: the one model this server holds
 
 `stream` defaults to true, as in Ollama: newline-delimited JSON objects, the last with
-`done: true`, `done_reason` and the counts and durations (nanoseconds) Ollama reports.
+`done: true`, `done_reason` and the counts and durations (nanoseconds) Ollama reports. A
+reasoning model's thinking (reasoning.py) comes in `message.thinking` (`thinking` from
+/api/generate); `think` false asks the template not to think (enable_thinking: false) and
+leaves thinking out of the answer, and "low" / "medium" / "high" (gpt-oss) set its
+`reasoning_effort`.
 Errors are Ollama's `{"error": "..."}` with the HTTP status. `routes` builds the router that
 api.py mounts beside /v1, with its own steps (adding a generation, rendering a chat prompt,
 embedding) handed in.
@@ -28,12 +32,13 @@ from qserve.models.registry import num_params
 from qserve.pooling_params import PoolingParams
 from qserve.server import http as H
 from qserve.server import protocol as P
-from qserve.server.tool_calls import ToolCallParser
+from qserve.server.tool_calls import AnswerParser
 
 # Ollama's options -> the OpenAI (and vLLM) request fields protocol.py reads
 OPTIONS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
            "seed": "seed", "stop": "stop", "repeat_penalty": "repetition_penalty",
            "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty"}
+EFFORTS = ("low", "medium", "high")  # `think` as gpt-oss's reasoning effort
 
 
 class OllamaError(Exception):
@@ -93,7 +98,20 @@ def openai_request(body: dict, chat: bool) -> dict:
         system = body.get("system")
         out["messages"] = ([{"role": "system", "content": system}] if system else []) + [
             {"role": "user", "content": body.get("prompt")}]
+    think = think_of(body)
+    if think is not None and "messages" in out:  # the template's own variables
+        out["chat_template_kwargs"] = {"enable_thinking": bool(think)} | (
+            {"reasoning_effort": think} if think in EFFORTS else {})
     return out
+
+
+def think_of(body: dict) -> bool | str | None:
+    """The request's `think`: true, false, an effort of EFFORTS, or None (the model's way)."""
+    think = body.get("think")
+    if think is None or isinstance(think, bool) or think in EFFORTS:
+        return think
+    raise OllamaError(400, f"'think' must be true, false, \"low\", \"medium\" or \"high\", "
+                           f"not {json.dumps(think)}"[:200])
 
 
 def _message(m) -> dict:
@@ -145,23 +163,30 @@ def _calls(openai_calls: list[dict]) -> list[dict]:
 
 
 class OllamaResponse:
-    """One /api/chat or /api/generate answer, whole or as NDJSON lines."""
+    """One /api/chat or /api/generate answer, whole or as NDJSON lines. `think` False: the
+    thinking is left out."""
 
-    def __init__(self, model: str, chat: bool, req: P.GenerateRequest, tool_format):
+    def __init__(self, model: str, chat: bool, req: P.GenerateRequest, tool_format,
+                 think: bool | str | None = None):
         self.model, self.chat, self.req, self.tool_format = model, chat, req, tool_format
+        self.show_thinking = think is not False
 
-    def _parser(self) -> ToolCallParser | None:
-        return (ToolCallParser(self.req.structure, self.tool_format)
-                if self.req.structure.parses_tools else None)
+    def _parser(self) -> AnswerParser | None:
+        if self.req.reasoning is None and not self.req.structure.parses_tools:
+            return None
+        return AnswerParser(self.req.reasoning, self.req.structure, self.tool_format)
 
-    def _body(self, text: str, calls: list[dict], out=None) -> dict:
+    def _body(self, text: str, calls: list[dict], out=None, thinking: str | None = None
+              ) -> dict:
         body = {"model": self.model, "created_at": now()}
+        thinking = {"thinking": thinking} if thinking and self.show_thinking else {}
         if self.chat:
-            body["message"] = {"role": "assistant", "content": text}
+            body["message"] = {"role": "assistant", "content": text} | thinking
             if calls:
                 body["message"]["tool_calls"] = _calls(calls)
         else:
             body["response"] = text
+            body |= thinking
         body["done"] = out is not None
         if out is not None:
             c = out.outputs[0]
@@ -170,29 +195,30 @@ class OllamaResponse:
         return body
 
     def whole(self, out) -> dict:
-        c, calls = out.outputs[0], []
+        c, calls, thinking = out.outputs[0], [], None
         text = c.text
         parser = self._parser()
         if parser is not None:
             parser.feed(c.text)
             parser.finish()
-            text, calls = parser.message()
-        return self._body(text or "", calls, out)
+            thinking, text, calls = parser.message()
+        return self._body(text or "", calls, out, thinking)
 
     async def stream(self, gen):
         parser = self._parser()
         try:
             async for _, out in gen:
                 c = out.outputs[0]
-                text = c.delta_text
+                thinking, text = "", c.delta_text
                 if parser is not None:
-                    text, _ = parser.feed(text)  # calls go out whole, at the end
+                    thinking, text, _ = parser.feed(text)  # calls go out whole, at the end
                     if c.finish_reason is not None:
-                        text += parser.finish()[0]
-                if text:
-                    yield _line(self._body(text, []))
+                        more = parser.finish()
+                        thinking, text = thinking + more[0], text + more[1]
+                if text or (thinking and self.show_thinking):
+                    yield _line(self._body(text, [], thinking=thinking))
                 if out.finished:
-                    calls = parser.message()[1] if parser is not None else []
+                    calls = parser.message()[2] if parser is not None else []
                     yield _line(self._body("", calls, out))
         except Exception as e:  # (EngineStopped: the server is shutting down)
             yield _line({"error": str(e)})
@@ -212,9 +238,11 @@ def model_details(arch, path, quant_level: str | None) -> dict:
 
 
 # ---- the routes --------------------------------------------------------------------------
-def routes(engine, model_name: str, tool_format, generation, chat_prompt, embed) -> APIRouter:
-    """Ollama's /api routes over `engine` (an AsyncEngine serving `model_name`), with api.py's
-    own steps: `generation(req, prompts, prefix, chat)` adds a validated request's prompts,
+def routes(engine, model_name: str, tool_format, reasoning, generation, chat_prompt,
+           embed) -> APIRouter:
+    """Ollama's /api routes over `engine` (an AsyncEngine serving `model_name`, whose way of
+    thinking is `reasoning`, or None), with api.py's own steps:
+    `generation(req, prompts, prefix, chat)` adds a validated request's prompts,
     `chat_prompt(req)` renders a chat request's ids, `embed(request, prompts, params)` runs
     embedding requests to their finished outputs."""
     api = APIRouter(prefix="/api")
@@ -258,7 +286,7 @@ def routes(engine, model_name: str, tool_format, generation, chat_prompt, embed)
                                f"{arch.architecture}.embedding_length": arch.hidden_size,
                                f"{arch.architecture}.block_count": arch.num_layers},
                 "capabilities": (["completion", "tools"] if arch.generates else [])
-                + ["embedding"]}
+                + (["thinking"] if reasoning is not None else []) + ["embedding"]}
 
     async def answer(request: Request, chat: bool):
         body = await H.read_json(request)
@@ -269,6 +297,9 @@ def routes(engine, model_name: str, tool_format, generation, chat_prompt, embed)
             return {"model": model_name, "created_at": now(),
                     ("message" if chat else "response"): empty, "done": True,
                     "done_reason": "load"}
+        think = think_of(body)
+        if think and reasoning is None:  # as Ollama answers
+            raise OllamaError(400, f"{model_name!r} does not support thinking")
         try:
             oa = openai_request(body, chat)
             templated = "messages" in oa
@@ -280,7 +311,7 @@ def routes(engine, model_name: str, tool_format, generation, chat_prompt, embed)
             gen = await generation(req, ids, "ollama", templated)
         except P.APIError as e:
             raise OllamaError(e.status, e.message) from None
-        response = OllamaResponse(model_name, chat, req, tool_format)
+        response = OllamaResponse(model_name, chat, req, tool_format, think)
         if req.stream:
             return H.EventStream(response.stream(gen), on_close=gen.close,
                                  media_type="application/x-ndjson")

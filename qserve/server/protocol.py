@@ -13,11 +13,15 @@ from dataclasses import dataclass
 from qserve.outputs import CompletionOutput, RequestOutput
 from qserve.pooling_params import PoolingParams
 from qserve.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
+from qserve.server.reasoning import Reasoning
 from qserve.server.structured import Structure, StructureError, parse_structure
 from qserve.server.tool_calls import check_tool_history
 
 MAX_N = 32
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+# template variables qserve sets itself, which chat_template_kwargs may not
+TEMPLATE_OWN = ("messages", "tools", "documents", "add_generation_prompt", "bos_token",
+                "eos_token")
 
 
 class APIError(Exception):
@@ -52,6 +56,10 @@ class GenerateRequest:
     echo: bool
     logprobs: int | None  # top-N alternatives to report per token; None: no logprobs
     structure: Structure = dataclasses.field(default_factory=Structure)  # response_format, tools
+    # chat: chat_template_kwargs, the template's own variables (e.g. enable_thinking: false)
+    template_kwargs: dict = dataclasses.field(default_factory=dict)
+    # chat: how the answer's thinking is read off (reasoning.py); set once the prompt is known
+    reasoning: Reasoning | None = None
 
 
 # ---- requests ---------------------------------------------------------------------------
@@ -206,7 +214,14 @@ def parse_chat(body: dict) -> GenerateRequest:
         raise bad(f"'top_logprobs'={top} must be in [0, {MAX_LOGPROBS}]", "top_logprobs")
     if top is not None and not want:
         raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-    return _common(body, [], clean, max_tokens, (top or 0) if want else None, echo=False)
+    variables = _get(body, "chat_template_kwargs", (dict,), "an object", {})
+    own = next((k for k in variables if k in TEMPLATE_OWN), None)
+    if own is not None:
+        raise bad(f"'chat_template_kwargs' may not set {own!r}, which qserve sets itself",
+                  "chat_template_kwargs")
+    req = _common(body, [], clean, max_tokens, (top or 0) if want else None, echo=False)
+    req.template_kwargs = variables
+    return req
 
 
 def _content(content, i: int) -> str:

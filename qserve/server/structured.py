@@ -88,6 +88,14 @@ class Structure:
     def parses_tools(self) -> bool:
         return self.tool_mode is not None
 
+    @property
+    def forces_text(self) -> bool:
+        """Whether the grammar writes the answer from its first token (JSON, or calls only),
+        which leaves a reasoning model no room to think first; tool_choice auto without a
+        response_format leaves free text until a call."""
+        free = self.grammar == ("tools", "") and self.tool_mode == "auto"
+        return self.grammar is not None and not free
+
 
 def parse_structure(body: dict, chat: bool) -> Structure:
     """response_format, tools and tool_choice of a request body, checked. Raises StructureError."""

@@ -10,28 +10,51 @@ The answer: the grammar (structured.py) makes every call the fixed text
 `begin(NAME) ARGS end` of the model's ToolFormat, with ARGS one JSON object. ToolCallParser reads
 that text left to right: text outside calls is content; at a complete `begin(NAME)` a call
 opens (its first delta: index, id, type, name, empty arguments); ARGS goes out as it arrives,
-scanned for the brace that closes it; then `end`, and content again.
+scanned for the brace that closes it; then `end`, and content again. A reasoning model's
+thinking is read off first (reasoning.py): AnswerParser feeds the tool-call parser the content
+alone, and takes a harmony model's calls (its own format, not the grammar's) from its parser.
 """
 from __future__ import annotations
 
+import functools
 import json
 import uuid
 
+from qserve.loader.chat_template import CHATML_TEMPLATE, ChatTemplate
+from qserve.server.reasoning import Reasoning
 from qserve.server.structured import HERMES, Structure, StructureError, ToolFormat
 
 
 # ---- the prompt -------------------------------------------------------------------------
-def render_chat(tokenizer, messages: list[dict], s: Structure, fmt: ToolFormat) -> str:
+def render_chat(tokenizer, messages: list[dict], s: Structure, fmt: ToolFormat,
+                variables: dict | None = None) -> str:
     """The prompt text of a chat request (raises the tokenizer's QServeError when the template
-    refuses the conversation)."""
+    refuses the conversation). `variables`: the request's own template variables
+    (chat_template_kwargs, e.g. enable_thinking)."""
     tools = [t.openai() for t in s.tools] if s.tool_mode is not None else None
     involved = tools is not None or any(m["role"] == "tool" or m.get("tool_calls")
                                         for m in messages)
     if involved and tokenizer.chat_template_renders_tools:
-        return tokenizer.apply_chat_template(_name_tool_results(messages),
-                                             add_generation_prompt=True, tools=tools)
-    return tokenizer.apply_chat_template(tool_messages(messages, s, fmt),
-                                         add_generation_prompt=True)
+        return _apply(tokenizer, _name_tool_results(messages), tools, variables)
+    return _apply(tokenizer, tool_messages(messages, s, fmt), None, variables)
+
+
+def _apply(tokenizer, messages: list[dict], tools: list[dict] | None,
+           variables: dict | None) -> str:
+    """tokenizer.apply_chat_template with a generation prompt, and `variables` given to the
+    template. Tokenizer.apply_chat_template takes none, so with some the same template source
+    is rendered here."""
+    if not variables:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
+    source = ((tokenizer.tool_use_template if tools is not None else None)
+              or tokenizer.chat_template or CHATML_TEMPLATE)
+    return _compiled(source).render(messages, True, tools=tools, bos_token=tokenizer.bos_token,
+                                    eos_token=tokenizer.eos_token, **variables)
+
+
+@functools.lru_cache(maxsize=4)
+def _compiled(source: str) -> ChatTemplate:
+    return ChatTemplate(source)
 
 
 def _name_tool_results(messages: list[dict]) -> list[dict]:
@@ -247,6 +270,61 @@ class ToolCallParser:
                 if self._depth == 0:
                     return i + 1, True
         return len(text), False
+
+
+class AnswerParser:
+    """One chat choice's text -> its thinking, content and tool calls, as it streams.
+
+    feed(delta) and finish() return (thinking, content, tool-call deltas): the reasoning
+    parser reads the text first (when the model thinks), then the tool-call parser reads the
+    content it leaves (when the request offers tools). A harmony model writes calls its own
+    way, which its reasoning parser reads: each goes out whole, in one delta, once complete."""
+
+    def __init__(self, reasoning: Reasoning | None, s: Structure, fmt: ToolFormat):
+        self.reasoning = reasoning.parser() if reasoning is not None else None
+        harmony = reasoning is not None and reasoning.kind == "harmony"
+        self.harmony_calls = s.parses_tools and harmony
+        self.tools = ToolCallParser(s, fmt) if s.parses_tools and not harmony else None
+        self.content: list[str] = []  # every piece of content (without a tool-call parser)
+        self._sent = 0  # harmony calls sent
+
+    @property
+    def calls(self) -> list[dict]:
+        """The complete calls so far."""
+        if self.tools is not None:
+            return self.tools.calls
+        return self.reasoning.calls if self.harmony_calls else []
+
+    def feed(self, delta: str) -> tuple[str, str, list[dict]]:
+        return self._step(delta, final=False)
+
+    def finish(self) -> tuple[str, str, list[dict]]:
+        return self._step("", final=True)
+
+    def message(self) -> tuple[str | None, str | None, list[dict]]:
+        """(thinking or None, content, tool_calls) of the finished choice, as a whole message
+        has them; content is None, as OpenAI's, when calls are all there is."""
+        thinking = self.reasoning.message()[0] if self.reasoning is not None else None
+        if self.tools is not None:
+            return (thinking, *self.tools.message())
+        content = "".join(self.content)
+        return thinking, (content.strip() or None) if self.calls else content, self.calls
+
+    def _step(self, delta: str, final: bool) -> tuple[str, str, list[dict]]:
+        thinking, content, deltas = "", delta, []
+        if self.reasoning is not None:
+            thinking, content = self.reasoning.finish() if final else self.reasoning.feed(delta)
+        if self.tools is not None:
+            content, deltas = self.tools.feed(content)
+            if final:
+                rest, more = self.tools.finish()
+                content, deltas = content + rest, deltas + more
+            return thinking, content, deltas
+        self.content.append(content)
+        new = self.calls[self._sent:]
+        deltas = [dict(c, index=i) for i, c in enumerate(new, self._sent)]
+        self._sent += len(new)
+        return thinking, content, deltas
 
 
 def parse_tool_calls(text: str, s: Structure, fmt: ToolFormat) -> tuple[str | None, list[dict]]:
