@@ -271,6 +271,28 @@ def _metadata_type(value):
     return (T.FLOAT32 if isinstance(value, float) else T.STRING), None
 
 
+def padded_tokenizer(vocab: int) -> dict:
+    """The default model's tokenizer.* GGUF metadata, its vocabulary padded to `vocab` tokens
+    as Llama 3's is: ordinary tokens (unreachable: no merge makes them), then up to 256
+    control ones."""
+    from qserve.loader.gguf_loader import GGUFFile, GGUFStrings
+    from qserve.loader.registry import resolve_model
+
+    src = GGUFFile(resolve_model(None))
+    tok = {k: list(v) if isinstance(v, GGUFStrings) else v  # (the writer's types: lists)
+           for k, v in src.metadata.items() if k.startswith("tokenizer.")}
+    have = len(tok["tokenizer.ggml.tokens"])
+    assert vocab >= have, (vocab, have)
+    pad = vocab - have
+    control = min(pad, 256)
+    tok["tokenizer.ggml.tokens"] = (tok["tokenizer.ggml.tokens"]
+                                    + [f"[pad{k}]" for k in range(pad - control)]
+                                    + [f"<|reserved_special_token_{k}|>" for k in range(control)])
+    types = tok.get("tokenizer.ggml.token_type", [1] * have)
+    tok["tokenizer.ggml.token_type"] = types + [1] * (pad - control) + [3] * control  # 3: CONTROL
+    return tok
+
+
 def write_direct(preset: str, layers: int | None, out: Path, seed: int,
                  fields: dict | None = None, vocab: int | None = None) -> None:
     """Write `out`, a Q4_K_M GGUF of `preset`'s shapes (or of these LlamaConfig `fields`) with
@@ -279,26 +301,13 @@ def write_direct(preset: str, layers: int | None, out: Path, seed: int,
     import gguf
     import numpy as np
 
-    from qserve.loader.gguf_loader import GGUFFile, GGUFStrings, llama3_rope_divisors
-    from qserve.loader.registry import resolve_model
+    from qserve.loader.gguf_loader import llama3_rope_divisors
 
     fields = dict(fields or PRESETS[preset])
     if layers:
         fields["num_hidden_layers"] = layers
-    src = GGUFFile(resolve_model(None))
-    tok = {k: list(v) if isinstance(v, GGUFStrings) else v  # (the writer's types: lists)
-           for k, v in src.metadata.items() if k.startswith("tokenizer.")}
     vocab = vocab or VOCAB[preset]
-    have = len(tok["tokenizer.ggml.tokens"])
-    assert vocab >= have, (vocab, have)
-    # as Llama 3's: ordinary tokens (unreachable: no merge makes them), then 256 control ones
-    pad = vocab - have
-    control = min(pad, 256)
-    tok["tokenizer.ggml.tokens"] = (tok["tokenizer.ggml.tokens"]
-                                    + [f"[pad{k}]" for k in range(pad - control)]
-                                    + [f"<|reserved_special_token_{k}|>" for k in range(control)])
-    types = tok.get("tokenizer.ggml.token_type", [1] * have)
-    tok["tokenizer.ggml.token_type"] = types + [1] * (pad - control) + [3] * control  # 3: CONTROL
+    tok = padded_tokenizer(vocab)
     tensors = gguf_tensors(fields, vocab)
 
     tmp = out.with_name(out.name + ".tmp")
