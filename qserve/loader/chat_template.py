@@ -132,14 +132,15 @@ class ChatTemplate:
         return self._renders_tools
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True,
-               tools: list[dict] | None = None, **special_tokens: str | None) -> str:
+               tools: list[dict] | None = None, **variables) -> str:
         """messages: [{"role": "user", "content": "..."}, ...]; tools: OpenAI's function
         definitions ({"type": "function", "function": {...}}), for templates that list them;
-        special_tokens: bos_token=..., eos_token=... as the template expects them."""
+        variables: bos_token=..., eos_token=... as the template expects them, and any others
+        (enable_thinking=False)."""
         token = _deadline.set(time.monotonic() + RENDER_SECONDS)
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         tools=tools, documents=None, **special_tokens)
+                                         tools=tools, documents=None, **variables)
         except jinja2.TemplateError as e:  # raise_exception(), e.g. roles that do not alternate
             raise QServeError(f"the chat template rejected the messages: {e}") from None
         except Exception as e:  # noqa: BLE001 (content that is not a string; a broken template)

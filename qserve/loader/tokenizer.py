@@ -183,13 +183,15 @@ class Tokenizer:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> str:
+                            tools: list[dict] | None = None, **variables) -> str:
         """Render a conversation to prompt text (tokenize it with encode(add_special_tokens=False)
         when the template writes BOS itself). `tools` reach templates that list them
-        (`chat_template_renders_tools`), through the tool-use template where there is one."""
+        (`chat_template_renders_tools`), through the tool-use template where there is one.
+        `variables`: more of the template's variables (a request's chat_template_kwargs:
+        Qwen3's enable_thinking, gpt-oss's reasoning_effort)."""
         template = self._template if tools is None else self._tools_template
         return template.render(messages, add_generation_prompt, tools=tools,
-                               bos_token=self.bos_token, eos_token=self.eos_token)
+                               bos_token=self.bos_token, eos_token=self.eos_token, **variables)
 
     @property
     def chat_template_renders_tools(self) -> bool:

@@ -16,11 +16,9 @@ alone, and takes a harmony model's calls (its own format, not the grammar's) fro
 """
 from __future__ import annotations
 
-import functools
 import json
 import uuid
 
-from qserve.loader.chat_template import CHATML_TEMPLATE, ChatTemplate
 from qserve.server.reasoning import Reasoning
 from qserve.server.structured import HERMES, Structure, StructureError, ToolFormat
 
@@ -41,20 +39,9 @@ def render_chat(tokenizer, messages: list[dict], s: Structure, fmt: ToolFormat,
 
 def _apply(tokenizer, messages: list[dict], tools: list[dict] | None,
            variables: dict | None) -> str:
-    """tokenizer.apply_chat_template with a generation prompt, and `variables` given to the
-    template. Tokenizer.apply_chat_template takes none, so with some the same template source
-    is rendered here."""
-    if not variables:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
-    source = ((tokenizer.tool_use_template if tools is not None else None)
-              or tokenizer.chat_template or CHATML_TEMPLATE)
-    return _compiled(source).render(messages, True, tools=tools, bos_token=tokenizer.bos_token,
-                                    eos_token=tokenizer.eos_token, **variables)
-
-
-@functools.lru_cache(maxsize=4)
-def _compiled(source: str) -> ChatTemplate:
-    return ChatTemplate(source)
+    """tokenizer.apply_chat_template with a generation prompt and the request's variables."""
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools,
+                                         **(variables or {}))
 
 
 def _name_tool_results(messages: list[dict]) -> list[dict]:
