@@ -220,7 +220,7 @@ def test_gguf_architecture_comes_from_the_family():
         "llama": "llama", "mistral": "llama", "qwen2": "qwen2", "ministral3": "llama",
         "qwen3": "qwen3", "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3",
         "mixtral": "llama", "qwen3_moe": "qwen3moe", "smollm3": "smollm3",
-        "granite": "granite"}
+        "granite": "granite", "gpt_oss": "gpt-oss"}
     for family in FAMILIES:
         for t in family.model_types:
             got, model_type = gguf_family(gguf_architecture(t), 8 if family.moe else 0)

@@ -130,10 +130,11 @@ def checkpoints(tokenizer_model, tmp_path_factory) -> dict[str, Path]:
     return dirs
 
 
-def convert_to_gguf(jobs: list[tuple[Path, Path]]) -> None:
-    """Each (Hugging Face directory, .gguf) of `jobs` written by llama.cpp's
-    convert_hf_to_gguf.py at fp32, in one process; skips the test where the converter is not
-    here."""
+def convert_to_gguf(jobs: list[tuple], prelude: str = "") -> None:
+    """Each (Hugging Face directory, .gguf[, outtype]) of `jobs` written by llama.cpp's
+    convert_hf_to_gguf.py (outtype f32 unless given), in one process that first runs
+    `prelude` (code that adjusts the converter for a test's vocabulary); skips the test where
+    the converter is not here."""
     sys.path.insert(0, str(REPO / "scripts"))
     import peer
 
@@ -141,11 +142,12 @@ def convert_to_gguf(jobs: list[tuple[Path, Path]]) -> None:
         script = peer.source_dir(download=False) / "convert_hf_to_gguf.py"
     except peer.PeerError as e:
         pytest.skip(f"llama.cpp's converter is not here ({e})")
-    jobs = [(str(src), str(out)) for src, out in jobs]
+    jobs = [(str(src), str(out), rest[0] if rest else "f32") for src, out, *rest in jobs]
     code = ("import runpy, sys\n"
             f"sys.path.insert(0, {str(script.parent)!r})  # its conversion package\n"
-            f"for src, out in {jobs!r}:\n"
-            f"    sys.argv = [{str(script)!r}, src, '--outfile', out, '--outtype', 'f32']\n"
+            + prelude +
+            f"for src, out, t in {jobs!r}:\n"
+            f"    sys.argv = [{str(script)!r}, src, '--outfile', out, '--outtype', t]\n"
             f"    runpy.run_path(sys.argv[0], run_name='__main__')\n")
     r = subprocess.run([sys.executable, "-c", code], env=peer.convert_env(),
                        capture_output=True, text=True, timeout=600)

@@ -14,17 +14,16 @@ from __future__ import annotations
 import json
 import random
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from hf_reference import assert_layout_comes_from_the_model
 from qserve import LLM, SamplingParams
-from test_families import NEW_TOKENS, check, prompt, transformers_greedy
+from test_families import NEW_TOKENS, check, convert_to_gguf, prompt
+from test_moe import ENGINE_FEATURES, check_engine_features
 
-REPO = Path(__file__).resolve().parent.parent
 VOCAB = 320
 
 
@@ -120,35 +119,11 @@ def test_safetensors_greedy_equals_transformers(name, checkpoints):
     check(checkpoints[name], checkpoints[name])
 
 
-def _peer():
-    sys.path.insert(0, str(REPO / "scripts"))
-    import peer
-
-    return peer
-
-
-def convert(jobs: list[tuple[Path, Path, str]]) -> None:
-    """Each (Hugging Face directory, .gguf, outtype) written by convert_hf_to_gguf.py in one
-    process; skips where the converter is not here. It names a BPE vocabulary's pre-tokenizer
-    by a hash of how it splits a test text, and refuses one it does not know: the tiny
-    vocabulary is written under gpt-oss's own ("gpt-4o"), which llama.cpp would apply; the
-    tests' prompts are token ids."""
-    peer = _peer()
-    try:
-        script = peer.source_dir(download=False) / "convert_hf_to_gguf.py"
-    except peer.PeerError as e:
-        pytest.skip(f"llama.cpp's converter is not here ({e})")
-    jobs = [(str(src), str(out), t) for src, out, t in jobs]
-    code = ("import runpy, sys\n"
-            f"sys.path.insert(0, {str(script.parent)!r})  # its conversion package\n"
-            "from conversion.base import TextModel\n"
-            "TextModel.get_vocab_base_pre = lambda self, tokenizer: 'gpt-4o'\n"
-            f"for src, out, t in {jobs!r}:\n"
-            f"    sys.argv = [{str(script)!r}, src, '--outfile', out, '--outtype', t]\n"
-            f"    runpy.run_path(sys.argv[0], run_name='__main__')\n")
-    r = subprocess.run([sys.executable, "-c", code], env=peer.convert_env(),
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
+# The converter names a BPE vocabulary's pre-tokenizer by a hash of how it splits a test text,
+# and refuses one it does not know: the tiny vocabulary is written under gpt-oss's own
+# ("gpt-4o"), which llama.cpp would apply; the tests' prompts are token ids.
+GPT_4O = ("from conversion.base import TextModel\n"
+          "TextModel.get_vocab_base_pre = lambda self, tokenizer: 'gpt-4o'\n")
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +132,7 @@ def ggufs(checkpoints, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("gpt_oss-gguf")
     jobs = [(checkpoints[n], root / f"{n}-{t}.gguf", t)
             for n, (_, convertible) in configs().items() if convertible for t in ("f32", "f16")]
-    convert(jobs)
+    convert_to_gguf(jobs, GPT_4O)
     return {out.stem: out for _, out, _ in jobs}
 
 
@@ -188,20 +163,10 @@ def test_stacked_experts_are_read_as_the_model_asks(checkpoints, tmp_path):
     checkpoint's config.json reads back the same arch."""
     from safetensors import safe_open
 
-    from qserve.loader import load_arch
-    from qserve.loader.checkpoint import hf_config
-    from qserve.loader.hf_loader import expected_shapes, tensor_index
-    from qserve.models.registry import num_params
-
-    for name, path in checkpoints.items():
-        arch = load_arch(path)
+    for path in checkpoints.values():
         with safe_open(str(path / "model.safetensors"), framework="pt") as f:
-            stored = {k: torch.Size(f.get_slice(k).get_shape()).numel() for k in f.keys()}
-        assert any(".experts.gate_up_proj" in k for k in stored)  # stacked, as saved
-        assert tensor_index(path)[0] == expected_shapes(arch), name
-        assert num_params(arch) == sum(stored.values()), name
-        (tmp_path / "config.json").write_text(json.dumps(hf_config(arch)))
-        assert load_arch(tmp_path) == arch, name
+            assert any(".experts.gate_up_proj" in k for k in f.keys())  # stacked, as saved
+    assert_layout_comes_from_the_model(checkpoints, tmp_path)
 
 
 def stacked_copy(checkpoint: Path, weights, out: Path) -> None:
@@ -261,13 +226,7 @@ def test_w4_recipe_quantizes_every_expert(checkpoints, tmp_path, monkeypatch):
     expert = llm.engine.model.layers[0].mlp.experts[3]
     assert [f.removesuffix("_x16") for f in expert.gate_up_proj.formats] == ["int4"]
     stacked_copy(checkpoints["gpt_oss"], load_model(tmp_path / "q").weights, tmp_path / "ref")
-    [out] = llm.generate([list(prompt())], SamplingParams(temperature=0, max_tokens=NEW_TOKENS,
-                                                          ignore_eos=True, logprobs=1))
-    tokens = out.outputs[0].token_ids
-    ref_tokens, ref_logprobs = transformers_greedy(tmp_path / "ref", prompt(), NEW_TOKENS)
-    assert tokens == ref_tokens
-    logprobs = [lp[t] for t, lp in zip(tokens, out.outputs[0].logprobs)]
-    assert logprobs == pytest.approx(ref_logprobs, abs=1e-4)  # fp32: summation order only
+    check(tmp_path / "q", tmp_path / "ref")
 
 
 # --- the engine ---------------------------------------------------------------------------
@@ -294,46 +253,14 @@ def test_decode_runs_the_cpu_kernel_with_sinks(checkpoints, monkeypatch):
     assert seen == want  # one decode step, every layer, its own window and sinks
 
 
-def _prompts() -> list[list[int]]:
-    """Six prompts: three share their first 16 tokens (four blocks of 4), and one repeats
-    itself, so prompt-lookup drafts get accepted."""
-    base = list(prompt())
-    return [base, base[:16] + base[20:], base[:16] + base[3:9], base[8:] + base[:5],
-            base[:12] * 3, base[::-1]]
-
-
-@pytest.mark.parametrize("options", [
-    dict(preemption_mode="recompute"), dict(preemption_mode="swap"),
-    dict(draft="ngram", num_speculative_tokens=3)], ids=["recompute", "swap", "ngram-draft"])
+@pytest.mark.parametrize("options", ENGINE_FEATURES, ids=["recompute", "swap", "ngram-draft"])
 def test_batched_engine_features_keep_greedy_tokens(options, checkpoints):
     """Batched decode (the kernel's sinks over several sequences), prefix hits (a chunk that
-    attends to cached context through the explicit-score path), both preemption modes under a
-    KV pool too small for the batch, and speculative verification give each prompt its solo
-    greedy tokens."""
-    from qserve.engine.cache_engine import KV_STORAGE, bytes_per_block
-    from qserve.loader import load_arch
-
-    path = checkpoints["gpt_oss"]
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    solo = LLM(str(path), kv_cache_memory="16MiB", max_model_len=256, block_size=4)
-    want = [solo.generate([p], params)[0].outputs[0].token_ids for p in _prompts()]
-    if "draft" in options:
-        llm = LLM(str(path), kv_cache_memory="16MiB", max_model_len=256, block_size=4,
-                  spec_max_batch_size=8, **options)
-    else:  # 20 blocks of 4 for six sequences of up to 48 tokens
-        per_block = bytes_per_block(load_arch(path), 4, KV_STORAGE["fp32"])
-        llm = LLM(str(path), kv_cache_memory=20 * per_block, max_model_len=64, block_size=4,
-                  swap_space="16MiB", watermark=0.0, **options)
-    llm.generate(_prompts()[:1], params)  # its blocks are the others' prefix hits
-    got = [o.outputs[0].token_ids for o in llm.generate(_prompts(), params)]
-    assert got == want
-    stats = llm.engine.stats()
-    assert stats["prefix_cache_hit_blocks"] > 0
-    if "draft" in options:  # verified (this random model does not copy its prompt, so the
-        # drafts are rejected: the rejected positions' K/V must not change what follows)
-        assert stats["spec_draft_tokens"] > 0
-    else:
-        assert stats["swap_outs" if options["preemption_mode"] == "swap" else "recomputes"] > 0
+    attends to cached context), both preemption modes under a KV pool too small for the
+    batch, and speculative verification give each prompt its solo greedy tokens. This random
+    model does not copy its prompt, so its drafts are rejected: the rejected positions' K/V
+    must not change what follows."""
+    check_engine_features(checkpoints["gpt_oss"], options, drafts_accepted=False)
 
 
 # --- OpenAI's MXFP4 release format ----------------------------------------------------------
@@ -430,7 +357,7 @@ def test_mxfp4_gguf_equals_the_checkpoint(mxfp4, tmp_path):
     import gguf
 
     out = tmp_path / "gpt_oss-mxfp4.gguf"
-    convert([(mxfp4, out, "f32")])
+    convert_to_gguf([(mxfp4, out)], GPT_4O)
     reader = gguf.GGUFReader(str(out))
     types = {t.name: t.tensor_type.name for t in reader.tensors}
     assert types["blk.0.ffn_down_exps.weight"] == types["blk.0.ffn_gate_exps.weight"] == "MXFP4"

@@ -27,8 +27,8 @@ from qserve.formats import QuantizedTensor
 from qserve.layers.moe import SparseMoE, route
 from qserve.layers.quant_linear import QuantLinear
 from qserve.quant.schemes import WeightScheme, quantize as rtn
-from test_families import (COMMON, NEW_TOKENS, check, prompt, qserve_greedy,  # noqa: F401
-                           tokenizer_model, transformers_greedy)
+from test_families import (COMMON, NEW_TOKENS, check, convert_to_gguf, prompt,  # noqa: F401
+                           qserve_greedy, tokenizer_model, transformers_greedy)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -86,28 +86,16 @@ def _peer():
 @pytest.fixture(scope="module")
 def ggufs(checkpoints, tmp_path_factory) -> dict[str, Path]:
     """'<name>-f32' / '<name>-f16' -> GGUF written by convert_hf_to_gguf.py (one process)."""
-    peer = _peer()
-    try:
-        script = peer.source_dir(download=False) / "convert_hf_to_gguf.py"
-    except peer.PeerError as e:
-        pytest.skip(f"llama.cpp's converter is not here ({e})")
     root = tmp_path_factory.mktemp("moe-gguf")
-    jobs = [(str(checkpoints[n]), str(root / f"{n}-{t}.gguf"), t)
+    jobs = [(checkpoints[n], root / f"{n}-{t}.gguf", t)
             for n, (_, convertible) in configs().items() if convertible for t in ("f32", "f16")]
     # The converter reads Qwen3-MoE's vocabulary as GPT-2 BPE only, and refuses one whose
     # pre-tokenizer it does not know; these tests' prompts are token ids, so the shared
     # sentencepiece vocabulary stands in, read as it reads dense Qwen3's.
-    code = ("import runpy, sys\n"
-            f"sys.path.insert(0, {str(script.parent)!r})  # its conversion package\n"
-            "import conversion.qwen as qwen\n"
-            "qwen.Qwen3MoeModel.set_vocab = lambda self: self._set_vocab_sentencepiece()\n"
-            f"for src, out, t in {jobs!r}:\n"
-            f"    sys.argv = [{str(script)!r}, src, '--outfile', out, '--outtype', t]\n"
-            f"    runpy.run_path(sys.argv[0], run_name='__main__')\n")
-    r = subprocess.run([sys.executable, "-c", code], env=peer.convert_env(),
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return {Path(out).stem: Path(out) for _, out, _ in jobs}
+    convert_to_gguf(jobs, "import conversion.qwen as qwen\n"
+                          "qwen.Qwen3MoeModel.set_vocab = lambda self: "
+                          "self._set_vocab_sentencepiece()\n")
+    return {out.stem: out for _, out, _ in jobs}
 
 
 # --- the sparse block ---------------------------------------------------------------------
@@ -476,17 +464,17 @@ def _prompts() -> list[list[int]]:
             base[:12] * 3, base[::-1]]
 
 
-@pytest.mark.parametrize("options", [
-    dict(preemption_mode="recompute"), dict(preemption_mode="swap"),
-    dict(draft="ngram", num_speculative_tokens=3)], ids=["recompute", "swap", "ngram-draft"])
-def test_batched_engine_features_keep_greedy_tokens(options, checkpoints):
-    """Batched decode (several tokens in one MoE call, grouped by expert), prefix hits, both
-    preemption modes under a KV pool too small for the batch, and speculative verification
-    (several positions of one sequence at once) give each prompt its solo greedy tokens."""
+ENGINE_FEATURES = [dict(preemption_mode="recompute"), dict(preemption_mode="swap"),
+                   dict(draft="ngram", num_speculative_tokens=3)]
+
+
+def check_engine_features(path: Path, options: dict, drafts_accepted: bool = True) -> None:
+    """Each of _prompts() gets its solo greedy tokens through the engine with `options` (one
+    of ENGINE_FEATURES) and prefix hits, and the engine's counters show the feature happened
+    (drafts verified and, where `drafts_accepted`, some accepted)."""
     from qserve.engine.cache_engine import KV_STORAGE, bytes_per_block
     from qserve.loader import load_arch
 
-    path = checkpoints["qwen3_moe"]
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     solo = LLM(str(path), kv_cache_memory="16MiB", max_model_len=256, block_size=4)
     want = [solo.generate([p], params)[0].outputs[0].token_ids for p in _prompts()]
@@ -503,6 +491,14 @@ def test_batched_engine_features_keep_greedy_tokens(options, checkpoints):
     stats = llm.engine.stats()
     assert stats["prefix_cache_hit_blocks"] > 0
     if "draft" in options:
-        assert stats["spec_accepted_tokens"] > 0
+        assert stats["spec_accepted_tokens" if drafts_accepted else "spec_draft_tokens"] > 0
     else:
         assert stats["swap_outs" if options["preemption_mode"] == "swap" else "recomputes"] > 0
+
+
+@pytest.mark.parametrize("options", ENGINE_FEATURES, ids=["recompute", "swap", "ngram-draft"])
+def test_batched_engine_features_keep_greedy_tokens(options, checkpoints):
+    """Batched decode (several tokens in one MoE call, grouped by expert), prefix hits, both
+    preemption modes under a KV pool too small for the batch, and speculative verification
+    (several positions of one sequence at once) give each prompt its solo greedy tokens."""
+    check_engine_features(checkpoints["qwen3_moe"], options)
