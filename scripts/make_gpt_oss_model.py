@@ -114,14 +114,7 @@ def write(out: Path, s: dict, seed: int) -> None:
         w.add_key_value(key, value, *shaped._metadata_type(value))
     w.add_file_type(gguf.LlamaFileType.MOSTLY_MXFP4_MOE)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    for name, shape, type_name in listed:
-        if type_name == "F32":
-            w.add_tensor_info(name, shape, np.dtype(np.float32), 4 * int(np.prod(shape)))
-            continue
-        qtype = gguf.GGMLQuantizationType[type_name]
-        block, size = gguf.GGML_QUANT_SIZES[qtype]
-        byte_shape = (*shape[:-1], shape[-1] // block * size)
-        w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), qtype)
+    shaped.add_tensor_infos(w, listed)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()

@@ -293,6 +293,22 @@ def padded_tokenizer(vocab: int) -> dict:
     return tok
 
 
+def add_tensor_infos(w, tensors: list[tuple[str, tuple[int, ...], str]]) -> None:
+    """Declare each (GGUF name, shape (..., in), GGML type) to GGUFWriter `w`: F32 values, or
+    rows of quantized blocks (written later as (..., row bytes) uint8)."""
+    import gguf
+    import numpy as np
+
+    for name, shape, type_name in tensors:
+        if type_name == "F32":
+            w.add_tensor_info(name, shape, np.dtype(np.float32), 4 * int(np.prod(shape)))
+            continue
+        qtype = gguf.GGMLQuantizationType[type_name]
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        byte_shape = (*shape[:-1], shape[-1] // block * size)
+        w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), qtype)
+
+
 def write_direct(preset: str, layers: int | None, out: Path, seed: int,
                  fields: dict | None = None, vocab: int | None = None) -> None:
     """Write `out`, a Q4_K_M GGUF of `preset`'s shapes (or of these LlamaConfig `fields`) with
@@ -330,14 +346,7 @@ def write_direct(preset: str, layers: int | None, out: Path, seed: int,
         w.add_key_value(key, value, *_metadata_type(value))
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    for name, shape, type_name in tensors:
-        if type_name == "F32":
-            w.add_tensor_info(name, shape, np.dtype(np.float32), 4 * shape[0])
-        else:
-            qtype = gguf.GGMLQuantizationType[type_name]
-            block, size = gguf.GGML_QUANT_SIZES[qtype]
-            row = shape[1] // block * size
-            w.add_tensor_info(name, (shape[0], row), np.dtype(np.uint8), shape[0] * row, qtype)
+    add_tensor_infos(w, tensors)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()

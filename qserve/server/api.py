@@ -394,12 +394,8 @@ class _Response:
                     if self.parses and index not in finished:
                         if index not in parsers:
                             parsers[index] = self._parser()
-                        parser = parsers[index]
-                        thinking, text, calls = parser.feed(text)
-                        if c.finish_reason is not None:
-                            more = parser.finish()
-                            thinking, text = thinking + more[0], text + more[1]
-                            calls = calls + more[2]
+                        thinking, text, calls = parsers[index].read(
+                            text, c.finish_reason is not None)
                     reason = P.finish_reason(c, index in parsers and bool(parsers[index].calls))
                     first = index not in started
                     if self.prompt_only:  # one chunk: the prompt, cut at length

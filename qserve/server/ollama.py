@@ -210,11 +210,8 @@ class OllamaResponse:
             async for _, out in gen:
                 c = out.outputs[0]
                 thinking, text = "", c.delta_text
-                if parser is not None:
-                    thinking, text, _ = parser.feed(text)  # calls go out whole, at the end
-                    if c.finish_reason is not None:
-                        more = parser.finish()
-                        thinking, text = thinking + more[0], text + more[1]
+                if parser is not None:  # (calls go out whole, at the end)
+                    thinking, text, _ = parser.read(text, c.finish_reason is not None)
                 if text or (thinking and self.show_thinking):
                     yield _line(self._body(text, [], thinking=thinking))
                 if out.finished:

@@ -288,6 +288,14 @@ class AnswerParser:
     def finish(self) -> tuple[str, str, list[dict]]:
         return self._step("", final=True)
 
+    def read(self, delta: str, last: bool) -> tuple[str, str, list[dict]]:
+        """feed(delta), then finish() where it is the choice's last delta: both their pieces."""
+        thinking, content, calls = self.feed(delta)
+        if not last:
+            return thinking, content, calls
+        more = self.finish()
+        return thinking + more[0], content + more[1], calls + more[2]
+
     def message(self) -> tuple[str | None, str | None, list[dict]]:
         """(thinking or None, content, tool_calls) of the finished choice, as a whole message
         has them; content is None, as OpenAI's, when calls are all there is."""
